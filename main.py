@@ -1,0 +1,38 @@
+"""Entry point: `python main.py --model=mnist [--replicas=N] [--backend=cpu|gpu|ipu] ...`.
+
+Kept thin on purpose: parse flags, freeze them into a RunConfig, set TensorFlow's start-up environment,
+pick the backend, run. A UserError anywhere below becomes one line on stderr and exit status 1.
+"""
+
+import sys
+
+from absl import app
+from absl import flags as absl_flags
+from absl import logging
+
+import flags
+from errors import UserError
+from strategies import environment
+
+FLAGS = absl_flags.FLAGS
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
+  logging.set_verbosity(logging.INFO)
+  try:
+    config = flags.to_config(FLAGS)
+    environment.prepare(config)
+    # TensorFlow is imported only now, after its start-up environment is set.
+    from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
+    from training.loop import run  # pylint: disable=import-outside-toplevel
+    run(config, select_backend(config))
+  except UserError as error:
+    sys.stderr.write("error: %s\n" % error)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  flags.define_flags()
+  app.run(main, flags_parser=flags.parse)

@@ -1,0 +1,25 @@
+"""GPU backend: one GPU with a one-device strategy, N GPUs with MirroredStrategy."""
+
+import tensorflow as tf
+
+from errors import UserError
+from strategies.backend import Backend
+
+
+def visible_gpus() -> list:
+  return tf.config.list_physical_devices("GPU")
+
+
+def create(replicas: int) -> Backend:
+  """Returns a GPU backend with one replica per GPU; a UserError if too few GPUs are visible."""
+  gpus = visible_gpus()
+  if len(gpus) < replicas:
+    raise UserError("--replicas=%d needs %d GPUs but TensorFlow sees %d (check CUDA_VISIBLE_DEVICES "
+                    "and that a CUDA-enabled TensorFlow is installed)" % (replicas, replicas, len(gpus)))
+  for gpu in gpus:
+    # Allocate as needed so that several processes (e.g. one per GPU under Slurm) can coexist.
+    tf.config.experimental.set_memory_growth(gpu, True)
+  devices = tuple("/gpu:%d" % i for i in range(replicas))
+  if replicas == 1:
+    return Backend("gpu", tf.distribute.OneDeviceStrategy(devices[0]), devices)
+  return Backend("gpu", tf.distribute.MirroredStrategy(devices=list(devices)), devices)

@@ -1,0 +1,50 @@
+"""`select_backend(config)`: the one function that turns a run config into a `Backend`."""
+
+import tensorflow as tf
+from absl import logging
+
+from errors import UserError
+from run_config import RunConfig
+from strategies import cpu, gpu, ipu
+from strategies.backend import Backend
+
+_CREATORS = {"cpu": cpu.create, "gpu": gpu.create, "ipu": ipu.create}
+
+
+def resolve_kind(requested: str) -> str:
+  """Maps "auto" to the best backend present: IPU, then GPU, then CPU."""
+  if requested != "auto":
+    return requested
+  if ipu.graphcore_tensorflow_available() and ipu.ipus_present():
+    return "ipu"
+  if gpu.visible_gpus():
+    return "gpu"
+  return "cpu"
+
+
+def keras_version() -> str:
+  """Version of the package behind `tf.keras` (keras 2.x on TF 2.6, tf-keras or Keras 3 later)."""
+  if hasattr(tf.keras, "__version__"):
+    return tf.keras.__version__
+  package = tf.keras.__name__.split(".")[0]  # "tf_keras" or "keras"
+  return __import__(package).__version__
+
+
+def check_keras_2() -> None:
+  """The application is written against the Keras 2 API; refuse to run on Keras 3."""
+  version = keras_version()
+  if not version.startswith("2."):
+    raise UserError("tf.keras is Keras %s; this application needs Keras 2: pip install tf-keras and "
+                    "set TF_USE_LEGACY_KERAS=1 before TensorFlow is imported" % version)
+
+
+def select_backend(config: RunConfig) -> Backend:
+  """Returns the backend for `config.backend` with `config.replicas` data-parallel replicas."""
+  check_keras_2()
+  kind = resolve_kind(config.backend)
+  if kind not in _CREATORS:
+    raise UserError("unknown backend %r; valid backends: auto, %s" % (kind, ", ".join(_CREATORS)))
+  backend = _CREATORS[kind](config.replicas)
+  logging.info("Backend %s, %d replica(s) on %s (TensorFlow %s, Keras %s)", backend.label,
+               backend.replicas, ", ".join(backend.devices), tf.__version__, keras_version())
+  return backend

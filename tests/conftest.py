@@ -1,0 +1,24 @@
+"""Test set-up: TensorFlow's start-up environment and two logical CPU devices, before any test runs.
+
+The environment must be prepared before the first `import tensorflow` (as `main.py` does), and logical
+CPU devices can only be configured before TensorFlow's runtime starts, so both happen at import time.
+"""
+
+import pytest
+
+from run_config import RunConfig
+from strategies import environment
+
+environment.prepare(RunConfig(model="mnist"))
+
+import tensorflow as tf  # noqa: E402  pylint: disable=wrong-import-position
+
+TEST_CPU_DEVICES = 2
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0],
+    [tf.config.LogicalDeviceConfiguration() for _ in range(TEST_CPU_DEVICES)])
+
+@pytest.fixture(autouse=True)
+def _fresh_keras_session():
+  yield
+  tf.keras.backend.clear_session()

@@ -1,0 +1,27 @@
+"""Helpers shared by tests: running main.py as a user does, and checking one-line errors."""
+
+import os
+import re
+import subprocess
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_main(*args, timeout=300):
+  """Runs `python main.py ARGS` as a user would; returns the CompletedProcess (text mode)."""
+  env = dict(os.environ)
+  env.pop("TF_USE_LEGACY_KERAS", None)  # main.py must set it itself.
+  return subprocess.run([sys.executable, os.path.join(REPO_ROOT, "main.py")] + list(args),
+                        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(result, *fragments):
+  """A user error: non-zero exit, no traceback, one line on stderr containing every fragment."""
+  assert result.returncode != 0, result.stdout + result.stderr
+  assert "Traceback" not in result.stderr, result.stderr
+  # TensorFlow's own C++ log lines may precede ours; the application's error is the "error:" line.
+  error_lines = [line for line in result.stderr.splitlines() if re.match(r"^(\S+: )?error: ", line)]
+  assert len(error_lines) == 1, result.stderr
+  for fragment in fragments:
+    assert fragment in error_lines[0], error_lines[0]

@@ -1,0 +1,63 @@
+"""Flags: parse-time validation with one-line errors, model defaults, and the frozen RunConfig."""
+
+import dataclasses
+
+import pytest
+from absl import flags as absl_flags
+from absl.testing import flagsaver
+
+import flags
+from tests.helpers import assert_one_line_error, run_main
+
+flags.define_flags()
+FLAGS = absl_flags.FLAGS
+
+
+def _config(*args):
+  with flagsaver.flagsaver():
+    FLAGS.unparse_flags()
+    FLAGS(["main.py"] + list(args))
+    return flags.to_config(FLAGS)
+
+
+def test_model_defaults_fill_unset_flags():
+  config = _config("--model=mnist")
+  assert (config.batch_size, config.epochs, config.learning_rate, config.optimizer) == (64, 3, 0.01, "sgd")
+  assert config.logdir.startswith("logs/mnist/")
+
+
+def test_explicit_flags_win_and_config_is_frozen():
+  config = _config("--model=mnist", "--batch_size=8", "--replicas=2", "--learning_rate=0.5",
+                   "--optimizer=adam", "--logdir=/tmp/x")
+  assert (config.batch_size, config.replicas, config.learning_rate, config.optimizer) == (8, 2, 0.5, "adam")
+  assert config.global_batch_size == 16
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    config.replicas = 4
+
+
+def test_flagfile_is_read(tmp_path):
+  flagfile = tmp_path / "run.flags"
+  flagfile.write_text("--model=mnist\n--epochs=7\n--seed=3\n")
+  config = _config("--flagfile=%s" % flagfile)
+  assert (config.epochs, config.seed) == (7, 3)
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--model=resnet"], ["--model", "resnet", "mnist"]),
+    (["--replicas=0"], ["--replicas=0"]),
+    (["--batch_size=-4"], ["--batch_size=-4"]),
+    (["--learning_rate=0"], ["--learning_rate"]),
+    (["--backend=tpu"], ["--backend", "auto", "ipu"]),
+    (["--data_path=/no/such/folder"], ["--data_path", "does not exist"]),
+    (["--mnist_source=idx"], ["--mnist_source=idx needs --data_path"]),
+    (["--no_such_flag=1"], ["no_such_flag"]),
+])
+def test_bad_flags_are_one_line_errors(args, fragments):
+  assert_one_line_error(run_main(*args, timeout=60), *fragments)
+
+
+def test_helpfull_lists_our_flags():
+  result = run_main("--helpfull", timeout=60)  # absl prints the help and exits with status 1
+  assert "Traceback" not in result.stderr
+  for name in ("--model", "--backend", "--replicas", "--batch_size", "--flagfile"):
+    assert name in result.stdout

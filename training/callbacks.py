@@ -1,0 +1,61 @@
+"""Keras callbacks that report what a person watching a run wants to know: compile time and speed."""
+
+import time
+
+import tensorflow as tf
+from absl import logging
+
+
+class ThroughputCallback(tf.keras.callbacks.Callback):
+  """Measures first-step (trace + compile) time and steady training throughput.
+
+  The first step of a run includes tracing and graph compilation, so it is timed on its own as
+  `compile_seconds` and left out of the throughput. Each epoch's window ends at its last training
+  batch, so validation time does not dilute the figure. The per-epoch rate is added to the epoch logs
+  as `samples_per_sec`, which TensorBoard and History record.
+  """
+
+  def __init__(self, global_batch_size: int, replicas: int):
+    super().__init__()
+    self.global_batch_size = global_batch_size
+    self.replicas = replicas
+    self.compile_seconds = None
+    self._timed_steps = 0
+    self._timed_seconds = 0.0
+
+  def on_train_begin(self, logs=None):
+    self._train_start = time.perf_counter()
+    logging.info("Compiling the training step (first step includes tracing and compilation)...")
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self._window_start = time.perf_counter()
+    self._window_first_step = 0
+    self._steps_done = 0
+    self._last_batch_time = None
+
+  def on_train_batch_end(self, batch, logs=None):
+    now = time.perf_counter()
+    if self.compile_seconds is None:
+      self.compile_seconds = now - self._train_start
+      logging.info("Compilation and first step done in %.1f s", self.compile_seconds)
+      self._window_start, self._window_first_step = now, batch + 1
+    self._steps_done = batch + 1  # With steps_per_execution > 1, `batch` is the last step run.
+    self._last_batch_time = now
+
+  def on_epoch_end(self, epoch, logs=None):
+    steps = self._steps_done - self._window_first_step
+    if steps <= 0 or self._last_batch_time is None:
+      return  # A one-step first epoch has only the compile step; nothing steady to time.
+    seconds = self._last_batch_time - self._window_start
+    rate = steps * self.global_batch_size / seconds
+    self._timed_steps += steps
+    self._timed_seconds += seconds
+    if logs is not None:
+      logs["samples_per_sec"] = rate
+    logging.info("Epoch %d: %.0f samples/s (%.0f per replica)", epoch + 1, rate, rate / self.replicas)
+
+  @property
+  def samples_per_sec_per_replica(self):
+    if not self._timed_steps:
+      return None
+    return self._timed_steps * self.global_batch_size / self._timed_seconds / self.replicas

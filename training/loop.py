@@ -1,0 +1,122 @@
+"""`run(config, backend)`: one training job from data to summary.yaml.
+
+Stages: seed -> data -> model + optimizer in the strategy scope -> fit with callbacks -> test ->
+TensorBoard scalars and summary.yaml. Backend specifics stay behind `backend.strategy`.
+"""
+
+import os
+import random
+import time
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+import data
+import model
+from errors import UserError
+from run_config import RunConfig
+from strategies.backend import Backend
+from training import callbacks as callbacks_lib
+from training.optimizers import make_optimizer
+from training.summary import write_summary
+
+
+def set_seeds(seed: int) -> None:
+  # tf.keras.utils.set_random_seed only exists from TF 2.7; this is the same on TF 2.6.
+  random.seed(seed)
+  np.random.seed(seed)
+  tf.random.set_seed(seed)
+
+
+def prepare_logdir(logdir: str) -> None:
+  try:
+    os.makedirs(logdir, exist_ok=True)
+    probe = os.path.join(logdir, ".write_test")
+    with open(probe, "w"):
+      pass
+    os.remove(probe)
+  except OSError as error:
+    raise UserError("--logdir=%s is not a writable folder (%s)" % (logdir, error.strerror)) from None
+
+
+def build_and_compile(config: RunConfig, backend: Backend, model_module) -> tf.keras.Model:
+  """Creates the model and its optimizer state inside the strategy scope, as tf.distribute requires."""
+  with backend.strategy.scope():
+    net = model_module.build(config)
+    net.compile(optimizer=make_optimizer(config.optimizer, config.learning_rate),
+                loss=model_module.loss(), metrics=model_module.metrics())
+  return net
+
+
+def write_test_scalars(logdir: str, results: dict, step: int) -> None:
+  """Test metrics go to <logdir>/test beside Keras' train/ and validation/ event files."""
+  writer = tf.summary.create_file_writer(os.path.join(logdir, "test"))
+  with writer.as_default():
+    for name, value in results.items():
+      tf.summary.scalar("test_" + name, value, step=step)
+  writer.flush()
+
+
+def _last(history: dict, key: str):
+  values = history.get(key)
+  return float(values[-1]) if values else None
+
+
+def run(config: RunConfig, backend: Backend) -> dict:
+  """Trains and tests `config.model` on `backend`; returns the summary also written to summary.yaml."""
+  started = time.perf_counter()
+  info = model.get_model_info(config.model)
+  prepare_logdir(config.logdir)
+  set_seeds(config.seed)
+  print("%s, running on %s" % (info.title, backend.label), flush=True)
+
+  global_batch_size = config.batch_size * backend.replicas
+  splits = data.load(info.dataset, config, global_batch_size)
+  net = build_and_compile(config, backend, model.get_model_module(config.model))
+  net.summary()
+  logging.info("Global batch %d = %d per replica x %d replicas; %d steps per epoch",
+               global_batch_size, config.batch_size, backend.replicas, splits.train.steps)
+
+  throughput = callbacks_lib.ThroughputCallback(global_batch_size, backend.replicas)
+  tensorboard = tf.keras.callbacks.TensorBoard(log_dir=config.logdir, profile_batch=0)
+  print("\nTraining", flush=True)
+  history = net.fit(
+      splits.train.dataset, epochs=config.epochs, callbacks=[throughput, tensorboard],
+      validation_data=splits.validation.dataset if splits.validation else None, verbose=1).history
+
+  test_results = {}
+  if splits.test:
+    print("\nEvaluation", flush=True)
+    test_results = net.evaluate(splits.test.dataset, return_dict=True, verbose=1)
+    write_test_scalars(config.logdir, test_results, step=config.epochs)
+
+  summary = {
+      "model": config.model,
+      "backend": backend.kind,
+      "replicas": backend.replicas,
+      "global_batch_size": global_batch_size,
+      "per_replica_batch_size": config.batch_size,
+      "epochs": config.epochs,
+      "steps_per_epoch": splits.train.steps,
+      "train_samples_per_epoch": splits.train.samples,
+      "train_loss": _last(history, "loss"),
+      "val_loss": _last(history, "val_loss"),
+      "test_loss": float(test_results["loss"]) if "loss" in test_results else None,
+      "samples_per_sec_per_replica": throughput.samples_per_sec_per_replica,
+      "compile_seconds": throughput.compile_seconds,
+      "wall_seconds": time.perf_counter() - started,
+      "optimizer": config.optimizer,
+      "learning_rate": config.learning_rate,
+      "seed": config.seed,
+      "data_source": splits.source,
+      "devices": list(backend.devices),
+      "tensorflow_version": tf.__version__,
+      "history": {key: [float(v) for v in values] for key, values in history.items()},
+  }
+  if info.task == "classification":
+    summary["train_accuracy"] = _last(history, "accuracy")
+    summary["test_accuracy"] = float(test_results["accuracy"]) if "accuracy" in test_results else None
+  path = write_summary(config.logdir, summary)
+  logging.info("Wrote %s; TensorBoard: tensorboard --logdir %s", path, config.logdir)
+  return summary
