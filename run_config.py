@@ -5,7 +5,11 @@ TensorFlow), so it can be made before TensorFlow's start-up environment is set.
 """
 
 import dataclasses
+import os
 from typing import Optional
+
+DEFAULT_DATA_CACHE = os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "neuron_inverter")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +28,20 @@ class RunConfig:
   seed: int = 42
   steps_per_epoch: int = 0         # 0: the whole training split each epoch
   eval_steps: int = 0              # 0: the whole evaluation split
+  # Neuron-Inverter data and model
+  design: str = "ontra4"           # key of model.designs.DESIGNS
+  cell_name: Optional[str] = None  # with a folder --data_path: picks the file via the meta yaml
+  probe_type: str = "excite_4prB8kHz"
+  data_cache: str = DEFAULT_DATA_CACHE  # where the built-in generated dataset is made once
+  in_memory: bool = False          # load each replica's block into RAM instead of streaming
+  read_chunk: int = 512            # rows per contiguous HDF5 read when streaming
+  shuffle_buffer: int = 4096       # rows shuffled together per replica when streaming
+  # Learning-rate schedule: linear warm-up, then reduce-on-plateau of the validation loss
+  warmup_epochs: int = 0
+  lr_factor: float = 0.11
+  lr_patience: int = 8
+  lr_cooldown: int = 2
+  resume: bool = False             # continue from <logdir>/checkpoints/last
 
   @property
   def global_batch_size(self) -> int:

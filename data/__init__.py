@@ -1,6 +1,7 @@
 """Input pipelines: dataset name -> loader module returning batched `tf.data` splits.
 
-Each loader module exposes `load(config, global_batch_size) -> data.splits.Splits`. Loaders receive
+Each loader module exposes `load(config, replicas, first_epoch) -> data.splits.Splits`: batches of
+`config.batch_size` per replica, and the shuffling order of `first_epoch` onwards (for resumed runs). Loaders receive
 plain arguments (the frozen config, batch and shard numbers), never flags or hardware objects.
 """
 
@@ -10,11 +11,12 @@ from errors import UserError
 
 DATASETS = {
     "mnist": "data.mnist",
+    "cellspike": "data.cellspike",
 }
 
 
-def load(name: str, config, global_batch_size: int):
+def load(name: str, config, replicas: int, first_epoch: int = 0):
   """Returns the `Splits` of dataset `name` for one run."""
   if name not in DATASETS:
     raise UserError("unknown dataset %r; valid datasets: %s" % (name, ", ".join(sorted(DATASETS))))
-  return importlib.import_module(DATASETS[name]).load(config, global_batch_size)
+  return importlib.import_module(DATASETS[name]).load(config, replicas, first_epoch)

@@ -109,8 +109,10 @@ def _normalise(images, labels):
   return images, labels
 
 
-def load(config: RunConfig, global_batch_size: int) -> Splits:
+def load(config: RunConfig, replicas: int, first_epoch: int = 0) -> Splits:
   """MNIST train and test splits as batched tf.data pipelines (no validation split, as in the check)."""
+  del first_epoch  # tf.data's seeded reshuffle restarts with the process; MNIST runs do not resume.
+  global_batch_size = config.batch_size * replicas
   arrays, where = load_arrays(config)
   return Splits(
       train=make_split(arrays["train"], global_batch_size, _normalise, shuffle=True, seed=config.seed,
@@ -119,4 +121,6 @@ def load(config: RunConfig, global_batch_size: int) -> Splits:
       test=make_split(arrays["test"], global_batch_size, _normalise, shuffle=False, seed=config.seed,
                       max_steps=config.eval_steps, name="test"),
       source="mnist: " + where,
+      input_shape=(28, 28, 1),
+      num_outputs=10,
   )

@@ -25,6 +25,9 @@ class Splits:
   validation: Optional[Split]
   test: Optional[Split]
   source: str                # where the data came from, for the log and summary.yaml
+  input_shape: tuple         # one sample, without the batch dimension
+  num_outputs: int           # classes or regression targets
+  summary_extras: dict = dataclasses.field(default_factory=dict)  # dataset entries for summary.yaml
 
 
 def count_steps(num_samples: int, global_batch_size: int, max_steps: int, name: str) -> int:

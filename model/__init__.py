@@ -29,7 +29,19 @@ MODELS = {
         task="classification",
         title="Keras MNIST example",
         description="Keras MNIST check: small CNN, 3 epochs of SGD at batch 64 (about 96% test accuracy)",
-        defaults={"batch_size": 64, "epochs": 3, "learning_rate": 0.01, "optimizer": "sgd"},
+        defaults={"batch_size": 64, "epochs": 3, "learning_rate": 0.01, "optimizer": "sgd",
+                  "warmup_epochs": 0},
+    ),
+    "neuron_inverter": ModelInfo(
+        module="model.neuron_inverter",
+        dataset="cellspike",
+        task="regression",
+        title="Neuron-Inverter",
+        description="1-D CNN + FC regressor: cellSpike voltage traces (1600 x 4) -> 15 conductances",
+        # Reference: local batch 192, Adam(W) at 1e-3, warm-up then plateau (0.11, patience 8). The
+        # epoch count is sized for the built-in dataset; reference runs use --epochs=161.
+        defaults={"batch_size": 192, "epochs": 10, "learning_rate": 1e-3, "optimizer": "adam",
+                  "warmup_epochs": 2},
     ),
 }
 

@@ -28,7 +28,8 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
     logging.info("Compiling the training step (first step includes tracing and compilation)...")
 
   def on_epoch_begin(self, epoch, logs=None):
-    self._window_start = time.perf_counter()
+    self._epoch_start = time.perf_counter()
+    self._window_start = self._epoch_start
     self._window_first_step = 0
     self._steps_done = 0
     self._last_batch_time = None
@@ -43,6 +44,8 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
     self._last_batch_time = now
 
   def on_epoch_end(self, epoch, logs=None):
+    if logs is not None:
+      logs["epoch_seconds"] = time.perf_counter() - self._epoch_start
     steps = self._steps_done - self._window_first_step
     if steps <= 0 or self._last_batch_time is None:
       return  # A one-step first epoch has only the compile step; nothing steady to time.
@@ -52,10 +55,27 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
     self._timed_seconds += seconds
     if logs is not None:
       logs["samples_per_sec"] = rate
-    logging.info("Epoch %d: %.0f samples/s (%.0f per replica)", epoch + 1, rate, rate / self.replicas)
+      logs["samples_per_sec_per_replica"] = rate / self.replicas
 
   @property
   def samples_per_sec_per_replica(self):
     if not self._timed_steps:
       return None
     return self._timed_steps * self.global_batch_size / self._timed_seconds / self.replicas
+
+
+class EpochLogger(tf.keras.callbacks.Callback):
+  """One line per epoch in the reference's style: time, rate, losses, throughput per replica."""
+
+  def on_epoch_end(self, epoch, logs=None):
+    logs = logs or {}
+    parts = ["Epoch %d took %.1f s" % (epoch + 1, logs.get("epoch_seconds", float("nan")))]
+    if "lr" in logs:
+      parts.append("LR=%.3g" % logs["lr"])
+    losses = "Loss: train=%.4f" % logs.get("loss", float("nan"))
+    if "val_loss" in logs:
+      losses += ", val=%.4f" % logs["val_loss"]
+    parts.append(losses)
+    if "samples_per_sec_per_replica" in logs:
+      parts.append("%.0f samples/s per replica" % logs["samples_per_sec_per_replica"])
+    logging.info(", ".join(parts))

@@ -1,9 +1,11 @@
 """`run(config, backend)`: one training job from data to summary.yaml.
 
-Stages: seed -> data -> model + optimizer in the strategy scope -> fit with callbacks -> test ->
-TensorBoard scalars and summary.yaml. Backend specifics stay behind `backend.strategy`.
+Stages: seed -> (resume state) -> data -> model + optimizer in the strategy scope -> fit with callbacks
+(LR schedule, throughput, checkpoints, TensorBoard) -> test -> TensorBoard scalars and summary.yaml.
+Backend specifics stay behind `backend.strategy`.
 """
 
+import math
 import os
 import random
 import time
@@ -18,6 +20,8 @@ from errors import UserError
 from run_config import RunConfig
 from strategies.backend import Backend
 from training import callbacks as callbacks_lib
+from training import checkpoints as checkpoints_lib
+from training.lr_schedule import WarmupPlateauSchedule
 from training.optimizers import make_optimizer
 from training.summary import write_summary
 
@@ -40,10 +44,10 @@ def prepare_logdir(logdir: str) -> None:
     raise UserError("--logdir=%s is not a writable folder (%s)" % (logdir, error.strerror)) from None
 
 
-def build_and_compile(config: RunConfig, backend: Backend, model_module) -> tf.keras.Model:
+def build_and_compile(config: RunConfig, backend: Backend, model_module, splits) -> tf.keras.Model:
   """Creates the model and its optimizer state inside the strategy scope, as tf.distribute requires."""
   with backend.strategy.scope():
-    net = model_module.build(config)
+    net = model_module.build(config, splits.input_shape, splits.num_outputs)
     net.compile(optimizer=make_optimizer(config.optimizer, config.learning_rate),
                 loss=model_module.loss(), metrics=model_module.metrics())
   return net
@@ -63,6 +67,46 @@ def _last(history: dict, key: str):
   return float(values[-1]) if values else None
 
 
+def _identity(config: RunConfig) -> dict:
+  """What a checkpoint must match to be resumed by this run."""
+  return {"model": config.model, "design": config.design if config.model == "neuron_inverter" else None}
+
+
+def _resume_state(config: RunConfig) -> dict:
+  if not config.resume:
+    return {"epoch": 0}
+  state = checkpoints_lib.peek_last_state(config.logdir, _identity(config))
+  if state["epoch"] >= config.epochs:
+    raise UserError("--resume: the run in %s already finished %d epochs; raise --epochs to train more"
+                    % (config.logdir, state["epoch"]))
+  return state
+
+
+def _make_callbacks(config, backend, net, global_batch_size):
+  schedule = WarmupPlateauSchedule(config.learning_rate, config.warmup_epochs, config.lr_factor,
+                                   config.lr_patience, config.lr_cooldown)
+  checkpoints = checkpoints_lib.RunCheckpoints(config.logdir, net, _identity(config))
+  checkpointing = checkpoints_lib.CheckpointCallback(checkpoints, schedule)
+  if config.resume:
+    state = checkpoints.restore_last()
+    schedule.plateau.load(state["schedule"])
+    checkpointing.best_val_loss = float(state.get("best_val_loss", math.inf))
+    checkpointing.best_epoch = state.get("best_epoch")
+  throughput = callbacks_lib.ThroughputCallback(global_batch_size, backend.replicas)
+  # Order matters: each callback may add to the epoch logs that the later ones record.
+  callbacks = [throughput, schedule, callbacks_lib.EpochLogger(), checkpointing,
+               tf.keras.callbacks.TerminateOnNaN(),
+               tf.keras.callbacks.TensorBoard(log_dir=config.logdir, profile_batch=0)]
+  return callbacks, throughput, checkpointing
+
+
+def _epoch_time_stats(history: dict):
+  seconds = history.get("epoch_seconds", [])[1:]  # the first epoch carries the compilation
+  if not seconds:
+    return None
+  return [float(np.mean(seconds)), float(np.std(seconds))]
+
+
 def run(config: RunConfig, backend: Backend) -> dict:
   """Trains and tests `config.model` on `backend`; returns the summary also written to summary.yaml."""
   started = time.perf_counter()
@@ -70,20 +114,25 @@ def run(config: RunConfig, backend: Backend) -> dict:
   prepare_logdir(config.logdir)
   set_seeds(config.seed)
   print("%s, running on %s" % (info.title, backend.label), flush=True)
+  resume_state = _resume_state(config)
 
   global_batch_size = config.batch_size * backend.replicas
-  splits = data.load(info.dataset, config, global_batch_size)
-  net = build_and_compile(config, backend, model.get_model_module(config.model))
+  splits = data.load(info.dataset, config, backend.replicas, resume_state["epoch"])
+  net = build_and_compile(config, backend, model.get_model_module(config.model), splits)
   net.summary()
   logging.info("Global batch %d = %d per replica x %d replicas; %d steps per epoch",
                global_batch_size, config.batch_size, backend.replicas, splits.train.steps)
 
-  throughput = callbacks_lib.ThroughputCallback(global_batch_size, backend.replicas)
-  tensorboard = tf.keras.callbacks.TensorBoard(log_dir=config.logdir, profile_batch=0)
+  callbacks, throughput, checkpointing = _make_callbacks(config, backend, net, global_batch_size)
   print("\nTraining", flush=True)
   history = net.fit(
-      splits.train.dataset, epochs=config.epochs, callbacks=[throughput, tensorboard],
-      validation_data=splits.validation.dataset if splits.validation else None, verbose=1).history
+      splits.train.dataset, epochs=config.epochs, initial_epoch=resume_state["epoch"],
+      callbacks=callbacks, verbose=1,
+      validation_data=splits.validation.dataset if splits.validation else None).history
+  if any(not np.isfinite(v) for v in history.get("loss", [])):
+    raise UserError("training stopped: the loss became NaN/Inf in epoch %d (lower --learning_rate); "
+                    "the last good checkpoint is in %s" % (len(history["loss"]) + resume_state["epoch"],
+                                                           checkpointing.checkpoints.directory))
 
   test_results = {}
   if splits.test:
@@ -98,6 +147,7 @@ def run(config: RunConfig, backend: Backend) -> dict:
       "global_batch_size": global_batch_size,
       "per_replica_batch_size": config.batch_size,
       "epochs": config.epochs,
+      "first_epoch": resume_state["epoch"] + 1,
       "steps_per_epoch": splits.train.steps,
       "train_samples_per_epoch": splits.train.samples,
       "train_loss": _last(history, "loss"),
@@ -106,14 +156,17 @@ def run(config: RunConfig, backend: Backend) -> dict:
       "samples_per_sec_per_replica": throughput.samples_per_sec_per_replica,
       "compile_seconds": throughput.compile_seconds,
       "wall_seconds": time.perf_counter() - started,
-      "optimizer": config.optimizer,
-      "learning_rate": config.learning_rate,
-      "seed": config.seed,
+      "seconds_per_epoch": _epoch_time_stats(history),
+      "best_val_loss": None if math.isinf(checkpointing.best_val_loss) else checkpointing.best_val_loss,
+      "best_val_epoch": checkpointing.best_epoch,
+      "final_lr": _last(history, "lr"),
       "data_source": splits.source,
       "devices": list(backend.devices),
       "tensorflow_version": tf.__version__,
+      "params": config.as_dict(),
       "history": {key: [float(v) for v in values] for key, values in history.items()},
   }
+  summary.update(splits.summary_extras)
   if info.task == "classification":
     summary["train_accuracy"] = _last(history, "accuracy")
     summary["test_accuracy"] = float(test_results["accuracy"]) if "accuracy" in test_results else None

@@ -1,0 +1,186 @@
+"""Neuron-Inverter input pipeline: cellSpike HDF5 -> sharded, shuffled, streamed tf.data batches.
+
+Sharding follows the reference: every replica (of every process) owns one contiguous, equal block of a
+split, a whole number of local batches long; the tail that does not fill a batch on every shard is
+left out. Within its block a replica's samples are shuffled every epoch from a seed that depends only
+on (seed, shard, epoch), so a resumed run sees the same order as an uninterrupted one.
+
+Streaming mode reads each block in contiguous chunks (`read_chunk` rows) visited in a shuffled order,
+and shuffles rows inside a window of `shuffle_buffer` rows, so host memory is bounded by the window, not
+by the file (the real files are 15-144 GB). In-memory mode loads each block once, as the reference does,
+and shuffles the whole block every epoch.
+"""
+
+import os
+
+import h5py
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from data import cellspike_file
+from data.splits import Split, Splits, count_steps
+from errors import UserError
+from run_config import RunConfig
+
+DEFAULT_SAMPLES = {"train": 16384, "val": 2048, "test": 2048}
+DEFAULT_CELL = "synth"
+DEFAULT_DATA_VERSION = "v1"
+
+
+def shard_blocks(num_samples: int, num_shards: int, batch_size: int, split: str) -> list:
+  """Contiguous, equal, disjoint [start, stop) blocks, each a whole number of local batches."""
+  per_shard = num_samples // num_shards // batch_size * batch_size
+  if per_shard == 0:
+    raise UserError("the %s split has %d samples: too few for %d shard(s) of at least one batch of %d "
+                    "(lower --batch_size or --replicas)" % (split, num_samples, num_shards, batch_size))
+  return [(i * per_shard, (i + 1) * per_shard) for i in range(num_shards)]
+
+
+class BlockReader:
+  """Yields local batches of one contiguous block of one split, epoch after epoch."""
+
+  def __init__(self, path, split, block, batch_size, read_chunk, shuffle_buffer, seed, shard, shuffle,
+               in_memory):
+    self.path, self.split, (self.start, self.stop) = path, split, block
+    self.batch_size, self.read_chunk = batch_size, read_chunk
+    self.chunks_per_window = max(1, shuffle_buffer // read_chunk)
+    self.seed, self.shard, self.shuffle, self.in_memory = seed, shard, shuffle, in_memory
+    self._cache = None
+
+  def _rng(self, epoch):
+    return np.random.RandomState([self.seed % 2**32, self.shard, epoch])
+
+  def _read(self, f, start, stop):
+    return (f[cellspike_file.FRAMES_KEY % self.split][start:stop],
+            f[cellspike_file.TARGETS_KEY % self.split][start:stop])
+
+  def _windows(self, f, rng):
+    """Lists of rows, each window = several chunks read contiguously (chunk order shuffled)."""
+    if self.in_memory:
+      if self._cache is None:
+        self._cache = self._read(f, self.start, self.stop)
+      yield self._cache
+      return
+    chunks = list(range(self.start, self.stop, self.read_chunk))
+    if self.shuffle:
+      chunks = [chunks[i] for i in rng.permutation(len(chunks))]
+    for i in range(0, len(chunks), self.chunks_per_window):
+      parts = [self._read(f, s, min(s + self.read_chunk, self.stop))
+               for s in chunks[i:i + self.chunks_per_window]]
+      yield np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+  def batches(self, epoch):
+    rng = self._rng(epoch)
+    carry_x = carry_y = None
+    with h5py.File(self.path, "r") as f:
+      for x, y in self._windows(f, rng):
+        if carry_x is not None:
+          x, y = np.concatenate([carry_x, x]), np.concatenate([carry_y, y])
+        order = rng.permutation(len(x)) if self.shuffle else np.arange(len(x))
+        full = len(x) // self.batch_size * self.batch_size
+        for b in range(0, full, self.batch_size):
+          rows = order[b:b + self.batch_size]
+          yield x[rows], y[rows]
+        carry_x, carry_y = x[order[full:]], y[order[full:]]
+
+  @property
+  def memory_rows(self):
+    """Rows this reader holds at most: its block in memory mode, one window (+ carry) when streaming."""
+    if self.in_memory:
+      return self.stop - self.start
+    return self.chunks_per_window * self.read_chunk + self.batch_size
+
+
+def _global_batches(readers, first_epoch):
+  """A generator factory: every call (a new pass of tf.data) yields one epoch of global batches."""
+  state = {"epoch": first_epoch}
+
+  def generate():
+    epoch = state["epoch"]
+    state["epoch"] += 1
+    for parts in zip(*(reader.batches(epoch) for reader in readers)):
+      # Replica r's local batch is slice r of the global batch: tf.distribute splits it in order.
+      yield np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+  return generate
+
+
+def make_split(info, split, config, replicas, first_epoch, shuffle, max_steps) -> Split:
+  """The tf.data pipeline of one split, sharded over `replicas` (x processes, in later issues)."""
+  num = info.splits[split].num_samples
+  blocks = shard_blocks(num, replicas, config.batch_size, split)
+  readers = [BlockReader(info.path, split, block, config.batch_size, config.read_chunk,
+                         config.shuffle_buffer, config.seed, shard, shuffle, config.in_memory)
+             for shard, block in enumerate(blocks)]
+  steps = count_steps((blocks[0][1] - blocks[0][0]) * replicas, config.batch_size * replicas, max_steps,
+                      split)
+  dtype = tf.as_dtype(info.splits[split].dtype)
+  global_batch = config.batch_size * replicas
+  dataset = tf.data.Dataset.from_generator(
+      _global_batches(readers, first_epoch),
+      output_signature=(tf.TensorSpec((global_batch,) + info.input_shape, dtype),
+                        tf.TensorSpec((global_batch, info.num_params), dtype)))
+  # fp16 files feed float32 to the model; the cast runs once per batch.
+  dataset = dataset.map(lambda x, y: (tf.cast(x, tf.float32), tf.cast(y, tf.float32)))
+  dataset = dataset.take(steps).apply(tf.data.experimental.assert_cardinality(steps))
+  dataset = dataset.prefetch(2)
+  bytes_per_row = (np.prod(info.input_shape) + info.num_params) * info.splits[split].dtype.itemsize
+  held = sum(r.memory_rows for r in readers) * bytes_per_row
+  logging.info("%s split: %d samples, %d shard(s) of %d, %d steps of %d; %s holds %.1f MB of host memory",
+               split, num, replicas, blocks[0][1] - blocks[0][0], steps, global_batch,
+               "in-memory mode" if config.in_memory else "streaming", held / 1e6)
+  return Split(dataset=dataset, steps=steps, samples=steps * global_batch)
+
+
+def mean_predictor_loss(path: str, split: str = "val") -> float:
+  """MSE on `split` of always predicting the training-set mean: the baseline a model must beat."""
+  with h5py.File(path, "r") as f:
+    mean = np.asarray(f[cellspike_file.TARGETS_KEY % "train"][:], np.float64).mean(axis=0)
+    targets = np.asarray(f[cellspike_file.TARGETS_KEY % split][:], np.float64)
+  return float(np.mean((targets - mean) ** 2))
+
+
+def default_data_path(config: RunConfig) -> str:
+  """The built-in dataset: generated once by the neuron simulation into a cache folder, then reused."""
+  from data import cellspike_generate  # pylint: disable=import-outside-toplevel
+  folder = os.path.join(config.data_cache, "cellspike-%s-seed0" % DEFAULT_DATA_VERSION)
+  path = os.path.join(folder, cellspike_generate.h5_name(DEFAULT_CELL))
+  if os.path.isfile(path):
+    logging.info("Using the built-in generated dataset %s", path)
+    return path
+  logging.info("Generating the built-in dataset into %s (once; later runs reuse it)", folder)
+  return cellspike_generate.generate_dataset(
+      folder, cell_name=DEFAULT_CELL, num_train=DEFAULT_SAMPLES["train"],
+      num_val=DEFAULT_SAMPLES["val"], num_test=DEFAULT_SAMPLES["test"], seed=0)
+
+
+def open_configured(config: RunConfig):
+  """Resolves `--data_path` (or the built-in dataset) and opens the file with full validation."""
+  if config.data_path:
+    path, yaml_info = cellspike_file.resolve(config.data_path, config.cell_name, config.probe_type)
+  else:
+    path, yaml_info = default_data_path(config), None
+    yaml_info = cellspike_file.resolve(path, None, config.probe_type)[1]
+  return cellspike_file.open_cellspike(path, yaml_info)
+
+
+def load(config: RunConfig, replicas: int, first_epoch: int = 0) -> Splits:
+  """Train (shuffled), val and test splits of the configured cellSpike file."""
+  info = open_configured(config)
+  logging.info("cellSpike file %s: %s; frames %s, %d parameters", info.path,
+               ", ".join("%s %d (%s)" % (d, s.num_samples, s.dtype) for d, s in info.splits.items()),
+               info.input_shape, info.num_params)
+  return Splits(
+      train=make_split(info, "train", config, replicas, first_epoch, True, config.steps_per_epoch),
+      validation=make_split(info, "val", config, replicas, 0, False, config.eval_steps),
+      test=make_split(info, "test", config, replicas, 0, False, config.eval_steps),
+      source="cellSpike: " + info.path,
+      input_shape=info.input_shape,
+      num_outputs=info.num_params,
+      summary_extras={
+          "mean_predictor_val_loss": mean_predictor_loss(info.path),
+          "par_names": list(info.par_names),
+          "input_meta": info.meta,
+      },
+  )

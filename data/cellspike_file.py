@@ -1,0 +1,173 @@
+"""Opening and validating cellSpike HDF5 files (the Neuron-Inverter data format).
+
+A file holds, for each split `dom` in train/val/test, `<dom>_frames` (N, time bins, probes) and
+`<dom>_unitStar_par` (N, parameters), float32 or float16, optionally `<dom>_phys_par` and a `meta.JSON`
+string. `--data_path` names the .h5 file itself, or a folder holding `meta.cellSpike_<probe_type>.yaml`
+whose `dataInfo.h5nameTemplate` with `*` replaced by `--cell_name` names the file, as in the reference.
+
+Everything is checked when the file is opened, so that a bad file fails in a second with one line
+naming the file and key, not an hour into training.
+"""
+
+import dataclasses
+import json
+import os
+
+import h5py
+import numpy as np
+import yaml
+
+from errors import UserError
+
+SPLITS = ("train", "val", "test")
+FRAMES_KEY = "%s_frames"
+TARGETS_KEY = "%s_unitStar_par"
+META_YAML = "meta.cellSpike_%s.yaml"
+META_KEYS = ("h5nameTemplate", "numFeature", "parName", "numPar")
+_SAMPLED_ROWS = 64  # rows read from each end and the middle of every dataset for the NaN/Inf check
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitInfo:
+  num_samples: int
+  dtype: np.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class CellSpikeFile:
+  """A validated cellSpike file: where it is, its shapes, and its meta data."""
+  path: str
+  splits: dict                 # dom -> SplitInfo
+  time_bins: int
+  num_probes: int
+  num_params: int
+  par_names: tuple
+  meta: dict                   # meta.JSON (if present) updated with the meta yaml's dataInfo
+
+  @property
+  def input_shape(self):
+    return (self.time_bins, self.num_probes)
+
+
+def _read_yaml(path: str) -> dict:
+  try:
+    with open(path) as f:
+      content = yaml.safe_load(f)
+  except OSError as error:
+    raise UserError("%s: cannot read the meta yaml (%s)" % (path, error.strerror)) from None
+  except yaml.YAMLError as error:
+    raise UserError("%s: malformed YAML (%s)" % (path, " ".join(str(error).split()))) from None
+  info = content.get("dataInfo") if isinstance(content, dict) else None
+  if not isinstance(info, dict):
+    raise UserError("%s: expected a top-level 'dataInfo' mapping" % path)
+  missing = [key for key in META_KEYS if key not in info]
+  if missing:
+    raise UserError("%s: dataInfo lacks %s" % (path, ", ".join(missing)))
+  return info
+
+
+def resolve(data_path: str, cell_name, probe_type: str):
+  """Returns (h5 path, meta yaml dataInfo or None) for `--data_path` (a file, or a folder + cell name)."""
+  if not os.path.exists(data_path):
+    raise UserError("--data_path=%s does not exist" % data_path)
+  if not os.path.isdir(data_path):
+    yaml_path = os.path.join(os.path.dirname(data_path), META_YAML % probe_type)
+    return data_path, (_read_yaml(yaml_path) if os.path.isfile(yaml_path) else None)
+  yaml_path = os.path.join(data_path, META_YAML % probe_type)
+  if not os.path.isfile(yaml_path):
+    raise UserError("--data_path=%s is a folder without %s (pass the .h5 file itself, or the folder "
+                    "holding the meta yaml for --probe_type=%s)" % (data_path, META_YAML % probe_type,
+                                                                    probe_type))
+  if not cell_name:
+    raise UserError("--data_path=%s is a folder: --cell_name is needed to pick the file" % data_path)
+  info = _read_yaml(yaml_path)
+  h5_path = os.path.join(data_path, str(info["h5nameTemplate"]).replace("*", cell_name))
+  if not os.path.isfile(h5_path):
+    raise UserError("%s: no such file (from %s h5nameTemplate and --cell_name=%s)"
+                    % (h5_path, yaml_path, cell_name))
+  return h5_path, info
+
+
+def _dataset(f: h5py.File, path: str, key: str) -> h5py.Dataset:
+  if key not in f:
+    raise UserError("%s: missing key '%s' (a cellSpike file has %s)" % (
+        path, key, ", ".join(FRAMES_KEY % d + "/" + TARGETS_KEY % d for d in SPLITS)))
+  dataset = f[key]
+  if not isinstance(dataset, h5py.Dataset):
+    raise UserError("%s: '%s' is a group, expected a dataset" % (path, key))
+  if dataset.dtype.kind != "f":
+    raise UserError("%s: '%s' has dtype %s, expected float16 or float32" % (path, key, dataset.dtype))
+  return dataset
+
+
+def _sampled_rows_are_finite(dataset: h5py.Dataset) -> bool:
+  n = dataset.shape[0]
+  starts = sorted({0, max(0, n // 2 - _SAMPLED_ROWS // 2), max(0, n - _SAMPLED_ROWS)})
+  return all(np.isfinite(dataset[s:s + _SAMPLED_ROWS]).all() for s in starts)
+
+
+def _check_split(path: str, f: h5py.File, dom: str) -> tuple:
+  frames, targets = _dataset(f, path, FRAMES_KEY % dom), _dataset(f, path, TARGETS_KEY % dom)
+  if frames.ndim != 3:
+    raise UserError("%s: '%s' has shape %s, expected rank 3 (samples, time bins, probes)"
+                    % (path, frames.name.lstrip("/"), frames.shape))
+  if targets.ndim != 2:
+    raise UserError("%s: '%s' has shape %s, expected rank 2 (samples, parameters)"
+                    % (path, targets.name.lstrip("/"), targets.shape))
+  if frames.shape[0] != targets.shape[0]:
+    raise UserError("%s: '%s' has %d samples but '%s' has %d" % (
+        path, FRAMES_KEY % dom, frames.shape[0], TARGETS_KEY % dom, targets.shape[0]))
+  if frames.shape[0] == 0:
+    raise UserError("%s: the %s split is empty ('%s' has 0 samples)" % (path, dom, FRAMES_KEY % dom))
+  for dataset in (frames, targets):
+    if not _sampled_rows_are_finite(dataset):
+      raise UserError("%s: '%s' contains NaN or Inf values" % (path, dataset.name.lstrip("/")))
+  return frames.shape, targets.shape, frames.dtype
+
+
+def _read_meta_json(f: h5py.File, path: str) -> dict:
+  if "meta.JSON" not in f:
+    return {}
+  try:
+    raw = f["meta.JSON"][0]
+    return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+  except (ValueError, TypeError, IndexError) as error:
+    raise UserError("%s: 'meta.JSON' is not a JSON string (%s)" % (path, error)) from None
+
+
+def _check_meta_agrees(path: str, yaml_info: dict, num_probes: int, num_params: int) -> tuple:
+  if yaml_info is None:
+    return tuple("par%d" % i for i in range(num_params))
+  if int(yaml_info["numFeature"]) != num_probes:
+    raise UserError("%s: meta yaml says numFeature=%s but the frames have %d probes"
+                    % (path, yaml_info["numFeature"], num_probes))
+  if int(yaml_info["numPar"]) != num_params or len(yaml_info["parName"]) != num_params:
+    raise UserError("%s: meta yaml says numPar=%s with %d parName entries but the targets have %d "
+                    "parameters" % (path, yaml_info["numPar"], len(yaml_info["parName"]), num_params))
+  return tuple(str(name) for name in yaml_info["parName"])
+
+
+def open_cellspike(path: str, yaml_info=None) -> CellSpikeFile:
+  """Opens and validates a cellSpike file; every problem is a UserError naming file and key."""
+  if os.path.isdir(path):
+    raise UserError("%s is a folder, expected a cellSpike .h5 file" % path)
+  try:
+    with h5py.File(path, "r") as f:
+      shapes = {dom: _check_split(path, f, dom) for dom in SPLITS}
+      meta = _read_meta_json(f, path)
+  except OSError as error:
+    raise UserError("%s: not a readable HDF5 file (truncated, or not HDF5: %s)"
+                    % (path, " ".join(str(error).split()))) from None
+  frame_shapes = {shape[0][1:] for shape in shapes.values()}
+  param_counts = {shape[1][1] for shape in shapes.values()}
+  if len(frame_shapes) != 1 or len(param_counts) != 1:
+    raise UserError("%s: the splits disagree on frame shape %s or parameter count %s"
+                    % (path, sorted(frame_shapes), sorted(param_counts)))
+  (time_bins, num_probes), num_params = frame_shapes.pop(), param_counts.pop()
+  par_names = _check_meta_agrees(path, yaml_info, num_probes, num_params)
+  if yaml_info:
+    meta = dict(meta, dataInfo=yaml_info)
+  return CellSpikeFile(
+      path=path, time_bins=time_bins, num_probes=num_probes, num_params=num_params,
+      par_names=par_names, meta=meta,
+      splits={dom: SplitInfo(shape[0][0], np.dtype(shape[2])) for dom, shape in shapes.items()})

@@ -1,0 +1,22 @@
+"""Neuron-Inverter network designs (plain data, so flags can list them without TensorFlow).
+
+From the reference hyper-parameter files: `ontra4` is the production design `a2f791f3a_ontra4`
+(2,988,843 trainable parameters), `dev` the small fast-compiling test design (431,683).
+"""
+
+DESIGNS = {
+    "ontra4": {
+        "conv_filters": (30, 90, 180),
+        "conv_kernels": (4, 4, 4),
+        "conv_pools": (4, 4, 4),
+        "fc_dims": (512, 512, 512, 256, 128),
+        "dropout": 0.05,
+    },
+    "dev": {
+        "conv_filters": (4, 16, 32),
+        "conv_kernels": (4, 2, 2),
+        "conv_pools": (4, 2, 2),
+        "fc_dims": (128, 128),
+        "dropout": 0.05,
+    },
+}

@@ -1,0 +1,54 @@
+"""The Neuron-Inverter regressor: 1-D CNN + fully connected head, voltage traces -> 15 conductances.
+
+Faithful to the reference PyTorch model, including its input quirk: the (1600 time bins, 4 probes)
+sample is *reshaped* row-major to (4, 1600) and used as 4 channels of 1600 positions, so each "channel"
+holds 400 consecutive time bins with the probes interleaved. Keras' channels-last Conv1D then needs the
+transpose back to (1600, 4). Each conv block is Conv1D(valid) -> MaxPool -> ReLU; one BatchNormalization
+on the flattened features; Dense+ReLU+Dropout layers; a linear output.
+
+Pipeline stages: the CNN block and the fully connected head (`STAGE_BOUNDARIES` names the first layer
+of each later stage). Where they run is the backend's business.
+"""
+
+import tensorflow as tf
+
+from model.designs import DESIGNS
+from run_config import RunConfig
+
+STAGE_BOUNDARIES = ("flatten",)
+
+
+def _conv_block(x, index, filters, kernel, pool):
+  layers = tf.keras.layers
+  x = layers.Conv1D(filters, kernel, padding="valid", name="conv%d" % index)(x)
+  x = layers.MaxPooling1D(pool, name="pool%d" % index)(x)
+  return layers.ReLU(name="relu%d" % index)(x)
+
+
+def build(config: RunConfig, input_shape=(1600, 4), num_outputs=15) -> tf.keras.Model:
+  """Builds the (uncompiled) model of design `config.design` for samples of `input_shape`."""
+  design = DESIGNS[config.design]
+  layers = tf.keras.layers
+  time_bins, probes = input_shape
+  inputs = layers.Input(shape=input_shape, name="frames")
+  x = layers.Reshape((probes, time_bins), name="reference_reshape")(inputs)  # reshape, not transpose
+  x = layers.Permute((2, 1), name="channels_last")(x)
+  for i, (filters, kernel, pool) in enumerate(zip(design["conv_filters"], design["conv_kernels"],
+                                                  design["conv_pools"]), start=1):
+    x = _conv_block(x, i, filters, kernel, pool)
+  x = layers.Flatten(name="flatten")(x)
+  # PyTorch BatchNorm1d defaults: momentum 0.1 (Keras 0.9), eps 1e-5.
+  x = layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name="batch_norm")(x)
+  for i, dim in enumerate(design["fc_dims"], start=1):
+    x = layers.Dense(dim, activation="relu", name="fc%d" % i)(x)
+    x = layers.Dropout(design["dropout"], name="dropout%d" % i)(x)
+  outputs = layers.Dense(num_outputs, name="conductances")(x)  # linear: u* is unbounded
+  return tf.keras.Model(inputs, outputs, name="neuron_inverter_" + config.design)
+
+
+def loss():
+  return tf.keras.losses.MeanSquaredError()
+
+
+def metrics():
+  return [tf.keras.metrics.MeanAbsoluteError(name="mae")]

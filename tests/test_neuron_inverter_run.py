@@ -1,0 +1,81 @@
+"""Neuron-Inverter end to end through `python main.py`: 2 replicas, checkpoints, resume, bad input."""
+
+import os
+
+import numpy as np
+import pytest
+import yaml
+
+from tests.cellspike_files import write_cellspike
+from tests.helpers import assert_one_line_error, run_main
+from training.events import read_scalars
+
+
+@pytest.fixture(scope="module")
+def fp16_file(tmp_path_factory):
+  """A hand-made reference-format file: fp16, with the optional extra keys."""
+  path = str(tmp_path_factory.mktemp("data") / "hand_made.h5")
+  return write_cellspike(path, sizes={"train": 256, "val": 64, "test": 64}, dtype=np.float16)
+
+
+def _run(data_path, logdir, *extra):
+  return run_main("--model=neuron_inverter", "--design=dev", "--backend=cpu", "--batch_size=16",
+                  "--data_path=" + data_path, "--logdir=" + logdir, "--warmup_epochs=1", *extra)
+
+
+def _summary(logdir):
+  with open(os.path.join(logdir, "summary.yaml")) as f:
+    return yaml.safe_load(f)
+
+
+def test_two_replicas_one_epoch(tmp_path, fp16_file):
+  logdir = str(tmp_path / "run")
+  result = _run(fp16_file, logdir, "--replicas=2", "--epochs=1")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "Neuron-Inverter, running on CPU" in result.stdout
+  assert "Global batch 32 = 16 per replica x 2 replicas" in result.stderr
+  summary = _summary(logdir)
+  assert summary["replicas"] == 2 and summary["global_batch_size"] == 32
+  assert summary["steps_per_epoch"] == 8                       # 256 // 2 // 16
+  assert np.isfinite(summary["val_loss"]) and np.isfinite(summary["test_loss"])
+  assert "test_accuracy" not in summary
+  assert summary["mean_predictor_val_loss"] == pytest.approx(1 / 3, rel=0.3)
+  assert summary["best_val_epoch"] == 1 and summary["params"]["design"] == "dev"
+  for which in ("last", "best"):
+    assert os.path.isfile(os.path.join(logdir, "checkpoints", which, "checkpoint"))
+  scalars = read_scalars(os.path.join(logdir, "train"))
+  assert scalars["epoch_lr"][0][1] == pytest.approx(1e-3)
+  assert "epoch_samples_per_sec_per_replica" in scalars and "epoch_epoch_seconds" in scalars
+  assert "epoch_loss" in read_scalars(os.path.join(logdir, "validation"))
+
+
+def test_resume_continues_epochs_and_schedule(tmp_path, fp16_file):
+  logdir = str(tmp_path / "run")
+  first = _run(fp16_file, logdir, "--epochs=2", "--lr_patience=0", "--lr_cooldown=0", "--lr_factor=0.5")
+  assert first.returncode == 0, first.stderr[-3000:]
+  before = _summary(logdir)
+  resumed = _run(fp16_file, logdir, "--epochs=3", "--lr_patience=0", "--lr_cooldown=0",
+                 "--lr_factor=0.5", "--resume")
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  after = _summary(logdir)
+  assert "Resumed from" in resumed.stderr and after["first_epoch"] == 3
+  assert len(after["history"]["loss"]) == 1                     # only epoch 3 was trained
+  # The plateau state carried over: epoch 3 starts from the rate epoch 2 left, not the initial one.
+  plateau_lr = before["history"]["lr"][-1]
+  assert after["history"]["lr"][0] in (pytest.approx(plateau_lr), pytest.approx(plateau_lr * 0.5))
+  assert after["history"]["loss"][0] < before["history"]["loss"][0]  # weights were restored, not re-initialised
+
+
+def test_resume_with_another_design_is_refused(tmp_path, fp16_file):
+  logdir = str(tmp_path / "run")
+  assert _run(fp16_file, logdir, "--epochs=1").returncode == 0
+  result = run_main("--model=neuron_inverter", "--design=ontra4", "--data_path=" + fp16_file,
+                    "--logdir=" + logdir, "--epochs=2", "--resume")
+  assert_one_line_error(result, "--resume", "design=dev", "design=ontra4")
+
+
+def test_bad_data_path_is_one_line_error(tmp_path):
+  bad = tmp_path / "bad.h5"
+  bad.write_bytes(b"\x89HDF\r\n" + b"\0" * 100)
+  assert_one_line_error(_run(str(bad), str(tmp_path / "run"), "--epochs=1"), "bad.h5",
+                        "not a readable HDF5 file")
