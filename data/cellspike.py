@@ -47,42 +47,57 @@ class BlockReader:
     self.chunks_per_window = max(1, shuffle_buffer // read_chunk)
     self.seed, self.shard, self.shuffle, self.in_memory = seed, shard, shuffle, in_memory
     self._cache = None
+    self._buffers = None
 
   def _rng(self, epoch):
     return np.random.RandomState([self.seed % 2**32, self.shard, epoch])
 
-  def _read(self, f, start, stop):
-    return (f[cellspike_file.FRAMES_KEY % self.split][start:stop],
-            f[cellspike_file.TARGETS_KEY % self.split][start:stop])
+  def _datasets(self, f):
+    return f[cellspike_file.FRAMES_KEY % self.split], f[cellspike_file.TARGETS_KEY % self.split]
+
+  def _window_buffers(self, frames, targets, rows):
+    """One reusable pair of arrays per reader: windows are read into them, never concatenated."""
+    if self._buffers is None or len(self._buffers[0]) < rows:
+      self._buffers = (np.empty((rows,) + frames.shape[1:], frames.dtype),
+                       np.empty((rows,) + targets.shape[1:], targets.dtype))
+    return self._buffers
 
   def _windows(self, f, rng):
-    """Lists of rows, each window = several chunks read contiguously (chunk order shuffled)."""
+    """Yields (frames, targets) windows: several chunks, each read contiguously (chunk order shuffled)."""
+    frames, targets = self._datasets(f)
     if self.in_memory:
       if self._cache is None:
-        self._cache = self._read(f, self.start, self.stop)
+        self._cache = frames[self.start:self.stop], targets[self.start:self.stop]
       yield self._cache
       return
     chunks = list(range(self.start, self.stop, self.read_chunk))
     if self.shuffle:
       chunks = [chunks[i] for i in rng.permutation(len(chunks))]
+    window_x, window_y = self._window_buffers(frames, targets, self.chunks_per_window * self.read_chunk)
     for i in range(0, len(chunks), self.chunks_per_window):
-      parts = [self._read(f, s, min(s + self.read_chunk, self.stop))
-               for s in chunks[i:i + self.chunks_per_window]]
-      yield np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+      filled = 0
+      for start in chunks[i:i + self.chunks_per_window]:
+        stop = min(start + self.read_chunk, self.stop)
+        frames.read_direct(window_x, np.s_[start:stop], np.s_[filled:filled + stop - start])
+        targets.read_direct(window_y, np.s_[start:stop], np.s_[filled:filled + stop - start])
+        filled += stop - start
+      yield window_x[:filled], window_y[:filled]
 
   def batches(self, epoch):
+    """One epoch of local batches; rows that do not fill a batch carry over into the next window."""
     rng = self._rng(epoch)
-    carry_x = carry_y = None
+    carry = None
     with h5py.File(self.path, "r") as f:
       for x, y in self._windows(f, rng):
-        if carry_x is not None:
-          x, y = np.concatenate([carry_x, x]), np.concatenate([carry_y, y])
         order = rng.permutation(len(x)) if self.shuffle else np.arange(len(x))
-        full = len(x) // self.batch_size * self.batch_size
+        if carry is not None:  # a few leftover rows (fewer than a batch) lead the next window
+          x, y = np.concatenate([carry[0], x]), np.concatenate([carry[1], y])
+          order = np.concatenate([np.arange(len(carry[0])), order + len(carry[0])])
+        full = len(order) // self.batch_size * self.batch_size
         for b in range(0, full, self.batch_size):
           rows = order[b:b + self.batch_size]
           yield x[rows], y[rows]
-        carry_x, carry_y = x[order[full:]], y[order[full:]]
+        carry = (x[order[full:]], y[order[full:]]) if full < len(order) else None
 
   @property
   def memory_rows(self):

@@ -30,3 +30,20 @@ def test_mnist_network_matches_the_keras_check():
       "Conv2D", "MaxPooling2D", "Conv2D", "MaxPooling2D", "Flatten", "Dropout", "Dense"]
   probabilities = net(np.zeros((3, 28, 28, 1), np.float32)).numpy()
   np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("design, trainable", [("ontra4", 2988843), ("dev", 431683)])
+def test_neuron_inverter_parameter_counts_match_the_reference(design, trainable):
+  net = model.get_model_module("neuron_inverter").build(RunConfig(model="neuron_inverter", design=design))
+  assert sum(int(np.prod(w.shape)) for w in net.trainable_weights) == trainable
+  assert net.output_shape == (None, 15)
+
+
+def test_neuron_inverter_input_is_reshaped_not_transposed():
+  """Conv "channel" c at position j must be the flat element c*1600 + j of the (1600, 4) sample."""
+  net = model.get_model_module("neuron_inverter").build(RunConfig(model="neuron_inverter", design="dev"))
+  to_conv = tf.keras.Model(net.input, net.get_layer("channels_last").output)
+  sample = np.arange(1600 * 4, dtype=np.float32).reshape(1, 1600, 4)
+  seen = to_conv(sample).numpy()[0]          # (positions 1600, channels 4), channels last
+  for channel in range(4):
+    np.testing.assert_array_equal(seen[:, channel], np.arange(channel * 1600, (channel + 1) * 1600))
