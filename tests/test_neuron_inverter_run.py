@@ -79,3 +79,17 @@ def test_bad_data_path_is_one_line_error(tmp_path):
   bad.write_bytes(b"\x89HDF\r\n" + b"\0" * 100)
   assert_one_line_error(_run(str(bad), str(tmp_path / "run"), "--epochs=1"), "bad.h5",
                         "not a readable HDF5 file")
+
+
+def test_nan_loss_stops_with_a_clear_error(tmp_path, fp16_file):
+  result = _run(fp16_file, str(tmp_path / "run"), "--epochs=2", "--optimizer=sgd", "--learning_rate=1e5",
+                "--warmup_epochs=0")
+  assert_one_line_error(result, "loss became NaN/Inf in epoch 1", "last good checkpoint: none")
+  assert not os.path.exists(os.path.join(str(tmp_path / "run"), "checkpoints", "last", "checkpoint"))
+
+
+def test_resume_with_another_learning_rate_is_refused(tmp_path, fp16_file):
+  logdir = str(tmp_path / "run")
+  assert _run(fp16_file, logdir, "--epochs=1").returncode == 0
+  assert_one_line_error(_run(fp16_file, logdir, "--epochs=2", "--resume", "--learning_rate=0.5"),
+                        "learning_rate=0.001", "learning_rate=0.5")

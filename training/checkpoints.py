@@ -59,16 +59,20 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
     super().__init__()
     self.checkpoints, self.schedule = checkpoints, schedule
     self.best_val_loss, self.best_epoch = best_val_loss, best_epoch
+    self.last_saved = None   # path of the newest good checkpoint written by this run
 
   def on_epoch_end(self, epoch, logs=None):
     logs = logs or {}
+    if not all(math.isfinite(float(logs.get(key, 0.0))) for key in ("loss", "val_loss")):
+      logging.warning("Epoch %d ended with a NaN/Inf loss: its weights are not checkpointed", epoch + 1)
+      return
     val_loss = logs.get("val_loss")
     improved = val_loss is not None and val_loss < self.best_val_loss
     if improved:
       self.best_val_loss, self.best_epoch = float(val_loss), epoch + 1
     state = {"epoch": epoch + 1, "schedule": self.schedule.plateau.to_dict(),
              "best_val_loss": self.best_val_loss, "best_epoch": self.best_epoch}
-    self.checkpoints.save(LAST, state)
+    self.last_saved = self.checkpoints.save(LAST, state)
     if improved:
       self.checkpoints.save(BEST, state)
 

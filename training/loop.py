@@ -68,8 +68,9 @@ def _last(history: dict, key: str):
 
 
 def _identity(config: RunConfig) -> dict:
-  """What a checkpoint must match to be resumed by this run."""
-  return {"model": config.model, "design": config.design if config.model == "neuron_inverter" else None}
+  """What a checkpoint must match to be resumed by this run (weights, optimizer slots, schedule)."""
+  return {"model": config.model, "design": config.design if config.model == "neuron_inverter" else None,
+          "optimizer": config.optimizer, "learning_rate": config.learning_rate}
 
 
 def _resume_state(config: RunConfig) -> dict:
@@ -130,9 +131,9 @@ def run(config: RunConfig, backend: Backend) -> dict:
       callbacks=callbacks, verbose=1,
       validation_data=splits.validation.dataset if splits.validation else None).history
   if any(not np.isfinite(v) for v in history.get("loss", [])):
+    kept = checkpointing.last_saved or "none written by this run"
     raise UserError("training stopped: the loss became NaN/Inf in epoch %d (lower --learning_rate); "
-                    "the last good checkpoint is in %s" % (len(history["loss"]) + resume_state["epoch"],
-                                                           checkpointing.checkpoints.directory))
+                    "last good checkpoint: %s" % (len(history["loss"]) + resume_state["epoch"], kept))
 
   test_results = {}
   if splits.test:
