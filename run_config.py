@@ -8,8 +8,10 @@ import dataclasses
 import os
 from typing import Optional
 
-DEFAULT_DATA_CACHE = os.path.join(
+_CACHE_ROOT = os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "neuron_inverter")
+DEFAULT_DATA_CACHE = _CACHE_ROOT
+DEFAULT_EXECUTABLE_CACHE = os.path.join(_CACHE_ROOT, "executables")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +44,26 @@ class RunConfig:
   lr_patience: int = 8
   lr_cooldown: int = 2
   resume: bool = False             # continue from <logdir>/checkpoints/last
+  # Batching, placement and compilation (strategies/ turns these into hardware settings)
+  gradient_accumulation: int = 1   # micro-batches per optimizer step and replica
+  steps_per_execution: int = 0     # 0: derived (IPU) or 1 (CPU/GPU)
+  ipus_per_replica: int = 1
+  pipeline_stages: int = 1         # 1: no pipelining
+  pipeline_schedule: str = "grouped"   # grouped | interleaved | sequential (= sharding)
+  ipu_connection: str = "on_demand"    # always | on_demand | pre_compile
+  ipu_model: bool = False          # emulate IPUs on the host (TF_POPLAR_FLAGS=--use_ipu_model)
+  available_memory_proportion: float = 0.0  # 0: Poplar's default
+  stochastic_rounding: bool = False
+  cache_dir: str = DEFAULT_EXECUTABLE_CACHE  # IPU executable cache / XLA persistent cache
+  jit_compile: bool = False        # XLA on CPU/GPU (always compiled on IPU)
+  compile_only: bool = False       # compile (and fill the cache), then exit
+  precision: str = "32.32"         # compute.weights: 32.32 | 16.32 (mixed) | 16.16
+  profile_dir: Optional[str] = None
 
   @property
   def global_batch_size(self) -> int:
     """Samples consumed by one optimizer step across all replicas."""
-    return self.batch_size * self.replicas
+    return self.batch_size * self.gradient_accumulation * self.replicas
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)

@@ -19,7 +19,7 @@ import tensorflow as tf
 from absl import logging
 
 from data import cellspike_file
-from data.splits import Split, Splits, count_steps
+from data.splits import BatchLayout, Split, Splits, count_steps, eval_layout
 from errors import UserError
 from run_config import RunConfig
 
@@ -33,7 +33,8 @@ def shard_blocks(num_samples: int, num_shards: int, batch_size: int, split: str)
   per_shard = num_samples // num_shards // batch_size * batch_size
   if per_shard == 0:
     raise UserError("the %s split has %d samples: too few for %d shard(s) of at least one batch of %d "
-                    "(lower --batch_size or --replicas)" % (split, num_samples, num_shards, batch_size))
+                    "(lower --batch_size, --gradient_accumulation or --replicas)"
+                    % (split, num_samples, num_shards, batch_size))
   return [(i * per_shard, (i + 1) * per_shard) for i in range(num_shards)]
 
 
@@ -107,45 +108,49 @@ class BlockReader:
     return self.chunks_per_window * self.read_chunk + self.batch_size
 
 
-def _global_batches(readers, first_epoch):
-  """A generator factory: every call (a new pass of tf.data) yields one epoch of global batches."""
+def _step_elements(readers, first_epoch, element_per_replica):
+  """A generator factory: every call (a new pass of tf.data) yields one epoch of dataset elements."""
   state = {"epoch": first_epoch}
 
   def generate():
     epoch = state["epoch"]
     state["epoch"] += 1
     for parts in zip(*(reader.batches(epoch) for reader in readers)):
-      # Replica r's local batch is slice r of the global batch: tf.distribute splits it in order.
-      yield np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+      if element_per_replica:  # IPU infeeds: replica r takes the r-th element of each step
+        for part in parts:
+          yield part
+      else:  # tf.distribute splits a global batch in order: replica r gets slice r
+        yield np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
   return generate
 
 
-def make_split(info, split, config, replicas, first_epoch, shuffle, max_steps) -> Split:
-  """The tf.data pipeline of one split, sharded over `replicas` (x processes, in later issues)."""
+def make_split(info, split, config, layout: BatchLayout, first_epoch, shuffle, max_steps) -> Split:
+  """The tf.data pipeline of one split, one contiguous block per replica."""
   num = info.splits[split].num_samples
-  blocks = shard_blocks(num, replicas, config.batch_size, split)
-  readers = [BlockReader(info.path, split, block, config.batch_size, config.read_chunk,
+  blocks = shard_blocks(num, layout.replicas, layout.replica_rows, split)
+  readers = [BlockReader(info.path, split, block, layout.replica_rows, config.read_chunk,
                          config.shuffle_buffer, config.seed, shard, shuffle, config.in_memory)
              for shard, block in enumerate(blocks)]
-  steps = count_steps((blocks[0][1] - blocks[0][0]) * replicas, config.batch_size * replicas, max_steps,
-                      split)
+  block_rows = blocks[0][1] - blocks[0][0]
+  steps = count_steps(block_rows * layout.replicas, layout.step_rows, max_steps, split,
+                      layout.steps_multiple)
+  elements = steps * layout.elements_per_step
   dtype = tf.as_dtype(info.splits[split].dtype)
-  global_batch = config.batch_size * replicas
   dataset = tf.data.Dataset.from_generator(
-      _global_batches(readers, first_epoch),
-      output_signature=(tf.TensorSpec((global_batch,) + info.input_shape, dtype),
-                        tf.TensorSpec((global_batch, info.num_params), dtype)))
+      _step_elements(readers, first_epoch, layout.element_per_replica),
+      output_signature=(tf.TensorSpec((layout.element_rows,) + info.input_shape, dtype),
+                        tf.TensorSpec((layout.element_rows, info.num_params), dtype)))
   # fp16 files feed float32 to the model; the cast runs once per batch.
   dataset = dataset.map(lambda x, y: (tf.cast(x, tf.float32), tf.cast(y, tf.float32)))
-  dataset = dataset.take(steps).apply(tf.data.experimental.assert_cardinality(steps))
-  dataset = dataset.prefetch(2)
+  dataset = dataset.take(elements).apply(tf.data.experimental.assert_cardinality(elements))
+  dataset = dataset.prefetch(2 * layout.elements_per_step)
   bytes_per_row = (np.prod(info.input_shape) + info.num_params) * info.splits[split].dtype.itemsize
   held = sum(r.memory_rows for r in readers) * bytes_per_row
   logging.info("%s split: %d samples, %d shard(s) of %d, %d steps of %d; %s holds %.1f MB of host memory",
-               split, num, replicas, blocks[0][1] - blocks[0][0], steps, global_batch,
+               split, num, layout.replicas, block_rows, steps, layout.step_rows,
                "in-memory mode" if config.in_memory else "streaming", held / 1e6)
-  return Split(dataset=dataset, steps=steps, samples=steps * global_batch)
+  return Split(dataset=dataset, steps=steps, samples=steps * layout.step_rows)
 
 
 def mean_predictor_loss(path: str, split: str = "val") -> float:
@@ -180,16 +185,16 @@ def open_configured(config: RunConfig):
   return cellspike_file.open_cellspike(path, yaml_info)
 
 
-def load(config: RunConfig, replicas: int, first_epoch: int = 0) -> Splits:
+def load(config: RunConfig, layout: BatchLayout, first_epoch: int = 0) -> Splits:
   """Train (shuffled), val and test splits of the configured cellSpike file."""
   info = open_configured(config)
   logging.info("cellSpike file %s: %s; frames %s, %d parameters", info.path,
                ", ".join("%s %d (%s)" % (d, s.num_samples, s.dtype) for d, s in info.splits.items()),
                info.input_shape, info.num_params)
   return Splits(
-      train=make_split(info, "train", config, replicas, first_epoch, True, config.steps_per_epoch),
-      validation=make_split(info, "val", config, replicas, 0, False, config.eval_steps),
-      test=make_split(info, "test", config, replicas, 0, False, config.eval_steps),
+      train=make_split(info, "train", config, layout, first_epoch, True, config.steps_per_epoch),
+      validation=make_split(info, "val", config, eval_layout(layout), 0, False, config.eval_steps),
+      test=make_split(info, "test", config, eval_layout(layout), 0, False, config.eval_steps),
       source="cellSpike: " + info.path,
       input_shape=info.input_shape,
       num_outputs=info.num_params,

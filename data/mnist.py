@@ -13,7 +13,7 @@ import numpy as np
 from absl import logging
 
 from data import idx
-from data.splits import Arrays, Splits, make_split
+from data.splits import Arrays, BatchLayout, Splits, eval_layout, make_split
 from errors import UserError
 from run_config import RunConfig
 
@@ -109,16 +109,15 @@ def _normalise(images, labels):
   return images, labels
 
 
-def load(config: RunConfig, replicas: int, first_epoch: int = 0) -> Splits:
+def load(config: RunConfig, layout: BatchLayout, first_epoch: int = 0) -> Splits:
   """MNIST train and test splits as batched tf.data pipelines (no validation split, as in the check)."""
   del first_epoch  # tf.data's seeded reshuffle restarts with the process; MNIST runs do not resume.
-  global_batch_size = config.batch_size * replicas
   arrays, where = load_arrays(config)
   return Splits(
-      train=make_split(arrays["train"], global_batch_size, _normalise, shuffle=True, seed=config.seed,
+      train=make_split(arrays["train"], layout, _normalise, shuffle=True, seed=config.seed,
                        max_steps=config.steps_per_epoch, name="train"),
       validation=None,
-      test=make_split(arrays["test"], global_batch_size, _normalise, shuffle=False, seed=config.seed,
+      test=make_split(arrays["test"], eval_layout(layout), _normalise, shuffle=False, seed=config.seed,
                       max_steps=config.eval_steps, name="test"),
       source="mnist: " + where,
       input_shape=(28, 28, 1),

@@ -12,11 +12,44 @@ Arrays = collections.namedtuple("Arrays", ["x", "y"])
 
 
 @dataclasses.dataclass(frozen=True)
+class BatchLayout:
+  """How the backend consumes batches, decided in strategies/ and obeyed by every loader.
+
+  tf.distribute strategies split one global batch into per-replica slices in order; an IPU replica
+  takes whole dataset elements in turn. `replica_rows` is what one replica takes per optimizer step:
+  the micro-batch times the gradient-accumulation count on CPU/GPU, where one step walks through them.
+  """
+  replicas: int = 1
+  replica_rows: int = 1
+  element_per_replica: bool = False   # True: each element feeds one replica (IPU infeeds)
+  eval_replica_rows: int = None       # rows per replica for evaluation (no accumulation); None: same
+  steps_multiple: int = 1             # training steps are trimmed to a multiple (whole optimizer steps)
+
+  @property
+  def element_rows(self) -> int:
+    return self.replica_rows if self.element_per_replica else self.replica_rows * self.replicas
+
+  @property
+  def elements_per_step(self) -> int:
+    return self.replicas if self.element_per_replica else 1
+
+  @property
+  def step_rows(self) -> int:
+    return self.replica_rows * self.replicas
+
+
+def eval_layout(layout: BatchLayout) -> BatchLayout:
+  """Evaluation has no accumulation: each replica takes one micro-batch per step."""
+  rows = layout.replica_rows if layout.eval_replica_rows is None else layout.eval_replica_rows
+  return dataclasses.replace(layout, replica_rows=rows, eval_replica_rows=None, steps_multiple=1)
+
+
+@dataclasses.dataclass(frozen=True)
 class Split:
   """One batched pipeline and its size in global batches."""
   dataset: tf.data.Dataset
-  steps: int                 # global batches per pass
-  samples: int               # samples per pass (steps x global batch)
+  steps: int                 # steps per pass (each step: one element per replica, or one global batch)
+  samples: int               # samples per pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,16 +63,20 @@ class Splits:
   summary_extras: dict = dataclasses.field(default_factory=dict)  # dataset entries for summary.yaml
 
 
-def count_steps(num_samples: int, global_batch_size: int, max_steps: int, name: str) -> int:
-  """Whole global batches in a split (optionally capped); a UserError if there is not even one."""
-  steps = num_samples // global_batch_size
+def count_steps(num_samples: int, step_rows: int, max_steps: int, name: str, multiple: int = 1) -> int:
+  """Whole steps in a split (optionally capped, and trimmed to a multiple); a UserError if none."""
+  steps = num_samples // step_rows
+  if max_steps:
+    steps = min(steps, max_steps)
+  steps = steps // multiple * multiple
   if steps == 0:
     raise UserError("the %s split has %d samples, fewer than one global batch of %d "
-                    "(lower --batch_size or --replicas)" % (name, num_samples, global_batch_size))
-  return min(steps, max_steps) if max_steps else steps
+                    "(lower --batch_size, --gradient_accumulation or --replicas)"
+                    % (name, num_samples, step_rows * multiple))
+  return steps
 
 
-def make_split(arrays: Arrays, global_batch_size: int, transform: Callable, shuffle: bool, seed: int,
+def make_split(arrays: Arrays, layout: BatchLayout, transform: Callable, shuffle: bool, seed: int,
                max_steps: int, name: str) -> Split:
   """Builds source -> shuffle -> batch(drop_remainder) -> transform -> take -> prefetch.
 
@@ -47,12 +84,12 @@ def make_split(arrays: Arrays, global_batch_size: int, transform: Callable, shuf
   vectorised op. `drop_remainder=True` keeps every batch the same static shape, which IPUs require and
   which keeps XLA from compiling a second program for a short last batch.
   """
-  steps = count_steps(len(arrays.x), global_batch_size, max_steps, name)
+  steps = count_steps(len(arrays.x), layout.step_rows, max_steps, name, layout.steps_multiple)
   dataset = tf.data.Dataset.from_tensor_slices((arrays.x, arrays.y))
   if shuffle:
     # A full-size buffer is a true shuffle; it reshuffles every epoch from the seeded start.
     dataset = dataset.shuffle(len(arrays.x), seed=seed, reshuffle_each_iteration=True)
-  dataset = dataset.batch(global_batch_size, drop_remainder=True)
+  dataset = dataset.batch(layout.element_rows, drop_remainder=True)
   dataset = dataset.map(transform, num_parallel_calls=tf.data.experimental.AUTOTUNE)
-  dataset = dataset.take(steps).prefetch(tf.data.experimental.AUTOTUNE)
-  return Split(dataset=dataset, steps=steps, samples=steps * global_batch_size)
+  dataset = dataset.take(steps * layout.elements_per_step).prefetch(tf.data.experimental.AUTOTUNE)
+  return Split(dataset=dataset, steps=steps, samples=steps * layout.step_rows)

@@ -1,22 +1,64 @@
-"""The `Backend` a run trains on: a distribution strategy plus what the rest of the code may ask of it."""
+"""The `Backend` a run trains on: a distribution strategy plus the hardware decisions that go with it.
+
+Code outside `strategies/` asks the backend, and nothing else, how to lay out batches, how to prepare
+the model (stage placement, gradient accumulation) and what to pass to `compile()`. This base class is
+the tf.distribute behaviour (CPU and GPU); `strategies/ipu.py` overrides it for IPUs.
+"""
 
 import dataclasses
+from typing import Optional
 
 import tensorflow as tf
+
+from data.splits import BatchLayout
+from run_config import RunConfig
+from strategies import accumulation
+
+
+def options_from_config(config: RunConfig) -> dict:
+  """The Backend fields that come straight from the run configuration."""
+  return {"replicas": config.replicas, "gradient_accumulation": config.gradient_accumulation,
+          "steps_per_execution": config.steps_per_execution or 1, "jit_compile": config.jit_compile}
 
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-  """A resolved backend. Code outside `strategies/` sees only these fields."""
+  """A resolved backend for one run."""
   kind: str                                # "cpu", "gpu" or "ipu"
   strategy: tf.distribute.Strategy
   devices: tuple                           # device names the replicas run on
-
-  @property
-  def replicas(self) -> int:
-    return self.strategy.num_replicas_in_sync
+  replicas: int = 1                        # data-parallel replicas (global: all processes)
+  gradient_accumulation: int = 1           # micro-batches per optimizer step and replica
+  steps_per_execution: int = 1             # steps per device call (Keras compile option)
+  jit_compile: bool = False
+  cache_dir: Optional[str] = None          # executable cache in effect (IPU or XLA), for reporting
 
   @property
   def label(self) -> str:
     """Upper-case name used in banners, e.g. "CPU"."""
     return self.kind.upper()
+
+  def effective_batch(self, micro_batch: int) -> int:
+    """Samples per optimizer step: micro-batch x gradient accumulation x replicas."""
+    return micro_batch * self.gradient_accumulation * self.replicas
+
+  def layout(self, micro_batch: int) -> BatchLayout:
+    # tf.distribute splits each global batch between replicas; a replica's G micro-batches arrive
+    # together and the accumulating train step walks through them.
+    return BatchLayout(replicas=self.replicas, replica_rows=micro_batch * self.gradient_accumulation,
+                       eval_replica_rows=micro_batch if self.gradient_accumulation > 1 else None)
+
+  def prepare_model(self, model: tf.keras.Model, stage_boundaries=()) -> tf.keras.Model:
+    """Called inside the strategy scope, before compile()."""
+    del stage_boundaries  # Pipeline stages are an IPU placement; here the model runs whole.
+    return accumulation.with_accumulation(model, self.gradient_accumulation)
+
+  def optimizer_kwargs(self) -> dict:
+    return {}
+
+  def compile_kwargs(self, train_steps: int) -> dict:
+    del train_steps
+    kwargs = {"steps_per_execution": self.steps_per_execution}
+    if self.jit_compile:
+      kwargs["jit_compile"] = True
+    return kwargs

@@ -7,7 +7,8 @@ each replica gets its own slice of the global batch and gradients are all-reduce
 import tensorflow as tf
 
 from errors import UserError
-from strategies.backend import Backend
+from run_config import RunConfig
+from strategies.backend import Backend, options_from_config
 
 
 def _ensure_logical_cpus(count: int) -> list:
@@ -24,16 +25,17 @@ def _ensure_logical_cpus(count: int) -> list:
   return [device.name for device in logical[:count]]
 
 
-def create(replicas: int) -> Backend:
-  """Returns a CPU backend with `replicas` data-parallel replicas."""
+def create(config: RunConfig) -> Backend:
+  """Returns a CPU backend with `config.replicas` data-parallel replicas."""
+  replicas = config.replicas
   try:
     tf.config.set_visible_devices([], "GPU")  # A CPU run must not grab GPU memory or place ops there.
   except RuntimeError:
     pass
   if replicas == 1:
-    return Backend("cpu", tf.distribute.OneDeviceStrategy("/cpu:0"), ("/cpu:0",))
+    return Backend("cpu", tf.distribute.OneDeviceStrategy("/cpu:0"), ("/cpu:0",), **options_from_config(config))
   devices = _ensure_logical_cpus(replicas)
   # NCCL does not exist on CPU; reducing through one device is the CPU all-reduce.
   strategy = tf.distribute.MirroredStrategy(
       devices=devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
-  return Backend("cpu", strategy, tuple(devices))
+  return Backend("cpu", strategy, tuple(devices), **options_from_config(config))

@@ -1,18 +1,86 @@
-"""Environment variables that TensorFlow reads once, at import time, set in this one place.
+"""Environment variables that TensorFlow and Poplar read once, at start-up, set in this one place.
 
 Call `prepare(config)` before the first `import tensorflow` of the process. It must stay free of
-TensorFlow imports itself.
+TensorFlow imports itself, so the TensorFlow version is read from the installed package's metadata.
 """
 
+import json
 import os
+import re
 import sys
 
+from errors import UserError
 from run_config import RunConfig
+
+_TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tensorflow-intel", "tf-nightly")
+# The XLA persistent cache flag exists in current TensorFlow; TF 2.6 aborts on any unknown TF_XLA_FLAGS.
+XLA_PERSISTENT_CACHE_SINCE = (2, 16)
+
+
+def installed_tensorflow_version():
+  """(major, minor) of the installed TensorFlow without importing it; None if not found."""
+  try:
+    from importlib import metadata  # Python >= 3.8
+  except ImportError:  # pragma: no cover
+    return None
+  for name in _TF_DISTRIBUTIONS:
+    try:
+      match = re.match(r"(\d+)\.(\d+)", metadata.version(name))
+    except metadata.PackageNotFoundError:
+      continue
+    if match:
+      return int(match.group(1)), int(match.group(2))
+  return None
+
+
+def _add_flag(variable: str, flag: str, replace_prefix: str = None) -> None:
+  """Appends `flag` to a space-separated flag variable unless the user already set that flag."""
+  current = os.environ.get(variable, "").split()
+  key = replace_prefix or flag
+  if not any(item.startswith(key) for item in current):
+    os.environ[variable] = " ".join(current + [flag])
+
+
+def _make_dir(path: str, flag: str) -> str:
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as error:
+    raise UserError("%s=%s cannot be created (%s)" % (flag, path, error.strerror)) from None
+  return os.path.abspath(path)
+
+
+def _ipu_variables(config: RunConfig) -> None:
+  if config.ipu_model:
+    _add_flag("TF_POPLAR_FLAGS", "--use_ipu_model")
+  # Under poprun, --executable-cache-path arrives as POPDIST_EXECUTABLE_CACHE_PATH, which TensorFlow
+  # uses when --executable_cache_path is absent: let poprun's choice win.
+  if config.cache_dir and not os.environ.get("POPDIST_EXECUTABLE_CACHE_PATH"):
+    path = _make_dir(config.cache_dir, "--cache_dir")
+    # Underscores: Poplar aborts the process on an unknown flag such as --executable-cache-path.
+    _add_flag("TF_POPLAR_FLAGS", "--executable_cache_path=" + path, "--executable_cache_path=")
+  if config.profile_dir:
+    path = _make_dir(config.profile_dir, "--profile_dir")
+    # PopVision Graph Analyser (autoReport) and System Analyser (PVTI). Engine options are part of
+    # the executable cache key, so a profiled run compiles afresh.
+    os.environ["POPLAR_ENGINE_OPTIONS"] = json.dumps({
+        "autoReport.all": "true", "autoReport.directory": path,
+        "autoReport.outputSerializedGraph": "false", "debug.allowOutOfMemory": "true"})
+    os.environ["PVTI_OPTIONS"] = json.dumps({"enable": "true", "directory": path})
+
+
+def _xla_cache_variables(config: RunConfig) -> None:
+  if not (config.jit_compile and config.cache_dir and config.backend != "ipu"):
+    return
+  version = installed_tensorflow_version()
+  if version is None or version < XLA_PERSISTENT_CACHE_SINCE:
+    return
+  path = _make_dir(os.path.join(config.cache_dir, "xla"), "--cache_dir")
+  _add_flag("TF_XLA_FLAGS", "--tf_xla_persistent_cache_directory=" + path,
+            "--tf_xla_persistent_cache_directory=")
 
 
 def prepare(config: RunConfig) -> None:
-  """Sets TensorFlow's start-up variables for this run; raises if TensorFlow is already loaded."""
-  del config  # Later backends (IPU cache, XLA cache) derive variables from the config.
+  """Sets the start-up variables for this run; raises if TensorFlow is already loaded."""
   if "tensorflow" in sys.modules:
     raise RuntimeError("strategies.environment.prepare() must run before TensorFlow is imported")
   # Keras 2 everywhere: Graphcore's SDK ships Keras 2.6, and on TensorFlow >= 2.16 this makes
@@ -20,3 +88,16 @@ def prepare(config: RunConfig) -> None:
   os.environ["TF_USE_LEGACY_KERAS"] = "1"
   # TensorFlow's C++ INFO lines (oneDNN notices, CPU feature banners) bury the progress output.
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+  if config.backend in ("ipu", "auto"):
+    _ipu_variables(config)
+  _xla_cache_variables(config)
+
+
+def executable_cache_dir(kind: str):
+  """The executable cache folder in effect for a backend kind, read back from the environment."""
+  variable, prefix = (("TF_POPLAR_FLAGS", "--executable_cache_path=") if kind == "ipu" else
+                      ("TF_XLA_FLAGS", "--tf_xla_persistent_cache_directory="))
+  for item in os.environ.get(variable, "").split():
+    if item.startswith(prefix):
+      return item[len(prefix):]
+  return os.environ.get("POPDIST_EXECUTABLE_CACHE_PATH") if kind == "ipu" else None

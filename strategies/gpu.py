@@ -3,15 +3,17 @@
 import tensorflow as tf
 
 from errors import UserError
-from strategies.backend import Backend
+from run_config import RunConfig
+from strategies.backend import Backend, options_from_config
 
 
 def visible_gpus() -> list:
   return tf.config.list_physical_devices("GPU")
 
 
-def create(replicas: int) -> Backend:
+def create(config: RunConfig) -> Backend:
   """Returns a GPU backend with one replica per GPU; a UserError if too few GPUs are visible."""
+  replicas = config.replicas
   gpus = visible_gpus()
   if len(gpus) < replicas:
     raise UserError("--replicas=%d needs %d GPUs but TensorFlow sees %d (check CUDA_VISIBLE_DEVICES "
@@ -21,5 +23,5 @@ def create(replicas: int) -> Backend:
     tf.config.experimental.set_memory_growth(gpu, True)
   devices = tuple("/gpu:%d" % i for i in range(replicas))
   if replicas == 1:
-    return Backend("gpu", tf.distribute.OneDeviceStrategy(devices[0]), devices)
-  return Backend("gpu", tf.distribute.MirroredStrategy(devices=list(devices)), devices)
+    return Backend("gpu", tf.distribute.OneDeviceStrategy(devices[0]), devices, **options_from_config(config))
+  return Backend("gpu", tf.distribute.MirroredStrategy(devices=list(devices)), devices, **options_from_config(config))

@@ -1,30 +1,54 @@
-"""IPU backend (Graphcore's TensorFlow from the Poplar SDK).
+"""IPU backend, written against Graphcore's documented TensorFlow 2.6 / Keras API (Poplar SDK 2.6-3.4).
 
-Detection lives here so that `auto` can ask whether IPUs are usable without importing Poplar on other
-machines. The IPUStrategy implementation itself arrives with issue 4.
+Every call below is cited in `shared/reference/ipu_tf2_keras_api.md` (sections in brackets). The
+semantics traps it handles:
+- IPUStrategy reports `num_replicas_in_sync == 1` and SUMS gradients over replicas [2.2]: gradients are
+  divided by the replica count so learning rates mean the same as on CPU/GPU (PopDistStrategy already
+  averages over its `getNumTotalReplicas()`).
+- `steps_per_execution` is per replica [2.1]: it must divide the per-replica steps of every dataset and be
+  a multiple of the gradient-accumulation count; datasets are trimmed to whole optimizer steps.
+- Replication factor = IPUs / IPUs per replica, rounded to powers of two [2.2]: counts must be powers
+  of two.
+- Pipelining needs gradient accumulation (Grouped: a multiple of 2 x stages; Interleaved: of stages) [3.1].
+- Metrics with replication come from the last replica on SDK 2.6/3.0 [2.2]: the loss logged per step is
+  one replica's; validation and test losses are computed over all data.
 """
 
+import dataclasses
+import importlib
 import os
 import shutil
 
+import tensorflow as tf
+from absl import logging
+
+from data.splits import BatchLayout
 from errors import UserError
+from run_config import RunConfig
+from strategies.backend import Backend
 
 INSTALL_HINT = ("Graphcore's TensorFlow is not installed: enable the Poplar SDK (source "
                 "<sdk>/enable) and pip install its TensorFlow 2 wheel, e.g. "
                 "pip install <sdk>/tensorflow-2.6.3+gc*-cp38-cp38-linux_x86_64.whl "
                 "and <sdk>/keras-2.6.0+gc*.whl, in a Python 3.8 environment")
+CONNECTIONS = {"always": "ALWAYS", "on_demand": "ON_DEMAND", "pre_compile": "PRE_COMPILE"}
+SCHEDULES = {"grouped": "Grouped", "interleaved": "Interleaved", "sequential": "Sequential"}
+
+
+def import_ipu():
+  """`from tensorflow.python import ipu`, the only supported import path [0]; None without it."""
+  try:
+    return importlib.import_module("tensorflow.python.ipu")
+  except ImportError:
+    return None
 
 
 def graphcore_tensorflow_available() -> bool:
-  try:
-    from tensorflow.python import ipu  # pylint: disable=import-outside-toplevel,unused-import
-  except ImportError:
-    return False
-  return True
+  return import_ipu() is not None
 
 
 def ipus_present() -> bool:
-  """True when this host can reach IPUs (IPU-over-fabric config, local devices, or the IPU Model)."""
+  """True when this host can reach IPUs (IPU-over-fabric config, local tools, or the IPU Model)."""
   if "--use_ipu_model" in os.environ.get("TF_POPLAR_FLAGS", ""):
     return True
   if os.environ.get("IPUOF_CONFIG_PATH") or os.path.isdir("/etc/ipuof.conf.d"):
@@ -32,10 +56,196 @@ def ipus_present() -> bool:
   return shutil.which("gc-info") is not None
 
 
-def create(replicas: int):
-  """Returns the IPU backend; raises UserError when Graphcore's TensorFlow is missing."""
-  del replicas
-  if not graphcore_tensorflow_available():
+def is_power_of_two(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+def popdist_module():
+  """The popdist package when this process was launched by poprun, else None [4.2]."""
+  try:
+    popdist = importlib.import_module("popdist")
+  except ImportError:
+    return None
+  return popdist if popdist.isPopdistEnvSet() else None
+
+
+def check_pipeline_settings(config: RunConfig) -> None:
+  """Cross-flag rules of pipelining and replication on IPUs; one UserError per violation."""
+  total = config.replicas * config.ipus_per_replica
+  if not is_power_of_two(total):
+    raise UserError("--replicas=%d x --ipus_per_replica=%d = %d IPUs: IPU devices come in powers of two "
+                    "(1, 2, 4, 8, ...)" % (config.replicas, config.ipus_per_replica, total))
+  stages, g = config.pipeline_stages, config.gradient_accumulation
+  if stages > 1 and config.pipeline_schedule != "sequential":
+    multiple = 2 * stages if config.pipeline_schedule == "grouped" else stages
+    if g % multiple:
+      raise UserError("--pipeline_schedule=%s with %d stages needs --gradient_accumulation to be a "
+                      "multiple of %d (got %d)" % (config.pipeline_schedule, stages, multiple, g))
+
+
+def make_ipu_config(ipu, config: RunConfig, popdist=None):
+  """An IPUConfig for this run [1.1], not yet applied."""
+  cfg = ipu.config.IPUConfig()
+  if popdist is not None:
+    popdist.tensorflow.set_ipu_config(cfg, ipus_per_replica=config.ipus_per_replica, configure_device=True)
+  else:
+    cfg.auto_select_ipus = config.replicas * config.ipus_per_replica
+  connection = getattr(ipu.config.DeviceConnectionType, CONNECTIONS[config.ipu_connection])
+  cfg.device_connection.type = connection
+  if config.ipu_connection == "pre_compile":
+    # Compile into the executable cache without IPUs; version is required for PRE_COMPILE [1.4, 5.2].
+    cfg.device_connection.version = "ipu2"
+    cfg.device_connection.enable_remote_buffers = True
+  if config.available_memory_proportion:
+    value = str(config.available_memory_proportion)  # Poplar option values must be strings [1.1]
+    cfg.matmuls.poplar_options = {"availableMemoryProportion": value}
+    cfg.convolutions.poplar_options = {"availableMemoryProportion": value}
+  cfg.floating_point_behaviour.esr = ipu.config.StochasticRoundingBehaviour.from_bool(
+      config.stochastic_rounding)
+  # Seeded runs: identical random streams across executions need portable workers [1.2].
+  cfg.compilation_poplar_options = {"target.deterministicWorkers": "portable"}
+  if config.pipeline_stages > 1:
+    cfg.allow_recompute = True
+    cfg.selection_order = ipu.config.SelectionOrder.SNAKE  # suits pipelines across neighbouring IPUs
+  return cfg
+
+
+def configure_system(ipu, cfg, config: RunConfig) -> None:
+  """Applies the config and seeds; Poplar's multi-line failure becomes one line."""
+  try:
+    cfg.configure_ipu_system()
+  except (tf.errors.OpError, RuntimeError, ValueError) as error:
+    first = (str(getattr(error, "message", error)).strip().splitlines() or [type(error).__name__])[0]
+    if "no hardware IPU found" in first or "model disabled" in first:
+      raise UserError("--backend=ipu: no IPU is attached to this host (use --ipu_model to emulate, or "
+                      "--ipu_connection=pre_compile to fill the executable cache)") from None
+    raise UserError("--backend=ipu: configuring %d IPU(s) failed: %s" % (
+        config.replicas * config.ipus_per_replica, first)) from None
+  ipu.utils.reset_ipu_seed(config.seed, experimental_identical_replicas=True)
+
+
+def make_strategy(ipu, popdist):
+  """IPUStrategy, or PopDistStrategy under poprun (SDK 3.x path, then SDK 2.6's) [2, 4.2]."""
+  if popdist is None:
+    return ipu.ipu_strategy.IPUStrategy()
+  try:
+    module = importlib.import_module("tensorflow.python.ipu.distributed.popdist_strategy")
+  except ImportError:  # SDK 2.6 keeps it under horovod and needs horovod initialised first
+    importlib.import_module("tensorflow.python.ipu.horovod").init()
+    module = importlib.import_module("tensorflow.python.ipu.horovod.popdist_strategy")
+  return module.PopDistStrategy()
+
+
+def derive_steps_per_execution(per_replica_steps: int, accumulation: int, requested: int) -> int:
+  """steps_per_execution for IPU Keras [2.1]: divides the per-replica steps, multiple of G."""
+  if requested:
+    if per_replica_steps % requested or requested % accumulation:
+      raise UserError("--steps_per_execution=%d must divide the %d steps per replica per epoch and be a "
+                      "multiple of --gradient_accumulation=%d" % (requested, per_replica_steps,
+                                                                  accumulation))
+    return requested
+  return per_replica_steps  # one execution per epoch: the fewest host round trips
+
+
+def assign_stages(model, stage_boundaries, stages: int, schedule: str, ipus_per_replica: int,
+                  accumulation: int):
+  """Splits a functional model at the builder's boundary layers and sets pipelining options [3.1, 3.2]."""
+  ipu = import_ipu()
+  if stages > len(stage_boundaries) + 1:
+    raise UserError("--pipeline_stages=%d: model %s can be split into at most %d stages (boundaries: %s)"
+                    % (stages, model.name, len(stage_boundaries) + 1, ", ".join(stage_boundaries)))
+  starts = {name: i + 1 for i, name in enumerate(stage_boundaries[:stages - 1])}
+  assignments = model.get_pipeline_stage_assignment()
+  stage = 0
+  for assignment in assignments:  # post-order: every layer after a boundary joins the next stage
+    stage = max(stage, starts.get(assignment.layer.name, 0))
+    assignment.pipeline_stage = stage
+  model.set_pipeline_stage_assignment(assignments)
+  model.set_pipelining_options(
+      gradient_accumulation_steps_per_replica=accumulation,
+      device_mapping=[i % ipus_per_replica for i in range(stages)],
+      pipeline_schedule=getattr(ipu.ops.pipelining_ops.PipelineSchedule, SCHEDULES[schedule]),
+      gradient_accumulation_reduction_method="mean")
+  return model
+
+
+def swap_ipu_layers(model: tf.keras.Model) -> tf.keras.Model:
+  """Replaces Keras Dropout with IPU Dropout (no mask kept in memory) when the addons are installed [7]."""
+  try:
+    ipu_layers = importlib.import_module("ipu_tensorflow_addons.keras.layers")
+  except ImportError:
+    return model
+
+  def clone(layer):
+    if type(layer) is tf.keras.layers.Dropout:  # pylint: disable=unidiomatic-typecheck
+      return ipu_layers.Dropout(layer.rate, seed=layer.seed, name=layer.name)
+    return layer.__class__.from_config(layer.get_config())
+
+  swapped = tf.keras.models.clone_model(model, clone_function=clone)
+  swapped.set_weights(model.get_weights())
+  return swapped
+
+
+@dataclasses.dataclass(frozen=True)
+class IPUBackend(Backend):
+  """IPUStrategy/PopDistStrategy with replication, pipelining and gradient accumulation on device."""
+  pipeline_stages: int = 1
+  pipeline_schedule: str = "grouped"
+  ipus_per_replica: int = 1
+  requested_steps_per_execution: int = 0
+  sums_replica_gradients: bool = True     # IPUStrategy: yes; PopDistStrategy averages itself
+
+  def layout(self, micro_batch: int) -> BatchLayout:
+    # Each replica takes whole micro-batches from the infeed in turn; G micro-batches per optimizer step.
+    return BatchLayout(replicas=self.replicas, replica_rows=micro_batch, element_per_replica=True,
+                       steps_multiple=self.gradient_accumulation)
+
+  def prepare_model(self, model, stage_boundaries=()):
+    model = swap_ipu_layers(model)
+    if self.pipeline_stages > 1:
+      return assign_stages(model, tuple(stage_boundaries), self.pipeline_stages, self.pipeline_schedule,
+                           self.ipus_per_replica, self.gradient_accumulation)
+    if self.gradient_accumulation > 1:
+      model.set_gradient_accumulation_options(
+          gradient_accumulation_steps_per_replica=self.gradient_accumulation,
+          gradient_accumulation_reduction_method="mean")
+    return model
+
+  def optimizer_kwargs(self) -> dict:
+    if not self.sums_replica_gradients or self.replicas == 1:
+      return {}
+    replicas = float(self.replicas)
+    return {"gradient_transformers": [lambda pairs: [(g / replicas, v) for g, v in pairs]]}
+
+  def compile_kwargs(self, train_steps: int) -> dict:
+    steps = derive_steps_per_execution(train_steps, self.gradient_accumulation,
+                                       self.requested_steps_per_execution)
+    return {"steps_per_execution": steps}
+
+
+def create(config: RunConfig) -> IPUBackend:
+  """Returns the IPU backend; UserError when Graphcore's TensorFlow or the IPUs are missing."""
+  ipu = import_ipu()
+  if ipu is None:
     raise UserError("--backend=ipu: " + INSTALL_HINT)
-  raise UserError("--backend=ipu: the IPUStrategy backend is not implemented yet (issue 4); "
-                  "use --backend=cpu or --backend=gpu")
+  check_pipeline_settings(config)
+  popdist = popdist_module()
+  replicas = config.replicas
+  if popdist is not None:
+    replicas = popdist.getNumTotalReplicas()
+    if config.replicas not in (1, replicas):
+      raise UserError("--replicas=%d disagrees with poprun's --num-replicas=%d (leave --replicas unset "
+                      "under poprun)" % (config.replicas, replicas))
+  cfg = make_ipu_config(ipu, config, popdist)
+  configure_system(ipu, cfg, config)
+  strategy = make_strategy(ipu, popdist)
+  logging.info("IPU system configured: %d replica(s) x %d IPU(s), %s connection%s", replicas,
+               config.ipus_per_replica, config.ipu_connection,
+               ", poprun instance %d of %d" % (popdist.getInstanceIndex(), popdist.getNumInstances())
+               if popdist else "")
+  return IPUBackend(
+      kind="ipu", strategy=strategy, devices=("/device:IPU:0",), replicas=replicas,
+      gradient_accumulation=config.gradient_accumulation, pipeline_stages=config.pipeline_stages,
+      pipeline_schedule=config.pipeline_schedule, ipus_per_replica=config.ipus_per_replica,
+      requested_steps_per_execution=config.steps_per_execution,
+      sums_replica_gradients=popdist is None)

@@ -1,14 +1,23 @@
 """`select_backend(config)`: the one function that turns a run config into a `Backend`."""
 
+import dataclasses
+
 import tensorflow as tf
 from absl import logging
 
 from errors import UserError
 from run_config import RunConfig
-from strategies import cpu, gpu, ipu
+from strategies import cpu, environment, gpu, ipu
 from strategies.backend import Backend
 
 _CREATORS = {"cpu": cpu.create, "gpu": gpu.create, "ipu": ipu.create}
+# Keras policies per --precision: IPUs and GPUs compute in float16; this CPU family has bfloat16
+# arithmetic (AVX-512 BF16 / AMX) but no fast float16.
+_POLICIES = {
+    "32.32": {"cpu": "float32", "gpu": "float32", "ipu": "float32"},
+    "16.32": {"cpu": "mixed_bfloat16", "gpu": "mixed_float16", "ipu": "mixed_float16"},
+    "16.16": {"cpu": "bfloat16", "gpu": "float16", "ipu": "float16"},
+}
 
 
 def resolve_kind(requested: str) -> str:
@@ -38,13 +47,25 @@ def check_keras_2() -> None:
                     "set TF_USE_LEGACY_KERAS=1 before TensorFlow is imported" % version)
 
 
+def set_precision(precision: str, kind: str) -> str:
+  policy = _POLICIES[precision][kind]
+  tf.keras.mixed_precision.set_global_policy(policy)
+  return policy
+
+
 def select_backend(config: RunConfig) -> Backend:
   """Returns the backend for `config.backend` with `config.replicas` data-parallel replicas."""
   check_keras_2()
   kind = resolve_kind(config.backend)
   if kind not in _CREATORS:
     raise UserError("unknown backend %r; valid backends: auto, %s" % (kind, ", ".join(_CREATORS)))
-  backend = _CREATORS[kind](config.replicas)
-  logging.info("Backend %s, %d replica(s) on %s (TensorFlow %s, Keras %s)", backend.label,
-               backend.replicas, ", ".join(backend.devices), tf.__version__, keras_version())
+  backend = _CREATORS[kind](config)
+  backend = dataclasses.replace(backend, cache_dir=environment.executable_cache_dir(kind))
+  policy = set_precision(config.precision, kind)
+  logging.info("Backend %s, %d replica(s) on %s (TensorFlow %s, Keras %s, precision %s)", backend.label,
+               backend.replicas, ", ".join(backend.devices), tf.__version__, keras_version(), policy)
+  if kind != "ipu" and config.pipeline_stages > 1:
+    logging.info("Pipeline stages place the model on several IPUs; on %s the model runs whole, with the "
+                 "same gradient accumulation (%d micro-batches per step)", backend.label,
+                 backend.gradient_accumulation)
   return backend

@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from data import mnist
+from data.splits import BatchLayout
 from errors import UserError
 from run_config import RunConfig
 from tests.idx_files import write_mnist_folder
@@ -51,7 +52,7 @@ def test_idx_path_must_be_a_folder(tmp_path):
 
 def test_pipeline_has_static_shapes_and_drops_remainder(tmp_path):
   folder = write_mnist_folder(str(tmp_path), _digits(100), _digits(30, seed=1))
-  splits = mnist.load(RunConfig(model="mnist", data_path=folder, batch_size=16), replicas=1)
+  splits = mnist.load(RunConfig(model="mnist", data_path=folder), BatchLayout(1, 16))
   assert splits.train.steps == 6 and splits.test.steps == 1
   spec = splits.train.dataset.element_spec
   assert spec[0].shape.as_list() == [16, 28, 28, 1] and spec[0].dtype == tf.float32
@@ -63,7 +64,7 @@ def test_pipeline_has_static_shapes_and_drops_remainder(tmp_path):
 def test_shuffle_is_seeded_and_changes_every_epoch(tmp_path):
   folder = write_mnist_folder(str(tmp_path), _digits(64), _digits(16, seed=1))
   def labels(seed):
-    dataset = mnist.load(RunConfig(model="mnist", data_path=folder, seed=seed, batch_size=8), 1).train.dataset
+    dataset = mnist.load(RunConfig(model="mnist", data_path=folder, seed=seed), BatchLayout(1, 8)).train.dataset
     return [np.concatenate([y.numpy() for _, y in dataset]) for _ in range(2)]
   first, again = labels(3), labels(3)
   np.testing.assert_array_equal(first[0], again[0])            # same seed, same order
@@ -73,7 +74,7 @@ def test_shuffle_is_seeded_and_changes_every_epoch(tmp_path):
 def test_fewer_samples_than_one_global_batch(tmp_path):
   folder = write_mnist_folder(str(tmp_path), _digits(10), _digits(10, seed=1))
   with pytest.raises(UserError, match="train split has 10 samples, fewer than one global batch of 32"):
-    mnist.load(RunConfig(model="mnist", data_path=folder, batch_size=16), 2)
+    mnist.load(RunConfig(model="mnist", data_path=folder), BatchLayout(2, 16))
 
 
 def test_tfds_source_through_mock_data():

@@ -33,7 +33,7 @@ def test_two_replicas_one_epoch(tmp_path, fp16_file):
   result = _run(fp16_file, logdir, "--replicas=2", "--epochs=1")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "Neuron-Inverter, running on CPU" in result.stdout
-  assert "Global batch 32 = 16 per replica x 2 replicas" in result.stderr
+  assert "Global batch 32 = 16 per replica x 1 gradient accumulation x 2 replicas" in result.stderr
   summary = _summary(logdir)
   assert summary["replicas"] == 2 and summary["global_batch_size"] == 32
   assert summary["steps_per_epoch"] == 8                       # 256 // 2 // 16

@@ -1,9 +1,18 @@
 """Keras callbacks that report what a person watching a run wants to know: compile time and speed."""
 
+import os
 import time
 
 import tensorflow as tf
 from absl import logging
+
+
+def _cache_entries(folder) -> set:
+  """Files in an executable cache folder (Poplar .poplar_exec files or XLA cache entries)."""
+  if not folder or not os.path.isdir(folder):
+    return set()
+  return {os.path.join(root, name) for root, _, names in os.walk(folder) for name in names
+          if not name.endswith((".compile_lock", ".read_lock"))}
 
 
 class ThroughputCallback(tf.keras.callbacks.Callback):
@@ -15,15 +24,18 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
   as `samples_per_sec`, which TensorBoard and History record.
   """
 
-  def __init__(self, global_batch_size: int, replicas: int):
+  def __init__(self, global_batch_size: int, replicas: int, cache_dir=None):
     super().__init__()
     self.global_batch_size = global_batch_size
     self.replicas = replicas
+    self.cache_dir = cache_dir
     self.compile_seconds = None
+    self.from_cache = None    # True/False once the first step ran with an executable cache in effect
     self._timed_steps = 0
     self._timed_seconds = 0.0
 
   def on_train_begin(self, logs=None):
+    self._cached_before = _cache_entries(self.cache_dir)
     self._train_start = time.perf_counter()
     logging.info("Compiling the training step (first step includes tracing and compilation)...")
 
@@ -38,7 +50,7 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
     now = time.perf_counter()
     if self.compile_seconds is None:
       self.compile_seconds = now - self._train_start
-      logging.info("Compilation and first step done in %.1f s", self.compile_seconds)
+      logging.info("Compilation and first step done in %.1f s%s", self.compile_seconds, self._cache_note())
       self._window_start, self._window_first_step = now, batch + 1
     self._steps_done = batch + 1  # With steps_per_execution > 1, `batch` is the last step run.
     self._last_batch_time = now
@@ -56,6 +68,15 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
     if logs is not None:
       logs["samples_per_sec"] = rate
       logs["samples_per_sec_per_replica"] = rate / self.replicas
+
+  def _cache_note(self) -> str:
+    if self.cache_dir is None:
+      return ""
+    new = _cache_entries(self.cache_dir) - self._cached_before
+    self.from_cache = not new and bool(self._cached_before)
+    if new:
+      return "; %d new executable(s) written to the cache %s" % (len(new), self.cache_dir)
+    return "; executable loaded from the cache %s" % self.cache_dir if self.from_cache else ""
 
   @property
   def samples_per_sec_per_replica(self):
@@ -79,3 +100,10 @@ class EpochLogger(tf.keras.callbacks.Callback):
     if "samples_per_sec_per_replica" in logs:
       parts.append("%.0f samples/s per replica" % logs["samples_per_sec_per_replica"])
     logging.info(", ".join(parts))
+
+
+class StopAfterFirstStep(tf.keras.callbacks.Callback):
+  """--compile_only: the first step compiles (and fills the executable cache); then stop."""
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.model.stop_training = True

@@ -45,11 +45,17 @@ def prepare_logdir(logdir: str) -> None:
 
 
 def build_and_compile(config: RunConfig, backend: Backend, model_module, splits) -> tf.keras.Model:
-  """Creates the model and its optimizer state inside the strategy scope, as tf.distribute requires."""
+  """Creates the model and its optimizer state inside the strategy scope, as tf.distribute requires.
+
+  The backend prepares the model between building and compiling: pipeline stages and on-device
+  gradient accumulation on IPUs, the accumulating train step on CPU/GPU.
+  """
   with backend.strategy.scope():
     net = model_module.build(config, splits.input_shape, splits.num_outputs)
-    net.compile(optimizer=make_optimizer(config.optimizer, config.learning_rate),
-                loss=model_module.loss(), metrics=model_module.metrics())
+    net = backend.prepare_model(net, getattr(model_module, "STAGE_BOUNDARIES", ()))
+    optimizer = make_optimizer(config.optimizer, config.learning_rate, **backend.optimizer_kwargs())
+    net.compile(optimizer=optimizer, loss=model_module.loss(), metrics=model_module.metrics(),
+                **backend.compile_kwargs(splits.train.steps))
   return net
 
 
@@ -83,7 +89,7 @@ def _resume_state(config: RunConfig) -> dict:
   return state
 
 
-def _make_callbacks(config, backend, net, global_batch_size):
+def _make_callbacks(config, backend, net, global_batch_size):  # pylint: disable=too-many-locals
   schedule = WarmupPlateauSchedule(config.learning_rate, config.warmup_epochs, config.lr_factor,
                                    config.lr_patience, config.lr_cooldown)
   checkpoints = checkpoints_lib.RunCheckpoints(config.logdir, net, _identity(config))
@@ -93,11 +99,16 @@ def _make_callbacks(config, backend, net, global_batch_size):
     schedule.plateau.load(state["schedule"])
     checkpointing.best_val_loss = float(state.get("best_val_loss", math.inf))
     checkpointing.best_epoch = state.get("best_epoch")
-  throughput = callbacks_lib.ThroughputCallback(global_batch_size, backend.replicas)
+  throughput = callbacks_lib.ThroughputCallback(global_batch_size, backend.replicas, backend.cache_dir)
+  if config.compile_only:
+    return [throughput, callbacks_lib.StopAfterFirstStep()], throughput, checkpointing
   # Order matters: each callback may add to the epoch logs that the later ones record.
   callbacks = [throughput, schedule, callbacks_lib.EpochLogger(), checkpointing,
                tf.keras.callbacks.TerminateOnNaN(),
                tf.keras.callbacks.TensorBoard(log_dir=config.logdir, profile_batch=0)]
+  if config.profile_dir and backend.kind != "ipu":  # IPU profiles come from POPLAR_ENGINE_OPTIONS
+    callbacks.append(tf.keras.callbacks.TensorBoard(log_dir=config.profile_dir, profile_batch=(2, 4),
+                                                    write_graph=False))
   return callbacks, throughput, checkpointing
 
 
@@ -117,12 +128,14 @@ def run(config: RunConfig, backend: Backend) -> dict:
   print("%s, running on %s" % (info.title, backend.label), flush=True)
   resume_state = _resume_state(config)
 
-  global_batch_size = config.batch_size * backend.replicas
-  splits = data.load(info.dataset, config, backend.replicas, resume_state["epoch"])
+  global_batch_size = backend.effective_batch(config.batch_size)
+  splits = data.load(info.dataset, config, backend.layout(config.batch_size), resume_state["epoch"])
   net = build_and_compile(config, backend, model.get_model_module(config.model), splits)
   net.summary()
-  logging.info("Global batch %d = %d per replica x %d replicas; %d steps per epoch",
-               global_batch_size, config.batch_size, backend.replicas, splits.train.steps)
+  logging.info("Global batch %d = %d per replica x %d gradient accumulation x %d replicas; "
+               "%d optimizer steps per epoch", global_batch_size, config.batch_size,
+               backend.gradient_accumulation, backend.replicas,
+               splits.train.samples // global_batch_size)
 
   callbacks, throughput, checkpointing = _make_callbacks(config, backend, net, global_batch_size)
   print("\nTraining", flush=True)
@@ -130,6 +143,10 @@ def run(config: RunConfig, backend: Backend) -> dict:
       splits.train.dataset, epochs=config.epochs, initial_epoch=resume_state["epoch"],
       callbacks=callbacks, verbose=1,
       validation_data=splits.validation.dataset if splits.validation else None).history
+  if config.compile_only:
+    logging.info("--compile_only: compiled in %.1f s; exiting before training",
+                 throughput.compile_seconds or 0.0)
+    return {"compile_seconds": throughput.compile_seconds}
   if any(not np.isfinite(v) for v in history.get("loss", [])):
     kept = checkpointing.last_saved or "none written by this run"
     raise UserError("training stopped: the loss became NaN/Inf in epoch %d (lower --learning_rate); "
@@ -147,6 +164,8 @@ def run(config: RunConfig, backend: Backend) -> dict:
       "replicas": backend.replicas,
       "global_batch_size": global_batch_size,
       "per_replica_batch_size": config.batch_size,
+      "gradient_accumulation": backend.gradient_accumulation,
+      "precision": config.precision,
       "epochs": config.epochs,
       "first_epoch": resume_state["epoch"] + 1,
       "steps_per_epoch": splits.train.steps,
@@ -156,6 +175,7 @@ def run(config: RunConfig, backend: Backend) -> dict:
       "test_loss": float(test_results["loss"]) if "loss" in test_results else None,
       "samples_per_sec_per_replica": throughput.samples_per_sec_per_replica,
       "compile_seconds": throughput.compile_seconds,
+      "executable_from_cache": throughput.from_cache,
       "wall_seconds": time.perf_counter() - started,
       "seconds_per_epoch": _epoch_time_stats(history),
       "best_val_loss": None if math.isinf(checkpointing.best_val_loss) else checkpointing.best_val_loss,
