@@ -25,7 +25,7 @@ from run_config import RunConfig
 
 DEFAULT_SAMPLES = {"train": 16384, "val": 2048, "test": 2048}
 DEFAULT_CELL = "synth"
-DEFAULT_DATA_VERSION = "v1"
+DEFAULT_DATA_VERSION = "v1"  # bump whenever data/neuron_sim.py changes what it simulates
 
 
 def shard_blocks(num_samples: int, num_shards: int, batch_size: int, split: str) -> list:
@@ -172,7 +172,8 @@ def default_data_path(config: RunConfig) -> str:
   logging.info("Generating the built-in dataset into %s (once; later runs reuse it)", folder)
   return cellspike_generate.generate_dataset(
       folder, cell_name=DEFAULT_CELL, num_train=DEFAULT_SAMPLES["train"],
-      num_val=DEFAULT_SAMPLES["val"], num_test=DEFAULT_SAMPLES["test"], seed=0)
+      num_val=DEFAULT_SAMPLES["val"], num_test=DEFAULT_SAMPLES["test"], seed=0,
+      workers=os.cpu_count() or 1)
 
 
 def open_configured(config: RunConfig):

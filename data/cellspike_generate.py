@@ -1,0 +1,288 @@
+"""Writes a synthetic cellSpike dataset (HDF5 + meta yaml) from the numpy neuron model in neuron_sim.
+
+Layout written (the Neuron-Inverter format, reference section 2):
+  <out_dir>/<cell_name>_excite.cellSpike_4prB8kHz.data.h5 with, for dom in train, val, test:
+    <dom>_frames (N, 1600, 4), <dom>_unitStar_par (N, 15), <dom>_phys_par (N, 15): float32, or float16
+    with fp16=True; plus meta.JSON, a 1-element variable-length string holding the meta dict as JSON.
+  <out_dir>/meta.cellSpike_<probe_type>.yaml holding the same dict (dataInfo + packInfo).
+
+Targets u are uniform in [-1, 1], drawn from one seeded stream per split, so the output is a function of
+the arguments only: the batch size and the number of worker processes do not change a single bit.
+Frames are normalised per probe with a mean and std taken once over the first up-to-2048 training
+samples (stored as packInfo fnorm_mean / fnorm_std), as the real data were packed.
+
+Samples are simulated a batch at a time and written into pre-created datasets, so memory is bounded by a
+batch (plus the buffered normalisation sample), not by the file. The file is written under a temporary
+name in out_dir and renamed at the end: an interrupted run never leaves a partial file under the final
+name.
+"""
+
+import json
+import multiprocessing
+import os
+import sys
+import time
+
+import h5py
+import numpy as np
+import yaml
+from absl import logging
+
+from data import neuron_sim
+from errors import UserError
+
+H5_NAME_TEMPLATE = "*_excite.cellSpike_4prB8kHz.data.h5"
+DOMAINS = ("train", "val", "test")
+NORM_SAMPLES = 2048          # frames behind fnorm_mean / fnorm_std, as the real packing's first shard
+CHUNK_ROWS = 256             # samples per HDF5 chunk: large contiguous reads for the loader
+_SEED_SALT = 0xCE115         # keeps these streams apart from other users of the same --seed
+
+
+def h5_name(cell_name: str) -> str:
+  return H5_NAME_TEMPLATE.replace("*", cell_name)
+
+
+def meta_yaml_name(probe_type: str) -> str:
+  return "meta.cellSpike_%s.yaml" % probe_type
+
+
+def _check_args(out_dir, cell_name, counts, seed, batch_size, workers, probe_type):
+  for name, value in zip(DOMAINS, counts):
+    if not isinstance(value, (int, np.integer)) or value < 1:
+      raise UserError("num_%s must be an integer >= 1, got %r" % (name, value))
+  for name, value in (("cell_name", cell_name), ("probe_type", probe_type)):
+    if not value or any(c in value for c in "/\\*") or value.startswith("."):
+      raise UserError("%s %r is not usable in a file name (empty, leading '.', or '/', '\\', '*')"
+                      % (name, value))
+  if seed < 0:
+    raise UserError("seed must be >= 0, got %d" % seed)
+  if batch_size < 1:
+    raise UserError("batch_size must be >= 1, got %d" % batch_size)
+  if workers < 1:
+    raise UserError("workers must be >= 1, got %d" % workers)
+  if not out_dir:
+    raise UserError("out_dir must be set")
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise UserError("out_dir %s exists and is not a directory" % out_dir)
+
+
+def _batches(seed: int, counts, batch_size: int, workers: int):
+  """Yields simulation batches, each a list of (domain, start, u) segments; train first.
+
+  Each domain draws from its own seeded stream, and successive draws from one numpy Generator continue
+  a single stream, so the u of a sample does not depend on how the samples are cut into batches. A
+  batch may span domains (fewer, fuller batches for small splits); small totals are cut finer so that
+  every worker gets a share.
+  """
+  step = min(batch_size, max(64, -(-sum(counts) // workers)))
+  streams = np.random.SeedSequence([_SEED_SALT, seed]).spawn(len(DOMAINS))
+  batch, filled = [], 0
+  for domain, count, stream in zip(DOMAINS, counts, streams):
+    rng = np.random.default_rng(stream)
+    start = 0
+    while start < count:
+      size = min(step - filled, count - start)
+      batch.append((domain, start, rng.uniform(-1.0, 1.0, size=(size, neuron_sim.NUM_PAR))))
+      start, filled = start + size, filled + size
+      if filled == step:
+        yield batch
+        batch, filled = [], 0
+  if batch:
+    yield batch
+
+
+def _simulate_segments(batch):
+  """(segments, traces) for one batch; a module-level function so worker processes can run it."""
+  return batch, neuron_sim.simulate(np.concatenate([u for _, _, u in batch]))
+
+
+def _simulated(batches, workers: int):
+  """Yields (domain, start, u, traces) per segment, in order, simulating in `workers` processes.
+
+  Worker processes are spawned, not forked: a caller that has started TensorFlow's threads cannot be
+  forked safely.
+  """
+  if workers == 1:
+    results = (_simulate_segments(batch) for batch in batches)
+    pool = None
+  else:
+    pool = multiprocessing.get_context("spawn").Pool(workers)
+    results = pool.imap(_simulate_segments, batches)
+  try:
+    for batch, traces in results:
+      offset = 0
+      for domain, start, u in batch:
+        yield domain, start, u, traces[offset:offset + len(u)]
+        offset += len(u)
+  finally:
+    if pool is not None:
+      pool.terminate()
+      pool.join()
+
+
+class _Progress:
+  """One status line on stderr: rewritten in place on a terminal, else a new line every 10 s."""
+
+  def __init__(self, total: int, enabled: bool):
+    self.total, self.enabled, self.done = total, enabled, 0
+    self.start = self.last = time.time()
+    self.tty = enabled and sys.stderr.isatty()
+
+  def update(self, domain: str, count: int):
+    self.done += count
+    now = time.time()
+    finished = self.done == self.total
+    if not self.enabled or not (self.tty or finished or now - self.last >= 10.0):
+      return
+    self.last = now
+    rate = self.done / max(now - self.start, 1e-9)
+    line = "generate %s: %d/%d samples (%.0f%%), %.1f samples/s, %.0f s left" % (
+        domain, self.done, self.total, 100.0 * self.done / self.total, rate, (self.total - self.done) / rate)
+    sys.stderr.write(("\r%s\033[K" % line) if self.tty else line + "\n")
+    if finished and self.tty:
+      sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def _data_info(cell_name, counts, seed, fp16, probe_type):
+  """The dataInfo dict of the meta yaml: the keys the loaders read, plus how the data were made."""
+  channel_site = {c.par: neuron_sim.COMPARTMENT_NAMES[c.comp] for c in neuron_sim.CHANNELS}
+  return {
+      "fullName": "synthetic 4-compartment conductance-based cell (numpy, data/neuron_sim.py)",
+      "shortName": cell_name,
+      "probeType": probe_type,
+      "dataNormalized": True,
+      "ustarTransform": False,
+      "featureName": list(neuron_sim.FEATURE_NAMES),
+      "featureType": "probes_4prB8kHz",
+      "h5nameTemplate": H5_NAME_TEMPLATE,
+      "numFeature": neuron_sim.NUM_FEATURES,
+      "numPar": neuron_sim.NUM_PAR,
+      "numTimeBin": neuron_sim.NUM_TIME_BINS,
+      "parName": list(neuron_sim.PAR_NAMES),
+      "generator": {
+          "model": "data/neuron_sim.py",
+          "cellName": cell_name,
+          "seed": int(seed),
+          "numSamples": {d: int(n) for d, n in zip(DOMAINS, counts)},
+          "dataPrecision": "fp16" if fp16 else "fp32",
+          "uRange": [-1.0, 1.0],
+          "physPar": "base * 10**u (S/cm2)",
+          "baseConductance": {name: float(g) for name, g in
+                              zip(neuron_sim.PAR_NAMES, neuron_sim.BASE_S_PER_CM2)},
+          "parCompartment": [channel_site[k] for k in range(neuron_sim.NUM_PAR)],
+          "fixedConductance": {k: float(v) for k, v in neuron_sim.FIXED_S_PER_CM2.items()},
+          "dt_ms": neuron_sim.DT,
+          "binMs": neuron_sim.BIN_MS,
+          "settleMs": neuron_sim.SETTLE_MS,
+          "stimulus": {"site": "soma", "unit": "nA",
+                       "segments_ms_nA": [[float(x) for x in seg] for seg in neuron_sim.STIM_NA]},
+          "numpyVersion": np.__version__,
+      },
+  }
+
+
+def _create_datasets(h5, counts, dtype):
+  for domain, count in zip(DOMAINS, counts):
+    rows = min(count, CHUNK_ROWS)
+    h5.create_dataset(domain + "_frames", shape=(count, neuron_sim.NUM_TIME_BINS, neuron_sim.NUM_FEATURES),
+                      dtype=dtype, chunks=(rows, neuron_sim.NUM_TIME_BINS, neuron_sim.NUM_FEATURES))
+    for key in ("_unitStar_par", "_phys_par"):
+      h5.create_dataset(domain + key, shape=(count, neuron_sim.NUM_PAR), dtype=dtype,
+                        chunks=(min(count, 16 * CHUNK_ROWS), neuron_sim.NUM_PAR))
+
+
+def _write_batch(h5, domain, start, u, traces, norm, dtype):
+  stop = start + len(u)
+  mean, std = norm
+  h5[domain + "_frames"][start:stop] = ((traces - mean) / std).astype(dtype)
+  h5[domain + "_unitStar_par"][start:stop] = u.astype(dtype)
+  h5[domain + "_phys_par"][start:stop] = neuron_sim.conductances(u).astype(dtype)
+
+
+def _fill(h5, batches, num_norm, dtype, progress):
+  """Writes every batch; the first num_norm training frames are held back until mean/std are known."""
+  held, num_held, norm = [], 0, None
+  for domain, start, u, traces in batches:
+    if norm is None:
+      held.append((domain, start, u, traces))
+      num_held += len(u)
+      if num_held < num_norm:
+        continue
+      raw = np.concatenate([b[3] for b in held])[:num_norm].astype(np.float64)
+      norm = (raw.mean(axis=(0, 1)), raw.std(axis=(0, 1)))
+      for batch in held:
+        _write_batch(h5, *batch, norm=norm, dtype=dtype)
+        progress.update(batch[0], len(batch[2]))
+      held = []
+      continue
+    _write_batch(h5, domain, start, u, traces, norm, dtype)
+    progress.update(domain, len(u))
+  return norm
+
+
+def _temporary_name(path: str) -> str:
+  """A hidden name next to `path`, unique to this process, renamed to `path` once complete."""
+  folder, name = os.path.split(path)
+  return os.path.join(folder, ".%s.%d.tmp" % (name, os.getpid()))
+
+
+def _write_text_atomic(path: str, text: str):
+  tmp = _temporary_name(path)
+  try:
+    with open(tmp, "w") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def generate_dataset(out_dir: str, cell_name: str = "synth", num_train: int = 20000, num_val: int = 2000,
+                     num_test: int = 2000, seed: int = 0, fp16: bool = False,
+                     probe_type: str = "excite_4prB8kHz", batch_size: int = 1024, progress: bool = True,
+                     workers: int = 1) -> str:
+  """Simulates and writes one cell's dataset and the meta yaml; returns the path of the .h5 file.
+
+  `workers` > 1 simulates batches in that many spawned processes (the same bits as 1 worker).
+  """
+  counts = (num_train, num_val, num_test)
+  _check_args(out_dir, cell_name, counts, seed, batch_size, workers, probe_type)
+  try:
+    os.makedirs(out_dir, exist_ok=True)
+  except OSError as error:
+    raise UserError("out_dir %s: cannot create it (%s)" % (out_dir, error.strerror)) from None
+  dtype = np.float16 if fp16 else np.float32
+  path = os.path.join(out_dir, h5_name(cell_name))
+  meta = {"dataInfo": _data_info(cell_name, counts, seed, fp16, probe_type)}
+  started = time.time()
+  logging.info("generating %s: %d train, %d val, %d test samples, seed %d, %s, %d worker(s)",
+               path, num_train, num_val, num_test, seed, "fp16" if fp16 else "fp32", workers)
+  tmp = _temporary_name(path)
+  chunk_bytes = CHUNK_ROWS * neuron_sim.NUM_TIME_BINS * neuron_sim.NUM_FEATURES * np.dtype(dtype).itemsize
+  try:
+    # A chunk cache holding a few chunks, so batches that end inside a chunk do not rewrite it.
+    h5 = h5py.File(tmp, "w", rdcc_nbytes=4 * chunk_bytes)
+  except OSError as error:
+    raise UserError("out_dir %s: cannot write %s (%s)" % (out_dir, tmp, error)) from None
+  try:
+    with h5:
+      _create_datasets(h5, counts, dtype)
+      batches = _simulated(_batches(seed, counts, batch_size, workers), workers)
+      mean, std = _fill(h5, batches, min(NORM_SAMPLES, num_train), dtype,
+                        _Progress(sum(counts), progress))
+      meta["packInfo"] = {"fnorm_mean": [float(x) for x in mean], "fnorm_std": [float(x) for x in std],
+                          "fnorm_samples": int(min(NORM_SAMPLES, num_train)), "fnorm_domain": "train"}
+      h5.create_dataset("meta.JSON", data=[json.dumps(meta)], dtype=h5py.special_dtype(vlen=str))
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+  _write_text_atomic(os.path.join(out_dir, meta_yaml_name(probe_type)),
+                     yaml.safe_dump(meta, default_flow_style=None, sort_keys=False, width=110))
+  elapsed = time.time() - started
+  logging.info("wrote %s (%.1f MB) in %.1f s: %.1f samples/s", path, os.path.getsize(path) / 1e6, elapsed,
+               sum(counts) / elapsed)
+  return path

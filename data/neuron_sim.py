@@ -1,0 +1,458 @@
+"""A vectorised four-compartment conductance-based neuron, the source of synthetic cellSpike data.
+
+The cell is a soma with three cylinders attached to it (axon, apical dendrite, basal dendrite): the four
+recording sites of the Neuron-Inverter data, in its `featureName` order. Each compartment carries a leak
+and Hodgkin-Huxley channels with the kinetics of the Blue Brain / Hay et al. (2011) layer-5 pyramidal
+cell models (the models that produced the real data, whose channel names are the 15 parameter names).
+Each of the 15 varied conductances sits in the compartment its name says and equals base_k * 10**u_k
+with u_k in [-1, 1]; three channels that the real data keep fixed are fixed here as well.
+
+Integration (units: mV, ms, uF/cm2, mS/cm2, uA/cm2): exponential Euler for the gates, whose steady
+states and decay factors come from tables over voltage (linear interpolation, as NEURON's TABLE does),
+then one backward-Euler step for the four voltages (a 4x4 system solved in closed form because the
+compartments form a star around the soma), then the calcium pools. Backward Euler is unconditionally
+stable, so the strongest draws (somatic Na up to 10 S/cm2) cannot oscillate or overflow. Every array
+holds a whole batch of cells, so numpy's per-call cost is paid once per step, not once per cell.
+
+Nothing here imports TensorFlow: the generator runs where only numpy is installed.
+"""
+
+import collections
+
+import numpy as np
+
+PAR_NAMES = (
+    "gNaTs2.tbar.NaTs2.t.api", "gSKv3.1bar.SKv3.1.api", "gImbar.Im.api", "gNaTa.tbar.NaTa.t.axn",
+    "gK.Tstbar.K.Tst.axn", "gNap.Et2bar.Nap.Et2.axn", "gSK.E2bar.SK.E2.axn", "gCa.HVAbar.Ca.HVA.axn",
+    "gK.Pstbar.K.Pst.axn", "gCa.LVAstbar.Ca.LVAst.axn", "gSKv3.1bar.SKv3.1.som",
+    "gNaTs2.tbar.NaTs2.t.som", "gIhbar.Ih.som", "gCa.LVAstbar.Ca.LVAst.som", "gIhbar.Ih.den")
+FEATURE_NAMES = ("soma", "axon_150um", "apic_dend_150um", "soma_dend_50um")
+NUM_PAR = len(PAR_NAMES)
+NUM_FEATURES = len(FEATURE_NAMES)
+NUM_TIME_BINS = 1600
+BIN_MS = 0.125                     # 8 kHz
+DT = 0.025                         # ms; 5 steps per output bin
+STEPS_PER_BIN = 5
+DURATION_MS = NUM_TIME_BINS * BIN_MS
+
+SOMA, AXON, APIC, BASAL = range(4)  # compartment index = probe index (FEATURE_NAMES order)
+COMPARTMENT_NAMES = ("soma", "axon", "apical", "basal")
+
+# Base conductances (S/cm2), order of PAR_NAMES: 10**centP of the real data's conductName table (the
+# centre of its log range), except five set so that this small cell stays physiological over the whole
+# +-1 decade and every parameter leaves a recoverable trace: NaTs2.api x3 and K_Tst.axn x3 (otherwise
+# masked by the soma and the axon's fixed Kv3.1), Ca_LVAst.axn x5 (otherwise too small to move the
+# axon), K_Pst.axn x1/3 (a slow K that otherwise silences the cell after one spike), SKv3.1.som = Hay et
+# al.'s 0.693 (with the real centre, 1 draw in 5 ends in depolarisation block).
+BASE_S_PER_CM2 = np.array([
+    5.313e-2, 4.529e-3, 3.783e-4, 3.543e0, 2.883e-2, 7.408e-4, 2.643e-2, 5.502e-4, 2.153e-1,
+    1.238e-3, 6.930e-1, 9.625e-1, 8.000e-5, 1.512e-3, 8.000e-5])
+
+# Channels the real model has but the data keep fixed (rawIndex 9, 12, 13 are missing from
+# conductName), in S/cm2: the soma's Ca-activated adaptation (Hay et al.'s Ca_HVA, a tenth of their
+# SK_E2, whose full value silences this small cell) and the axon's fast delayed rectifier (half of
+# theirs), which keeps the axon from locking in depolarisation block.
+FIXED_S_PER_CM2 = {"SK_E2.som": 4.41e-3, "Ca_HVA.som": 9.92e-4, "SKv3_1.axn": 1.0}
+
+# Passive properties and geometry. Areas (um2) and the soma-to-compartment axial conductances (nS) set
+# how strongly each probe follows the soma: the axon and basal dendrite closely, the apical dendrite
+# 150 um away with attenuated, slowed back-propagating spikes.
+CM = 1.0                            # uF/cm2
+G_LEAK = 0.05                       # mS/cm2 (membrane time constant 20 ms)
+E_LEAK = -80.0
+AREA_UM2 = np.array([2000.0, 600.0, 3000.0, 1500.0])
+G_AXIAL_NS = np.array([0.0, 60.0, 10.0, 20.0])     # soma <-> axon, apical, basal
+E_NA, E_K, E_H, E_CA = 50.0, -85.0, -45.0, 132.0
+
+# Calcium pools (CaDynamics_E2): d[Ca]/dt = -k * gamma * ica - ([Ca] - CA_MIN) / decay.
+CA_MIN = 1e-4                       # mM
+CA_COMPARTMENTS = (SOMA, AXON)
+CA_GAMMA = np.array([0.0006, 0.0005])   # fraction of Ca entry left free, soma and axon
+CA_DECAY = np.array([80.0, 80.0])   # ms
+CA_DEPTH_UM = 0.1
+FARADAY = 96485.309
+
+# Somatic current clamp (nA), piecewise in time: a hyperpolarising pulse (Ih sag, input resistance,
+# the T-type rebound after it), a pause, then a step with a ramp on top (spiking at two drives).
+STIM_NA = (
+    (10.0, 50.0, -0.06, -0.06),     # (start ms, end ms, amplitude at start, amplitude at end)
+    (60.0, 190.0, 0.40, 1.00),
+)
+
+SETTLE_MS = 150.0                   # simulated before t=0 at a coarse step so each cell starts at rest
+SETTLE_DT = 0.25
+V_INIT = -75.0
+
+# Temperature factor of Hay et al.'s kinetics (rates measured at 21 C, simulated at 34 C).
+_QT = 2.3 ** ((34.0 - 21.0) / 10.0)
+
+# Voltage grid of the gate tables; voltages are clipped into it, far outside anything reached.
+_V_MIN, _V_MAX, _V_STEP = -150.0, 100.0, 0.05
+
+
+def _vtrap(x: np.ndarray, k: float) -> np.ndarray:
+  """x / (1 - exp(-x / k)), with its limit k at x = 0 (the removable singularity of HH rates)."""
+  x = np.asarray(x, dtype=np.float64)
+  small = np.abs(x / k) < 1e-6
+  safe = np.where(small, 1.0, x)
+  return np.where(small, k + x / 2.0, safe / (-np.expm1(-safe / k)))
+
+
+def _from_rates(alpha, beta, qt=1.0):
+  return alpha / (alpha + beta), 1.0 / ((alpha + beta) * qt)
+
+
+# Gate kinetics, each v -> (steady state, time constant in ms), from the Hay et al. mod files.
+def _nats2_m(v):
+  return _from_rates(0.182 * _vtrap(v + 32.0, 6.0), 0.124 * _vtrap(-(v + 32.0), 6.0), _QT)
+
+
+def _nats2_h(v):
+  return _from_rates(0.015 * _vtrap(-(v + 60.0), 6.0), 0.015 * _vtrap(v + 60.0, 6.0), _QT)
+
+
+def _nata_m(v):
+  return _from_rates(0.182 * _vtrap(v + 38.0, 6.0), 0.124 * _vtrap(-(v + 38.0), 6.0), _QT)
+
+
+def _nata_h(v):
+  return _from_rates(0.015 * _vtrap(-(v + 66.0), 6.0), 0.015 * _vtrap(v + 66.0, 6.0), _QT)
+
+
+def _nap_m(v):
+  inf = 1.0 / (1.0 + np.exp(-(v + 52.6) / 4.6))
+  alpha, beta = 0.182 * _vtrap(v + 38.0, 6.0), 0.124 * _vtrap(-(v + 38.0), 6.0)
+  return inf, 6.0 / ((alpha + beta) * _QT)
+
+
+def _nap_h(v):
+  inf = 1.0 / (1.0 + np.exp((v + 48.8) / 10.0))
+  alpha, beta = 2.88e-6 * _vtrap(-(v + 17.0), 4.63), 6.94e-6 * _vtrap(v + 64.4, 2.63)
+  return inf, 1.0 / ((alpha + beta) * _QT)
+
+
+def _ktst_m(v):
+  v = v + 10.0
+  return 1.0 / (1.0 + np.exp(-v / 19.0)), (0.34 + 0.92 * np.exp(-((v + 71.0) / 59.0) ** 2)) / _QT
+
+
+def _ktst_h(v):
+  v = v + 10.0
+  return 1.0 / (1.0 + np.exp((v + 66.0) / 10.0)), (8.0 + 49.0 * np.exp(-((v + 73.0) / 23.0) ** 2)) / _QT
+
+
+def _kpst_m(v):
+  v = v + 10.0
+  tau = np.where(v < -50.0, 1.25 + 175.03 * np.exp(0.026 * v), 1.25 + 13.0 * np.exp(-0.026 * v))
+  return 1.0 / (1.0 + np.exp(-(v + 1.0) / 12.0)), tau / _QT
+
+
+def _kpst_h(v):
+  v = v + 10.0
+  tau = 360.0 + (1010.0 + 24.0 * (v + 55.0)) * np.exp(-((v + 75.0) / 48.0) ** 2)
+  return 1.0 / (1.0 + np.exp((v + 54.0) / 11.0)), tau / _QT
+
+
+def _skv31_m(v):
+  return 1.0 / (1.0 + np.exp((v - 18.7) / -9.7)), 4.0 / (1.0 + np.exp((v + 46.56) / -44.14))
+
+
+def _im_m(v):
+  return _from_rates(3.3e-3 * np.exp(0.1 * (v + 35.0)), 3.3e-3 * np.exp(-0.1 * (v + 35.0)), _QT)
+
+
+def _ih_m(v):
+  return _from_rates(6.43e-3 * _vtrap(-(v + 154.9), 11.9), 0.193 * np.exp(v / 33.1))
+
+
+def _cahva_m(v):
+  return _from_rates(0.055 * _vtrap(v + 27.0, 3.8), 0.94 * np.exp((-75.0 - v) / 17.0))
+
+
+def _cahva_h(v):
+  return _from_rates(4.57e-4 * np.exp((-13.0 - v) / 50.0), 6.5e-3 / (np.exp((-v - 15.0) / 28.0) + 1.0))
+
+
+def _calva_m(v):
+  v = v + 10.0
+  return 1.0 / (1.0 + np.exp((v + 30.0) / -6.0)), (5.0 + 20.0 / (1.0 + np.exp((v + 25.0) / 5.0))) / _QT
+
+
+def _calva_h(v):
+  v = v + 10.0
+  return 1.0 / (1.0 + np.exp((v + 80.0) / 6.4)), (20.0 + 50.0 / (1.0 + np.exp((v + 40.0) / 7.0))) / _QT
+
+
+# One row per channel: compartment, activation kinetics and power, inactivation kinetics (None: no h
+# gate; "ca": the SK gate driven by the calcium pool), reversal, and either a PAR_NAMES index or a key
+# of FIXED_S_PER_CM2.
+Channel = collections.namedtuple("Channel", ["name", "comp", "m", "power", "h", "rev", "par"])
+CHANNELS = (
+    Channel("NaTs2_t", APIC, _nats2_m, 3, _nats2_h, E_NA, 0),
+    Channel("SKv3_1", APIC, _skv31_m, 1, None, E_K, 1),
+    Channel("Im", APIC, _im_m, 1, None, E_K, 2),
+    Channel("NaTa_t", AXON, _nata_m, 3, _nata_h, E_NA, 3),
+    Channel("K_Tst", AXON, _ktst_m, 4, _ktst_h, E_K, 4),
+    Channel("Nap_Et2", AXON, _nap_m, 3, _nap_h, E_NA, 5),
+    Channel("SK_E2", AXON, "ca", 1, None, E_K, 6),
+    Channel("Ca_HVA", AXON, _cahva_m, 2, _cahva_h, E_CA, 7),
+    Channel("K_Pst", AXON, _kpst_m, 2, _kpst_h, E_K, 8),
+    Channel("Ca_LVAst", AXON, _calva_m, 2, _calva_h, E_CA, 9),
+    Channel("SKv3_1", SOMA, _skv31_m, 1, None, E_K, 10),
+    Channel("NaTs2_t", SOMA, _nats2_m, 3, _nats2_h, E_NA, 11),
+    Channel("Ih", SOMA, _ih_m, 1, None, E_H, 12),
+    Channel("Ca_LVAst", SOMA, _calva_m, 2, _calva_h, E_CA, 13),
+    Channel("Ih", BASAL, _ih_m, 1, None, E_H, 14),
+    Channel("SK_E2", SOMA, "ca", 1, None, E_K, "SK_E2.som"),
+    Channel("Ca_HVA", SOMA, _cahva_m, 2, _cahva_h, E_CA, "Ca_HVA.som"),
+    Channel("SKv3_1", AXON, _skv31_m, 1, None, E_K, "SKv3_1.axn"),
+)
+
+_DTYPE = np.float64
+_SK_KD, _SK_HILL, _SK_TAU = 4.3e-4, 4.8, 1.0      # mM, Hill coefficient, ms (SK_E2.mod)
+
+
+class _Layout:
+  """Index bookkeeping shared by every batch: which gate row feeds which channel and compartment.
+
+  Gate rows: first the table-driven gates (voltage dependent), then one SK gate per SK channel (driven
+  by its compartment's calcium), then a constant row of ones standing in for a missing h gate.
+  Channels are kept in compartment order so per-compartment sums are sums over row slices.
+  """
+
+  def __init__(self):
+    self.channels = sorted(CHANNELS, key=lambda c: c.comp)
+    comps = [c.comp for c in self.channels]
+    if sorted(set(comps)) != list(range(NUM_FEATURES)):
+      raise AssertionError("every compartment needs at least one channel")
+    starts = [comps.index(k) for k in range(NUM_FEATURES)]
+    self.comp_slices = list(zip(starts, starts[1:] + [len(comps)]))
+    self.table_kinetics, self.table_comp = [], []
+    sk_channels = [c for c in self.channels if c.m == "ca"]
+    num_table = sum((c.m != "ca") + (c.h is not None) for c in self.channels)
+    self.ones_row = num_table + len(sk_channels)
+    self.sk_rows, self.sk_pool = [], []
+    m_rows, h_rows = [], []
+    for channel in self.channels:
+      if channel.m == "ca":
+        self.sk_rows.append(num_table + len(self.sk_rows))
+        self.sk_pool.append(CA_COMPARTMENTS.index(channel.comp))
+        m_rows.append(self.sk_rows[-1])
+      else:
+        m_rows.append(self._add_table_gate(channel.m, channel.comp))
+      h_rows.append(self.ones_row if channel.h is None else self._add_table_gate(channel.h, channel.comp))
+    self.num_table = num_table
+    self.m_rows, self.h_rows = np.array(m_rows), np.array(h_rows)
+    self.sk_rows, self.sk_pool = np.array(self.sk_rows), np.array(self.sk_pool)
+    self.table_comp = np.array(self.table_comp)
+    powers = np.array([c.power for c in self.channels])
+    # Rows of the activation block raised once more for each power above 1 (m^3 = m * m * m).
+    self.power_rows = [np.nonzero(powers >= p)[0] for p in (2, 3, 4)]
+    self.rev = np.array([c.rev for c in self.channels], dtype=_DTYPE)[:, None]
+    self.ca_channels = [np.array([i for i, c in enumerate(self.channels) if c.rev == E_CA and c.comp == k])
+                        for k in CA_COMPARTMENTS]
+    self.par_index = [c.par for c in self.channels]
+
+  def _add_table_gate(self, kinetics, comp):
+    self.table_kinetics.append(kinetics)
+    self.table_comp.append(comp)
+    return len(self.table_kinetics) - 1
+
+
+_LAYOUT = _Layout()
+_TABLES = {}
+
+
+def _gate_table(dt: float) -> np.ndarray:
+  """(gates * grid, 4) rows [inf, d inf, decay, d decay] per voltage grid point, for exponential Euler.
+
+  Built once per time step. The slope columns turn linear interpolation into one gather and two
+  multiply-adds per gate.
+  """
+  if dt not in _TABLES:
+    grid = np.arange(_V_MIN, _V_MAX + _V_STEP / 2, _V_STEP)
+    blocks = []
+    for kinetics in _LAYOUT.table_kinetics:
+      inf, tau = kinetics(grid)
+      inf = np.broadcast_to(inf, grid.shape)
+      decay = np.exp(-dt / np.broadcast_to(tau, grid.shape))
+      block = np.zeros((len(grid), 4))
+      for col, values in ((0, inf), (2, decay)):
+        block[:, col] = values
+        block[:-1, col + 1] = np.diff(values)
+      blocks.append(block)
+    table = np.concatenate(blocks).astype(_DTYPE)
+    if not np.all(np.isfinite(table)):
+      raise AssertionError("non-finite gate table: a kinetics formula is wrong")
+    _TABLES[dt] = table
+  return _TABLES[dt]
+
+
+def conductances(u: np.ndarray) -> np.ndarray:
+  """Physical conductances (S/cm2) base * 10**u of unit parameters u, shape (n, 15)."""
+  u = np.asarray(u, dtype=np.float64)
+  if u.ndim != 2 or u.shape[1] != NUM_PAR:
+    raise ValueError("u must have shape (n, %d), got %s" % (NUM_PAR, u.shape))
+  return BASE_S_PER_CM2 * 10.0 ** u
+
+
+def stimulus_na(t_ms: np.ndarray) -> np.ndarray:
+  """Somatic current clamp (nA) at times t_ms (ms from the start of the recorded window)."""
+  t_ms = np.asarray(t_ms, dtype=np.float64)
+  current = np.zeros_like(t_ms)
+  for start, end, amp_start, amp_end in STIM_NA:
+    on = (t_ms >= start) & (t_ms < end)
+    current[on] += amp_start + (amp_end - amp_start) * (t_ms[on] - start) / (end - start)
+  return current
+
+
+class _Cells:
+  """The state of a batch of cells (arrays (rows, batch)) and one integration step."""
+
+  def __init__(self, u: np.ndarray):
+    lay = _LAYOUT
+    batch = len(u)
+    g_par = conductances(u) * 1e3                      # mS/cm2
+    self.gbar = np.empty((len(lay.channels), batch), dtype=_DTYPE)
+    for row, par in enumerate(lay.par_index):
+      self.gbar[row] = g_par[:, par] if isinstance(par, int) else FIXED_S_PER_CM2[par] * 1e3
+    self.g_couple = G_AXIAL_NS * 100.0 / AREA_UM2      # mS/cm2 on each non-soma compartment
+    self.g_couple_soma = G_AXIAL_NS * 100.0 / AREA_UM2[SOMA]
+    self.v = np.full((NUM_FEATURES, batch), V_INIT, dtype=_DTYPE)
+    self.ca = np.full((len(CA_COMPARTMENTS), batch), CA_MIN, dtype=_DTYPE)
+    self.gates = np.ones((lay.ones_row + 1, batch), dtype=_DTYPE)
+    table = _gate_table(DT)
+    rest = int(round((V_INIT - _V_MIN) / _V_STEP))
+    grid_len = len(table) // lay.num_table
+    self.gates[:lay.num_table] = table[np.arange(lay.num_table) * grid_len + rest, 0][:, None]
+    self.gates[lay.sk_rows] = self._sk_inf()
+    self.gate_offsets = (np.arange(lay.num_table) * grid_len)[:, None]
+
+  def _sk_inf(self):
+    return 1.0 / (1.0 + (_SK_KD / self.ca[_LAYOUT.sk_pool]) ** _SK_HILL)
+
+  def step(self, dt: float, table: np.ndarray, stim_density: float):
+    """Advances every cell by dt: gates (exponential Euler), voltages (backward Euler), calcium."""
+    lay = _LAYOUT
+    grid_len = len(table) // lay.num_table
+    # Gates: locate V on the table grid, interpolate steady state and decay factor.
+    # Grid position per compartment first, then one gather to the gates (4 rows of work, not 26).
+    pos = (self.v - _V_MIN) * (1.0 / _V_STEP)
+    np.clip(pos, 0.0, grid_len - 1, out=pos)
+    pos = pos[lay.table_comp]
+    index = pos.astype(np.intp)
+    frac = pos - index
+    index += self.gate_offsets
+    rows = np.take(table, index, axis=0)               # (gates, batch, 4)
+    inf = rows[..., 0] + frac * rows[..., 1]
+    decay = rows[..., 2] + frac * rows[..., 3]
+    table_gates = self.gates[:lay.num_table]
+    table_gates -= inf
+    table_gates *= decay
+    table_gates += inf
+    sk_inf = self._sk_inf()
+    self.gates[lay.sk_rows] = sk_inf + (self.gates[lay.sk_rows] - sk_inf) * np.exp(-dt / _SK_TAU)
+    # Open fractions m**p * h and conductances, summed per compartment.
+    m = self.gates[lay.m_rows]
+    opened = m.copy()
+    for rows_p in lay.power_rows:
+      opened[rows_p] *= m[rows_p]
+    opened *= self.gates[lay.h_rows]
+    g = opened
+    g *= self.gbar
+    g_rev = g * lay.rev
+    g_total = np.empty_like(self.v)
+    sum_rev = np.empty_like(self.v)
+    # Row slices summed in a fixed order: exact same sums whatever the batch size (a BLAS product
+    # would be faster but may change its summation order with the matrix shape).
+    for comp, (start, end) in enumerate(lay.comp_slices):
+      np.sum(g[start:end], axis=0, out=g_total[comp])
+      np.sum(g_rev[start:end], axis=0, out=sum_rev[comp])
+    g_total += G_LEAK
+    sum_rev += G_LEAK * E_LEAK
+    # Backward Euler for C dV/dt = -g_total V + g_rev + axial + stim: a star around the soma, so the
+    # soma voltage follows from eliminating the three branches.
+    c_dt = CM / dt
+    diag = c_dt + g_total
+    diag[1:] += self.g_couple[1:, None]
+    diag[SOMA] += self.g_couple_soma[1:].sum()
+    rhs = c_dt * self.v + sum_rev
+    rhs[SOMA] += stim_density
+    branch = self.g_couple_soma[1:, None] / diag[1:]
+    v_soma = ((rhs[SOMA] + (branch * rhs[1:]).sum(axis=0))
+              / (diag[SOMA] - (branch * self.g_couple[1:, None]).sum(axis=0)))
+    self.v[SOMA] = v_soma
+    self.v[1:] = (rhs[1:] + self.g_couple[1:, None] * v_soma) / diag[1:]
+    # Calcium pools: entry through the Ca channels at the new voltage, decay towards CA_MIN.
+    for pool, comp in enumerate(CA_COMPARTMENTS):
+      i_ca = g[lay.ca_channels[pool]].sum(axis=0) * (self.v[comp] - E_CA)      # uA/cm2, < 0 inward
+      influx = -1e4 * (i_ca * 1e-3) * CA_GAMMA[pool] / (2.0 * FARADAY * CA_DEPTH_UM)
+      decay_ca = np.exp(-dt / CA_DECAY[pool])
+      self.ca[pool] = np.maximum(CA_MIN + (self.ca[pool] - CA_MIN) * decay_ca + dt * influx, 1e-6)
+
+
+def simulate(u: np.ndarray) -> np.ndarray:
+  """Voltage traces (n, 1600, 4) float32 in mV of cells with unit parameters u (n, 15).
+
+  Each cell first settles at rest without stimulus, then the 200 ms window is integrated at DT and
+  every output bin is the mean of its STEPS_PER_BIN voltages (rebinning to 8 kHz as the real data).
+  Samples are independent: a cell's trace does not depend on the others in the batch.
+  """
+  cells = _Cells(u)
+  settle_table = _gate_table(SETTLE_DT)
+  for _ in range(int(round(SETTLE_MS / SETTLE_DT))):
+    cells.step(SETTLE_DT, settle_table, 0.0)
+  table = _gate_table(DT)
+  num_steps = NUM_TIME_BINS * STEPS_PER_BIN
+  stim = stimulus_na(np.arange(1, num_steps + 1) * DT) * 1e5 / AREA_UM2[SOMA]    # uA/cm2
+  out = np.empty((NUM_TIME_BINS, NUM_FEATURES, len(u)), dtype=np.float32)
+  acc = np.zeros_like(cells.v)
+  for step in range(num_steps):
+    cells.step(DT, table, stim[step])
+    acc += cells.v
+    if step % STEPS_PER_BIN == STEPS_PER_BIN - 1:
+      out[step // STEPS_PER_BIN] = acc * (1.0 / STEPS_PER_BIN)
+      acc[:] = 0.0
+  if not np.all(np.isfinite(out)):
+    raise FloatingPointError("non-finite voltage in the simulation: a bug in the model, not the data")
+  return np.ascontiguousarray(out.transpose(2, 0, 1))
+
+
+Sensitivity = collections.namedtuple("Sensitivity", ["rel_rms", "rms_mv"])
+
+
+def _rms(x: np.ndarray, axis) -> np.ndarray:
+  return np.sqrt(np.mean(np.square(x, dtype=np.float64), axis=axis))
+
+
+def parameter_sensitivity(num_draws: int = 8, seed: int = 0, low: float = -0.8,
+                          high: float = 0.8) -> Sensitivity:
+  """How much each parameter alone changes the traces, around `num_draws` random cells.
+
+  For each draw u0 ~ U[-1, 1]^15 and each parameter k, simulates u0 with u_k = low and with
+  u_k = high (all other u fixed) and measures the RMS difference of the two unnormalised traces over
+  all bins and probes. Returns (num_draws, 15) arrays: `rms_mv` (mV) and `rel_rms` (divided by the
+  RMS of the two traces, about 70 mV, as the traces sit near rest most of the time).
+  """
+  base = np.random.default_rng(seed).uniform(-1.0, 1.0, size=(num_draws, NUM_PAR))
+  u = np.repeat(base[:, None, None, :], 2, axis=2).repeat(NUM_PAR, axis=1)   # (draw, k, lo/hi, par)
+  for k in range(NUM_PAR):
+    u[:, k, 0, k], u[:, k, 1, k] = low, high
+  traces = simulate(u.reshape(-1, NUM_PAR)).reshape(num_draws, NUM_PAR, 2, NUM_TIME_BINS, NUM_FEATURES)
+  rms_mv = _rms(traces[:, :, 1] - traces[:, :, 0], axis=(2, 3))
+  scale = np.sqrt(0.5 * (_rms(traces[:, :, 0], axis=(2, 3)) ** 2 + _rms(traces[:, :, 1], axis=(2, 3)) ** 2))
+  return Sensitivity(rel_rms=rms_mv / scale, rms_mv=rms_mv)
+
+
+def format_sensitivity(result: Sensitivity, threshold: float = 0.01) -> str:
+  """A text table, one row per parameter: mean / median / min relative RMS change, mean mV change,
+  and the fraction of draws above `threshold`."""
+  lines = ["%-27s %-7s %8s %8s %8s %9s %7s" % ("parameter", "where", "mean%", "median%", "min%",
+                                              "mean mV", ">%g%%" % (100 * threshold))]
+  where = {c.par: COMPARTMENT_NAMES[c.comp] for c in CHANNELS if isinstance(c.par, int)}
+  for k, name in enumerate(PAR_NAMES):
+    rel = result.rel_rms[:, k]
+    lines.append("%-27s %-7s %8.2f %8.2f %8.2f %9.2f %7.2f" % (
+        name, where[k], 100 * rel.mean(), 100 * np.median(rel), 100 * rel.min(),
+        result.rms_mv[:, k].mean(), np.mean(rel > threshold)))
+  return "\n".join(lines)

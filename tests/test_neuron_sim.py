@@ -1,0 +1,257 @@
+"""The numpy neuron model and the cellSpike generator: traces, sensitivity, file layout, CLI.
+
+Sizes are tens of samples: one simulation call costs about 2 s whatever its batch (8,600 time steps),
+so the tests share simulated data through module fixtures.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+import yaml
+
+from data import cellspike_generate
+from data import neuron_sim
+from errors import UserError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COUNTS = {"train": 40, "val": 8, "test": 8}
+REQUIRED_DATA_INFO = ("h5nameTemplate", "numFeature", "featureName", "parName", "numPar", "numTimeBin",
+                      "featureType", "dataNormalized", "ustarTransform", "fullName", "shortName",
+                      "generator")
+
+
+def _generate(out_dir, **kwargs):
+  args = dict(num_train=COUNTS["train"], num_val=COUNTS["val"], num_test=COUNTS["test"], seed=3,
+              progress=False)
+  args.update(kwargs)
+  return cellspike_generate.generate_dataset(str(out_dir), **args)
+
+
+def _read_h5(path):
+  with h5py.File(path, "r") as f:
+    data = {key: f[key][()] for key in f.keys() if key != "meta.JSON"}
+    meta = f["meta.JSON"][()]
+    chunks = {key: f[key].chunks for key in f.keys()}
+    compression = {key: f[key].compression for key in f.keys()}
+  text = meta[0].decode() if isinstance(meta[0], bytes) else meta[0]
+  return data, json.loads(text), chunks, compression
+
+
+@pytest.fixture(scope="module")
+def traces():
+  u = np.random.RandomState(0).uniform(-1.0, 1.0, size=(6, neuron_sim.NUM_PAR))
+  u[0] = -1.0     # the corners of the parameter box must stay physiological as well
+  u[1] = 1.0
+  return u, neuron_sim.simulate(u)
+
+
+@pytest.fixture(scope="module")
+def fp32_file(tmp_path_factory):
+  return _generate(tmp_path_factory.mktemp("fp32"))
+
+
+def test_constants():
+  assert len(neuron_sim.PAR_NAMES) == 15 and len(set(neuron_sim.PAR_NAMES)) == 15
+  assert neuron_sim.PAR_NAMES[0] == "gNaTs2.tbar.NaTs2.t.api"
+  assert neuron_sim.PAR_NAMES[-1] == "gIhbar.Ih.den"
+  assert neuron_sim.FEATURE_NAMES == ("soma", "axon_150um", "apic_dend_150um", "soma_dend_50um")
+  assert neuron_sim.NUM_TIME_BINS * neuron_sim.BIN_MS == 200.0
+  # Every varied parameter drives exactly one channel, in the compartment its name says.
+  suffix = {"api": "apical", "axn": "axon", "som": "soma", "den": "basal"}
+  varied = [c for c in neuron_sim.CHANNELS if isinstance(c.par, int)]
+  assert sorted(c.par for c in varied) == list(range(15))
+  for channel in varied:
+    expected = suffix[neuron_sim.PAR_NAMES[channel.par].rsplit(".", 1)[1]]
+    assert neuron_sim.COMPARTMENT_NAMES[channel.comp] == expected
+
+
+def test_conductances():
+  u = np.array([[0.0] * 15, [1.0] * 15, [-1.0] * 15])
+  g = neuron_sim.conductances(u)
+  np.testing.assert_allclose(g[0], neuron_sim.BASE_S_PER_CM2)
+  np.testing.assert_allclose(g[1], 10 * neuron_sim.BASE_S_PER_CM2)
+  np.testing.assert_allclose(g[2], 0.1 * neuron_sim.BASE_S_PER_CM2)
+  with pytest.raises(ValueError, match="shape"):
+    neuron_sim.conductances(np.zeros((2, 14)))
+
+
+def test_traces_shape_dtype_and_physiological(traces):
+  _, v = traces
+  assert v.shape == (6, 1600, 4) and v.dtype == np.float32
+  assert np.all(np.isfinite(v))
+  assert v.min() > -110.0 and v.max() < 60.0
+  rest = v[:, 40:80, 0]                    # 5-10 ms, before any stimulus
+  assert np.all((rest > -90.0) & (rest < -60.0))
+
+
+def test_spiking_is_typical(traces):
+  """The stimulus makes most cells fire (spikes cross -20 mV at the soma)."""
+  _, v = traces
+  soma = v[:, :, 0]
+  spikes = np.sum((soma[:, 1:] > -20.0) & (soma[:, :-1] <= -20.0), axis=1)
+  assert np.sum(spikes > 0) >= 3, spikes
+
+
+def test_parameter_sensitivity_every_parameter_matters():
+  result = neuron_sim.parameter_sensitivity(num_draws=3, seed=0)
+  assert result.rel_rms.shape == (3, 15) and result.rms_mv.shape == (3, 15)
+  mean = result.rel_rms.mean(axis=0)
+  weak = [(name, round(100 * m, 2)) for name, m in zip(neuron_sim.PAR_NAMES, mean) if m <= 0.01]
+  assert not weak, "parameters changing the traces by <= 1%% relative RMS: %s" % weak
+  table = neuron_sim.format_sensitivity(result)
+  assert len(table.splitlines()) == 16 and "gIhbar.Ih.den" in table
+
+
+def test_file_layout_fp32(fp32_file):
+  assert os.path.basename(fp32_file) == "synth_excite.cellSpike_4prB8kHz.data.h5"
+  data, meta, chunks, compression = _read_h5(fp32_file)
+  assert sorted(data) == sorted("%s_%s" % (d, k) for d in COUNTS
+                                for k in ("frames", "unitStar_par", "phys_par"))
+  for dom, n in COUNTS.items():
+    assert data[dom + "_frames"].shape == (n, 1600, 4)
+    assert data[dom + "_unitStar_par"].shape == (n, 15)
+    assert data[dom + "_phys_par"].shape == (n, 15)
+    for key in ("_frames", "_unitStar_par", "_phys_par"):
+      assert data[dom + key].dtype == np.float32
+      assert np.all(np.isfinite(data[dom + key]))
+      assert compression[dom + key] is None
+    assert chunks[dom + "_frames"] == (n, 1600, 4)      # n < 256: one chunk
+    u = data[dom + "_unitStar_par"]
+    assert u.min() >= -1.0 and u.max() <= 1.0
+    np.testing.assert_allclose(data[dom + "_phys_par"], neuron_sim.conductances(u), rtol=1e-6)
+  # Splits are different draws.
+  assert not np.allclose(data["val_unitStar_par"], data["test_unitStar_par"])
+  # Train frames normalised per probe over (samples, time) to N(0, 1): exactly, as the 40 train
+  # samples are all within the first 2048.
+  frames = data["train_frames"].astype(np.float64)
+  np.testing.assert_allclose(frames.mean(axis=(0, 1)), 0.0, atol=1e-4)
+  np.testing.assert_allclose(frames.std(axis=(0, 1)), 1.0, atol=1e-4)
+  pack = meta["packInfo"]
+  assert len(pack["fnorm_mean"]) == 4 and len(pack["fnorm_std"]) == 4
+  assert all(-85.0 < m < -40.0 for m in pack["fnorm_mean"]) and all(s > 1.0 for s in pack["fnorm_std"])
+  # Undoing the normalisation gives physiological voltages back.
+  mv = data["test_frames"] * np.array(pack["fnorm_std"]) + np.array(pack["fnorm_mean"])
+  assert mv.min() > -110.0 and mv.max() < 60.0
+
+
+def test_meta_json_and_yaml(fp32_file):
+  _, meta, _, _ = _read_h5(fp32_file)
+  folder = os.path.dirname(fp32_file)
+  with open(os.path.join(folder, "meta.cellSpike_excite_4prB8kHz.yaml")) as f:
+    bulk = yaml.safe_load(f)
+  assert bulk == meta
+  info = bulk["dataInfo"]
+  for key in REQUIRED_DATA_INFO:
+    assert key in info, key
+  assert info["h5nameTemplate"] == "*_excite.cellSpike_4prB8kHz.data.h5"
+  assert info["h5nameTemplate"].replace("*", "synth") == os.path.basename(fp32_file)
+  assert info["numFeature"] == 4 and info["numPar"] == 15 and info["numTimeBin"] == 1600
+  assert info["featureName"] == ["soma", "axon_150um", "apic_dend_150um", "soma_dend_50um"]
+  assert info["parName"] == list(neuron_sim.PAR_NAMES)
+  assert info["featureType"] == "probes_4prB8kHz"
+  assert info["dataNormalized"] is True and info["ustarTransform"] is False
+  gen = info["generator"]
+  assert gen["seed"] == 3 and gen["numSamples"] == COUNTS and gen["dataPrecision"] == "fp32"
+  assert set(gen["baseConductance"]) == set(neuron_sim.PAR_NAMES)
+  # No temporary files left behind.
+  assert sorted(os.listdir(folder)) == ["meta.cellSpike_excite_4prB8kHz.yaml",
+                                        "synth_excite.cellSpike_4prB8kHz.data.h5"]
+
+
+def test_deterministic_whatever_the_batching(fp32_file, tmp_path):
+  """Same arguments, other batch size and two worker processes: bit-identical datasets."""
+  again = _generate(tmp_path, batch_size=30, workers=2)
+  first, meta_first, _, _ = _read_h5(fp32_file)
+  second, meta_second, _, _ = _read_h5(again)
+  assert meta_first == meta_second
+  for key in first:
+    assert np.array_equal(first[key], second[key]), key
+
+
+def test_fp16_file(tmp_path, fp32_file):
+  path = _generate(tmp_path, fp16=True, cell_name="synth_fp16", probe_type="excite2_4prB8kHz")
+  assert os.path.basename(path) == "synth_fp16_excite.cellSpike_4prB8kHz.data.h5"
+  assert os.path.exists(os.path.join(str(tmp_path), "meta.cellSpike_excite2_4prB8kHz.yaml"))
+  data, meta, _, _ = _read_h5(path)
+  reference, _, _, _ = _read_h5(fp32_file)
+  for dom, n in COUNTS.items():
+    assert data[dom + "_frames"].shape == (n, 1600, 4)
+    for key in ("_frames", "_unitStar_par", "_phys_par"):
+      assert data[dom + key].dtype == np.float16
+      assert np.all(np.isfinite(data[dom + key]))
+    # Same seed, same cells: the fp16 file is the fp32 one rounded.
+    np.testing.assert_allclose(data[dom + "_frames"], reference[dom + "_frames"], atol=0.01, rtol=0.002)
+  assert meta["dataInfo"]["generator"]["dataPrecision"] == "fp16"
+  frames = data["train_frames"].astype(np.float64)
+  np.testing.assert_allclose(frames.mean(axis=(0, 1)), 0.0, atol=0.01)
+  np.testing.assert_allclose(frames.std(axis=(0, 1)), 1.0, atol=0.01)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_train": 0}, "num_train must be an integer >= 1"),
+    ({"num_val": -1}, "num_val must be an integer >= 1"),
+    ({"cell_name": "a/b"}, "cell_name 'a/b' is not usable"),
+    ({"cell_name": "*"}, "cell_name"),
+    ({"probe_type": ""}, "probe_type"),
+    ({"batch_size": 0}, "batch_size must be >= 1"),
+    ({"seed": -1}, "seed must be >= 0"),
+])
+def test_bad_arguments_are_user_errors(tmp_path, kwargs, message):
+  with pytest.raises(UserError, match=message):
+    _generate(tmp_path / "out", **kwargs)
+  assert not os.path.exists(str(tmp_path / "out"))
+
+
+def test_out_dir_that_is_a_file(tmp_path):
+  path = tmp_path / "file"
+  path.write_text("x")
+  with pytest.raises(UserError, match="exists and is not a directory"):
+    _generate(path)
+
+
+def test_cli_writes_the_files(tmp_path):
+  out = tmp_path / "gen"
+  result = subprocess.run(
+      [sys.executable, os.path.join(REPO, "tools", "generate_cellspike.py"), "--out_dir=%s" % out,
+       "--cell_name=cli", "--num_train=12", "--num_val=3", "--num_test=3", "--seed=1", "--fp16",
+       "--workers=1", "--noprogress"],
+      cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True,
+      timeout=120)
+  assert result.returncode == 0, result.stderr
+  h5 = out / "cli_excite.cellSpike_4prB8kHz.data.h5"
+  assert result.stdout.strip() == str(h5)
+  assert (out / "meta.cellSpike_excite_4prB8kHz.yaml").exists()
+  data, meta, _, _ = _read_h5(str(h5))
+  assert data["train_frames"].shape == (12, 1600, 4) and data["train_frames"].dtype == np.float16
+  assert meta["dataInfo"]["generator"]["seed"] == 1
+
+
+def test_cli_reports_user_errors_on_one_line(tmp_path):
+  result = subprocess.run(
+      [sys.executable, os.path.join(REPO, "tools", "generate_cellspike.py"),
+       "--out_dir=%s" % (tmp_path / "x"), "--num_train=0"],
+      cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True,
+      timeout=60)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1] == "error: num_train must be an integer >= 1, got 0"
+
+
+def test_interrupted_generation_leaves_no_file(tmp_path, monkeypatch):
+  calls = []
+
+  def interrupted(u):
+    calls.append(len(u))
+    if len(calls) == 2:
+      raise KeyboardInterrupt
+    return np.full((len(u), neuron_sim.NUM_TIME_BINS, neuron_sim.NUM_FEATURES), -70.0, np.float32)
+
+  monkeypatch.setattr(neuron_sim, "simulate", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    _generate(tmp_path, batch_size=16)
+  assert len(calls) == 2
+  assert os.listdir(str(tmp_path)) == []

@@ -1,0 +1,74 @@
+"""Generates a synthetic cellSpike dataset from the numpy neuron model.
+
+    python tools/generate_cellspike.py --out_dir=DIR [--cell_name=synth] [--num_train=20000]
+        [--num_val=2000] [--num_test=2000] [--seed=0] [--fp16] [--probe_type=excite_4prB8kHz]
+        [--workers=0] [--batch_size=1024] [--sensitivity [--sensitivity_draws=8]]
+
+Writes DIR/<cell_name>_excite.cellSpike_4prB8kHz.data.h5 and DIR/meta.cellSpike_<probe_type>.yaml
+(see data/cellspike_generate.py). `--sensitivity` prints how much each of the 15 parameters changes the
+traces (relative RMS change for u_k = -0.8 vs +0.8); without --out_dir it prints only that table.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app  # noqa: E402  pylint: disable=wrong-import-position
+from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
+from absl import logging  # noqa: E402  pylint: disable=wrong-import-position
+
+from data import cellspike_generate  # noqa: E402  pylint: disable=wrong-import-position
+from data import neuron_sim  # noqa: E402  pylint: disable=wrong-import-position
+from errors import UserError  # noqa: E402  pylint: disable=wrong-import-position
+
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  flags.DEFINE_string("out_dir", None, "Folder for the .h5 file and the meta yaml (created if missing).")
+  flags.DEFINE_string("cell_name", "synth", "Cell name: replaces '*' in the h5 name template.")
+  flags.DEFINE_integer("num_train", 20000, "Training samples.")
+  flags.DEFINE_integer("num_val", 2000, "Validation samples.")
+  flags.DEFINE_integer("num_test", 2000, "Test samples.")
+  flags.DEFINE_integer("seed", 0, "Seed of the parameter draws; the output is a function of it.")
+  flags.DEFINE_bool("fp16", False, "Store frames and parameters as float16 (as the *_fp16 files).")
+  flags.DEFINE_string("probe_type", "excite_4prB8kHz",
+                      "Names the meta yaml: meta.cellSpike_<probe_type>.yaml.")
+  flags.DEFINE_integer("batch_size", 1024, "Cells simulated together (memory: ~60 kB per cell).")
+  flags.DEFINE_integer("workers", 0, "Simulation processes; 0 = one per CPU core. Same output for any value.")
+  flags.DEFINE_bool("progress", True, "Progress line on stderr.")
+  flags.DEFINE_bool("sensitivity", False, "Print the per-parameter sensitivity table.")
+  flags.DEFINE_integer("sensitivity_draws", 8, "Random base cells behind the sensitivity table.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
+  logging.set_verbosity(logging.INFO)
+  try:
+    if FLAGS.out_dir is None and not FLAGS.sensitivity:
+      raise UserError("--out_dir is required (or --sensitivity alone for the table)")
+    if FLAGS.sensitivity_draws < 1:
+      raise UserError("--sensitivity_draws must be >= 1, got %d" % FLAGS.sensitivity_draws)
+    if FLAGS.workers < 0:
+      raise UserError("--workers must be >= 0 (0 = one per CPU core), got %d" % FLAGS.workers)
+    if FLAGS.out_dir is not None:
+      path = cellspike_generate.generate_dataset(
+          FLAGS.out_dir, cell_name=FLAGS.cell_name, num_train=FLAGS.num_train, num_val=FLAGS.num_val,
+          num_test=FLAGS.num_test, seed=FLAGS.seed, fp16=FLAGS.fp16, probe_type=FLAGS.probe_type,
+          batch_size=FLAGS.batch_size, progress=FLAGS.progress, workers=FLAGS.workers or os.cpu_count() or 1)
+      print(path)
+    if FLAGS.sensitivity:
+      result = neuron_sim.parameter_sensitivity(num_draws=FLAGS.sensitivity_draws, seed=FLAGS.seed)
+      print("Relative RMS change of the traces, u_k = -0.8 vs +0.8, %d random base cells (seed %d):"
+            % (FLAGS.sensitivity_draws, FLAGS.seed))
+      print(neuron_sim.format_sensitivity(result))
+  except UserError as error:
+    sys.stderr.write("error: %s\n" % error)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)
