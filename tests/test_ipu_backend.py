@@ -1,0 +1,190 @@
+"""The IPU path, checked against Graphcore's documented API through the recording stand-in."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+import model
+from errors import UserError
+from run_config import RunConfig
+from strategies import ipu as ipu_backend
+from tests import fake_ipu
+from tests.helpers import REPO_ROOT
+
+
+def _config(**kwargs):
+  base = dict(model="neuron_inverter", backend="ipu", design="dev", seed=7)
+  base.update(kwargs)
+  return RunConfig(**base)
+
+
+def _calls(name):
+  return [call for call in fake_ipu.CALLS if call[0] == name]
+
+
+def test_device_configuration(monkeypatch):
+  fake_ipu.install(monkeypatch)
+  backend = ipu_backend.create(_config(replicas=2, ipus_per_replica=2, pipeline_stages=2,
+                                       gradient_accumulation=8, available_memory_proportion=0.6,
+                                       stochastic_rounding=True))
+  (_, (cfg,), _), = _calls("configure_ipu_system")
+  assert cfg.auto_select_ipus == 4
+  assert cfg.device_connection.type == fake_ipu.DeviceConnectionType.ON_DEMAND
+  assert cfg.matmuls.poplar_options == {"availableMemoryProportion": "0.6"}
+  assert cfg.convolutions.poplar_options == {"availableMemoryProportion": "0.6"}
+  assert cfg.floating_point_behaviour.esr == fake_ipu.StochasticRoundingBehaviour.ON
+  assert cfg.compilation_poplar_options == {"target.deterministicWorkers": "portable"}
+  assert cfg.allow_recompute
+  (_, (seed,), kwargs), = _calls("reset_ipu_seed")
+  assert seed == 7 and kwargs["experimental_identical_replicas"]
+  assert _calls("IPUStrategy") and backend.replicas == 2 and backend.kind == "ipu"
+
+
+def test_pre_compile_sets_the_required_version(monkeypatch):
+  fake_ipu.install(monkeypatch)
+  ipu_backend.create(_config(ipu_connection="pre_compile"))
+  (_, (cfg,), _), = _calls("configure_ipu_system")
+  assert cfg.device_connection.type == fake_ipu.DeviceConnectionType.PRE_COMPILE
+  assert cfg.device_connection.version == "ipu2" and cfg.device_connection.enable_remote_buffers
+
+
+def test_no_ipu_attached_is_one_clear_line(monkeypatch):
+  fake_ipu.install(monkeypatch)
+  monkeypatch.setattr(fake_ipu, "FAIL_CONFIGURE", "Target configuration failed: model disabled and no "
+                      "hardware IPU found. (Are you sure you enabled the Poplar driver ?)\nmore lines")
+  with pytest.raises(UserError, match="no IPU is attached to this host .*--ipu_model"):
+    ipu_backend.create(_config())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(replicas=3), "3 IPUs: IPU devices come in powers of two"),
+    (dict(replicas=2, ipus_per_replica=3, pipeline_stages=3), "6 IPUs"),
+    (dict(ipus_per_replica=2, pipeline_stages=2, gradient_accumulation=6), "multiple of 4"),
+    (dict(ipus_per_replica=2, pipeline_stages=2, pipeline_schedule="interleaved",
+          gradient_accumulation=3), "multiple of 2"),
+])
+def test_pipeline_and_replication_rules(monkeypatch, kwargs, message):
+  fake_ipu.install(monkeypatch)
+  with pytest.raises(UserError, match=message):
+    ipu_backend.create(_config(**kwargs))
+
+
+@pytest.mark.parametrize("sdk, module", [("3.x", "distributed"), ("2.6", "horovod")])
+def test_poprun_uses_popdist(monkeypatch, sdk, module):
+  fake_ipu.install(monkeypatch, sdk=sdk, popdist=fake_ipu.build_popdist(total_replicas=4, instances=2))
+  backend = ipu_backend.create(_config(replicas=4))
+  assert _calls("PopDistStrategy") and not _calls("IPUStrategy")
+  assert bool(_calls("horovod.init")) == (module == "horovod")
+  (_, (_,), kwargs), = _calls("popdist.set_ipu_config")
+  assert kwargs == {"ipus_per_replica": 1, "configure_device": True}
+  assert backend.replicas == 4 and backend.optimizer_kwargs() == {}  # PopDist averages itself
+
+
+def test_poprun_replica_mismatch_is_refused(monkeypatch):
+  fake_ipu.install(monkeypatch, popdist=fake_ipu.build_popdist(total_replicas=4))
+  with pytest.raises(UserError, match="--replicas=2 disagrees with poprun's --num-replicas=4"):
+    ipu_backend.create(_config(replicas=2))
+
+
+def test_gradients_are_averaged_over_ipu_strategy_replicas(monkeypatch):
+  fake_ipu.install(monkeypatch)
+  backend = ipu_backend.create(_config(replicas=4))
+  (transform,) = backend.optimizer_kwargs()["gradient_transformers"]
+  (gradient, variable), = transform([(tf.constant(8.0), "v")])
+  assert float(gradient) == 2.0 and variable == "v"
+
+
+def test_steps_per_execution_rules():
+  assert ipu_backend.derive_steps_per_execution(120, 4, 0) == 120
+  assert ipu_backend.derive_steps_per_execution(120, 4, 40) == 40
+  with pytest.raises(UserError, match="must divide the 120 steps"):
+    ipu_backend.derive_steps_per_execution(120, 4, 50)
+  with pytest.raises(UserError, match="multiple of --gradient_accumulation=4"):
+    ipu_backend.derive_steps_per_execution(120, 4, 30)
+
+
+def test_layout_feeds_micro_batches_per_replica_and_whole_optimizer_steps(monkeypatch):
+  fake_ipu.install(monkeypatch)
+  layout = ipu_backend.create(_config(replicas=2, gradient_accumulation=4)).layout(48)
+  assert (layout.replica_rows, layout.element_per_replica, layout.steps_multiple) == (48, True, 4)
+
+
+def test_stage_assignment_at_the_builder_boundary(monkeypatch):
+  fake_ipu.install(monkeypatch)
+  backend = ipu_backend.create(_config(ipus_per_replica=2, pipeline_stages=2, gradient_accumulation=8))
+  module = model.get_model_module("neuron_inverter")
+  net = fake_ipu.inject_keras_extensions(module.build(_config()))
+  backend.prepare_model(net, module.STAGE_BOUNDARIES)
+  (_, (stages,), _), = _calls("set_pipeline_stage_assignment")
+  assert stages["conv3"] == 0 and stages["relu3"] == 0
+  assert stages["flatten"] == 1 and stages["batch_norm"] == 1 and stages["conductances"] == 1
+  (_, _, options), = _calls("set_pipelining_options")
+  assert options["gradient_accumulation_steps_per_replica"] == 8
+  assert options["device_mapping"] == [0, 1]
+  assert options["pipeline_schedule"] == fake_ipu.PipelineSchedule.Grouped
+  assert options["gradient_accumulation_reduction_method"] == "mean"
+
+
+def test_too_many_stages_for_the_model(monkeypatch):
+  fake_ipu.install(monkeypatch)
+  backend = ipu_backend.create(_config(ipus_per_replica=4, pipeline_stages=4, gradient_accumulation=8))
+  module = model.get_model_module("neuron_inverter")
+  net = fake_ipu.inject_keras_extensions(module.build(_config()))
+  with pytest.raises(UserError, match="at most 2 stages"):
+    backend.prepare_model(net, module.STAGE_BOUNDARIES)
+
+
+def test_unpipelined_accumulation_uses_the_ga_options(monkeypatch):
+  fake_ipu.install(monkeypatch)
+  backend = ipu_backend.create(_config(gradient_accumulation=4))
+  net = fake_ipu.inject_keras_extensions(model.get_model_module("mnist").build(_config(model="mnist")))
+  backend.prepare_model(net, ())
+  (_, _, options), = _calls("set_gradient_accumulation_options")
+  assert options == {"gradient_accumulation_steps_per_replica": 4,
+                     "gradient_accumulation_reduction_method": "mean"}
+
+
+def _environment_after_prepare(*flags_and_env):
+  """Runs strategies.environment.prepare in a fresh process, before TensorFlow, as main.py does."""
+  args, env = [a for a in flags_and_env if isinstance(a, str)], dict(os.environ)
+  for extra in flags_and_env:
+    if isinstance(extra, dict):
+      env.update(extra)
+  for variable in ("TF_POPLAR_FLAGS", "TF_XLA_FLAGS", "POPLAR_ENGINE_OPTIONS", "PVTI_OPTIONS"):
+    env.pop(variable, None)
+  code = ("import json, os, sys; from run_config import RunConfig; from strategies import environment; "
+          "environment.prepare(RunConfig(model='mnist', %s)); "
+          "assert 'tensorflow' not in sys.modules; print(json.dumps(dict(os.environ)))" % ", ".join(args))
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True,
+                       text=True, check=True).stdout
+  return json.loads(out)
+
+
+def test_environment_for_ipu_cache_model_and_profiles(tmp_path):
+  env = _environment_after_prepare("backend='ipu'", "ipu_model=True", "cache_dir=%r" % str(tmp_path / "c"),
+                                   "profile_dir=%r" % str(tmp_path / "p"))
+  flags = env["TF_POPLAR_FLAGS"].split()
+  assert "--use_ipu_model" in flags
+  assert "--executable_cache_path=%s" % (tmp_path / "c") in flags   # underscores, absolute
+  assert json.loads(env["POPLAR_ENGINE_OPTIONS"])["autoReport.directory"] == str(tmp_path / "p")
+  assert json.loads(env["PVTI_OPTIONS"])["enable"] == "true"
+  assert env["TF_USE_LEGACY_KERAS"] == "1" and "TF_XLA_FLAGS" not in env
+
+
+def test_poprun_cache_path_wins(tmp_path):
+  env = _environment_after_prepare("backend='ipu'", "cache_dir=%r" % str(tmp_path / "c"),
+                                   {"POPDIST_EXECUTABLE_CACHE_PATH": str(tmp_path / "poprun")})
+  assert "--executable_cache_path" not in env.get("TF_POPLAR_FLAGS", "")
+
+
+def test_xla_cache_only_where_tensorflow_has_it(tmp_path):
+  env = _environment_after_prepare("backend='cpu'", "jit_compile=True", "cache_dir=%r" % str(tmp_path))
+  if tuple(int(p) for p in tf.__version__.split(".")[:2]) >= (2, 16):
+    assert env["TF_XLA_FLAGS"] == "--tf_xla_persistent_cache_directory=%s" % (tmp_path / "xla")
+  else:  # TensorFlow 2.6 aborts on this unknown flag
+    assert "TF_XLA_FLAGS" not in env
+  assert "TF_POPLAR_FLAGS" not in env
