@@ -25,7 +25,8 @@ def build(config: RunConfig, input_shape=INPUT_SHAPE, num_outputs=NUM_CLASSES) -
   x = layers.MaxPooling2D(pool_size=(2, 2), name="pool2")(x)
   x = layers.Flatten(name="flatten")(x)
   x = layers.Dropout(0.5, name="dropout")(x)
-  outputs = layers.Dense(num_outputs, activation="softmax", name="digit")(x)
+  # float32 under mixed precision: softmax and cross-entropy at full precision.
+  outputs = layers.Dense(num_outputs, activation="softmax", dtype="float32", name="digit")(x)
   return tf.keras.Model(inputs, outputs, name="mnist_cnn")
 
 

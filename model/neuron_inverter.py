@@ -42,7 +42,8 @@ def build(config: RunConfig, input_shape=(1600, 4), num_outputs=15) -> tf.keras.
   for i, dim in enumerate(design["fc_dims"], start=1):
     x = layers.Dense(dim, activation="relu", name="fc%d" % i)(x)
     x = layers.Dropout(design["dropout"], name="dropout%d" % i)(x)
-  outputs = layers.Dense(num_outputs, name="conductances")(x)  # linear: u* is unbounded
+  # Linear (u* is unbounded); float32 under mixed precision so the loss is computed at full precision.
+  outputs = layers.Dense(num_outputs, dtype="float32", name="conductances")(x)
   return tf.keras.Model(inputs, outputs, name="neuron_inverter_" + config.design)
 
 

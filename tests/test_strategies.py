@@ -57,3 +57,27 @@ def test_keras_is_version_2():
 def test_environment_refuses_to_run_after_tensorflow_import():
   with pytest.raises(RuntimeError, match="before TensorFlow is imported"):
     environment.prepare(RunConfig(model="mnist"))
+
+
+@pytest.mark.parametrize("precision, kind, policy", [
+    ("32.32", "cpu", "float32"), ("16.32", "cpu", "mixed_bfloat16"), ("16.16", "cpu", "bfloat16"),
+    ("16.32", "gpu", "mixed_float16"), ("16.32", "ipu", "mixed_float16"), ("16.16", "ipu", "float16"),
+])
+def test_precision_maps_to_keras_policies(precision, kind, policy):
+  try:
+    assert select.set_precision(precision, kind) == policy
+    assert tf.keras.mixed_precision.global_policy().name == policy
+  finally:
+    tf.keras.mixed_precision.set_global_policy("float32")
+
+
+def test_mixed_precision_model_keeps_float32_outputs():
+  import model  # pylint: disable=import-outside-toplevel
+  try:
+    select.set_precision("16.32", "cpu")
+    net = model.get_model_module("neuron_inverter").build(RunConfig(model="neuron_inverter", design="dev"))
+    assert net.get_layer("conv1").compute_dtype == "bfloat16"
+    assert net.get_layer("conv1").dtype == "float32"            # weights stay float32
+    assert net.output.dtype == tf.float32
+  finally:
+    tf.keras.mixed_precision.set_global_policy("float32")
