@@ -19,7 +19,7 @@ $(VENV)/.installed-$(BACKEND): requirements.txt requirements-$(BACKEND).txt requ
 	touch $@
 
 run: install
-	$(PY) main.py --model=mnist $(RUN_ARGS)
+	$(PY) main.py --model=neuron_inverter --replicas=4 $(RUN_ARGS)
 
 test: install
 	$(PY) -m pytest -q
