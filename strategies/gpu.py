@@ -22,6 +22,6 @@ def create(config: RunConfig) -> Backend:
     # Allocate as needed so that several processes (e.g. one per GPU under Slurm) can coexist.
     tf.config.experimental.set_memory_growth(gpu, True)
   devices = tuple("/gpu:%d" % i for i in range(replicas))
-  if replicas == 1:
-    return Backend("gpu", tf.distribute.OneDeviceStrategy(devices[0]), devices, **options_from_config(config))
-  return Backend("gpu", tf.distribute.MirroredStrategy(devices=list(devices)), devices, **options_from_config(config))
+  strategy = (tf.distribute.OneDeviceStrategy(devices[0]) if replicas == 1
+              else tf.distribute.MirroredStrategy(devices=list(devices)))
+  return Backend("gpu", strategy, devices, **options_from_config(config))

@@ -78,3 +78,20 @@ def test_unwritable_logdir_is_one_line_error(tmp_path):
   blocker.write_text("x")
   assert_one_line_error(run_main("--logdir=" + str(blocker / "sub"), "--steps_per_epoch=1"),
                         "--logdir", "not a writable folder")
+
+
+def test_compile_only_compiles_and_exits(tmp_path):
+  logdir = str(tmp_path / "run")
+  result = run_main("--model=mnist", "--compile_only", "--logdir=" + logdir, "--steps_per_epoch=5")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "--compile_only: compiled in" in result.stderr
+  assert "Epoch 2/" not in result.stdout and not os.path.exists(os.path.join(logdir, "summary.yaml"))
+
+
+def test_profile_dir_gets_a_tensorboard_profile(tmp_path):
+  profile = tmp_path / "profile"
+  result = run_main("--model=mnist", "--epochs=1", "--steps_per_epoch=6", "--eval_steps=1",
+                    "--logdir=" + str(tmp_path / "run"), "--profile_dir=" + str(profile))
+  assert result.returncode == 0, result.stderr[-3000:]
+  traces = [name for _, _, names in os.walk(str(profile)) for name in names if ".xplane.pb" in name]
+  assert traces, list(os.walk(str(profile)))
