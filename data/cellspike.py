@@ -128,10 +128,11 @@ def _step_elements(readers, first_epoch, element_per_replica):
 def make_split(info, split, config, layout: BatchLayout, first_epoch, shuffle, max_steps) -> Split:
   """The tf.data pipeline of one split, one contiguous block per replica."""
   num = info.splits[split].num_samples
-  blocks = shard_blocks(num, layout.replicas, layout.replica_rows, split)
-  readers = [BlockReader(info.path, split, block, layout.replica_rows, config.read_chunk,
+  blocks = shard_blocks(num, layout.total_shards, layout.replica_rows, split)
+  # Each process reads only the blocks of the replicas it feeds (its own disjoint part of the file).
+  readers = [BlockReader(info.path, split, blocks[shard], layout.replica_rows, config.read_chunk,
                          config.shuffle_buffer, config.seed, shard, shuffle, config.in_memory)
-             for shard, block in enumerate(blocks)]
+             for shard in layout.shards]
   block_rows = blocks[0][1] - blocks[0][0]
   steps = count_steps(block_rows * layout.replicas, layout.step_rows, max_steps, split,
                       layout.steps_multiple)
@@ -147,8 +148,9 @@ def make_split(info, split, config, layout: BatchLayout, first_epoch, shuffle, m
   dataset = dataset.prefetch(2 * layout.elements_per_step)
   bytes_per_row = (np.prod(info.input_shape) + info.num_params) * info.splits[split].dtype.itemsize
   held = sum(r.memory_rows for r in readers) * bytes_per_row
-  logging.info("%s split: %d samples, %d shard(s) of %d, %d steps of %d; %s holds %.1f MB of host memory",
-               split, num, layout.replicas, block_rows, steps, layout.step_rows,
+  logging.info("%s split: %d samples, shards %d-%d of %d, %d rows each, %d steps of %d; %s holds %.1f MB "
+               "of host memory", split, num, layout.shards[0], layout.shards[-1], layout.total_shards,
+               block_rows, steps, layout.step_rows,
                "in-memory mode" if config.in_memory else "streaming", held / 1e6)
   return Split(dataset=dataset, steps=steps, samples=steps * layout.step_rows)
 

@@ -19,11 +19,22 @@ class BatchLayout:
   takes whole dataset elements in turn. `replica_rows` is what one replica takes per optimizer step:
   the micro-batch times the gradient-accumulation count on CPU/GPU, where one step walks through them.
   """
-  replicas: int = 1
+  replicas: int = 1                   # replicas fed by this process
   replica_rows: int = 1
   element_per_replica: bool = False   # True: each element feeds one replica (IPU infeeds)
   eval_replica_rows: int = None       # rows per replica for evaluation (no accumulation); None: same
   steps_multiple: int = 1             # training steps are trimmed to a multiple (whole optimizer steps)
+  first_shard: int = 0                # this process's first replica among all processes' replicas
+  num_shards: int = 0                 # replicas of all processes (0: just this process's)
+
+  @property
+  def shards(self) -> range:
+    """Global indices of the replicas (data shards) this process feeds."""
+    return range(self.first_shard, self.first_shard + self.replicas)
+
+  @property
+  def total_shards(self) -> int:
+    return self.num_shards or self.replicas
 
   @property
   def element_rows(self) -> int:
@@ -84,6 +95,10 @@ def make_split(arrays: Arrays, layout: BatchLayout, transform: Callable, shuffle
   vectorised op. `drop_remainder=True` keeps every batch the same static shape, which IPUs require and
   which keeps XLA from compiling a second program for a short last batch.
   """
+  if layout.total_shards > layout.replicas:  # several processes: this one's contiguous part only
+    per_shard = len(arrays.x) // layout.total_shards
+    rows = slice(layout.first_shard * per_shard, (layout.first_shard + layout.replicas) * per_shard)
+    arrays = Arrays(arrays.x[rows], arrays.y[rows])
   steps = count_steps(len(arrays.x), layout.step_rows, max_steps, name, layout.steps_multiple)
   dataset = tf.data.Dataset.from_tensor_slices((arrays.x, arrays.y))
   if shuffle:

@@ -56,6 +56,10 @@ class Backend:
   def optimizer_kwargs(self) -> dict:
     return {}
 
+  def optimizer_factories(self) -> dict:
+    """Replacements for optimizers of the registry (name -> factory(learning_rate, **kwargs))."""
+    return {}
+
   def compile_kwargs(self, train_steps: int) -> dict:
     del train_steps
     kwargs = {"steps_per_execution": self.steps_per_execution}

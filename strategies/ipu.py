@@ -194,11 +194,17 @@ class IPUBackend(Backend):
   ipus_per_replica: int = 1
   requested_steps_per_execution: int = 0
   sums_replica_gradients: bool = True     # IPUStrategy: yes; PopDistStrategy averages itself
+  precision: str = "32.32"
+  local_replicas: int = 0                 # under poprun: this instance's replicas (0: all)
+  instance_index: int = 0
 
   def layout(self, micro_batch: int) -> BatchLayout:
     # Each replica takes whole micro-batches from the infeed in turn; G micro-batches per optimizer step.
-    return BatchLayout(replicas=self.replicas, replica_rows=micro_batch, element_per_replica=True,
-                       steps_multiple=self.gradient_accumulation)
+    # Under poprun each instance feeds its local replicas from its own shards [4.2].
+    local = self.local_replicas or self.replicas
+    return BatchLayout(replicas=local, replica_rows=micro_batch, element_per_replica=True,
+                       steps_multiple=self.gradient_accumulation,
+                       first_shard=self.instance_index * local, num_shards=self.replicas)
 
   def prepare_model(self, model, stage_boundaries=()):
     model = swap_ipu_layers(model)
@@ -216,6 +222,19 @@ class IPUBackend(Backend):
       return {}
     replicas = float(self.replicas)
     return {"gradient_transformers": [lambda pairs: [(g / replicas, v) for g, v in pairs]]}
+
+  def optimizer_factories(self) -> dict:
+    """With 16-bit weights, IPU Addons optimizers keep their state in float32 [7]."""
+    if self.precision != "16.16":
+      return {}
+    try:
+      addons = importlib.import_module("ipu_tensorflow_addons.keras.optimizers")
+    except ImportError:
+      return {}
+    return {
+        "adam": lambda **kw: addons.AdamIpuOptimizer(m_dtype=tf.float32, v_dtype=tf.float32, **kw),
+        "sgd": lambda **kw: addons.SGDIpuOptimizer(momentum_accum_dtype=tf.float32, **kw),
+    }
 
   def compile_kwargs(self, train_steps: int) -> dict:
     steps = derive_steps_per_execution(train_steps, self.gradient_accumulation,
@@ -248,4 +267,6 @@ def create(config: RunConfig) -> IPUBackend:
       gradient_accumulation=config.gradient_accumulation, pipeline_stages=config.pipeline_stages,
       pipeline_schedule=config.pipeline_schedule, ipus_per_replica=config.ipus_per_replica,
       requested_steps_per_execution=config.steps_per_execution,
-      sums_replica_gradients=popdist is None)
+      sums_replica_gradients=popdist is None, precision=config.precision,
+      local_replicas=popdist.getNumLocalReplicas() if popdist else 0,
+      instance_index=popdist.getInstanceIndex() if popdist else 0)

@@ -220,6 +220,28 @@ def build_popdist(total_replicas=4, instances=2, index=0):
   return {"popdist": popdist, "popdist.tensorflow": tensorflow}
 
 
+class AdamIpuOptimizer:
+  def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, amsgrad=False,
+               name="Adam", m_dtype=None, v_dtype=None, vhat_dtype=None, debiasing=True, **kwargs):
+    _record("AdamIpuOptimizer", learning_rate=learning_rate, m_dtype=m_dtype, v_dtype=v_dtype, **kwargs)
+
+
+class SGDIpuOptimizer:
+  def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, name="SGD",
+               momentum_accum_dtype=None, **kwargs):
+    _record("SGDIpuOptimizer", learning_rate=learning_rate, momentum_accum_dtype=momentum_accum_dtype,
+            **kwargs)
+
+
+def build_addons():
+  """A stand-in `ipu_tensorflow_addons` (optimizers only; layers are exercised by real Keras) [7]."""
+  optimizers = _module("ipu_tensorflow_addons.keras.optimizers", AdamIpuOptimizer=AdamIpuOptimizer,
+                       SGDIpuOptimizer=SGDIpuOptimizer)
+  keras = _module("ipu_tensorflow_addons.keras", optimizers=optimizers)
+  return {"ipu_tensorflow_addons": _module("ipu_tensorflow_addons", keras=keras),
+          "ipu_tensorflow_addons.keras": keras, "ipu_tensorflow_addons.keras.optimizers": optimizers}
+
+
 def install(monkeypatch, sdk="3.x", popdist=None):
   """Puts the stand-in into sys.modules for one test; returns the `ipu` module."""
   CALLS.clear()

@@ -106,3 +106,13 @@ def test_accumulation_layout_folds_micro_batches_per_replica(tmp_path):
   splits = cellspike.load(_config(path), layout)
   assert splits.train.dataset.element_spec[0].shape[0] == 16 and splits.train.steps == 4
   assert splits.validation.dataset.element_spec[0].shape[0] == 8
+
+
+def test_processes_read_disjoint_shards_of_the_same_file(tmp_path):
+  path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64)
+  rows = []
+  for process in range(2):   # 2 processes x 2 replicas each = 4 shards of 16 rows
+    layout = BatchLayout(2, 4, first_shard=2 * process, num_shards=4)
+    rows.append(_epoch_rows(cellspike.load(_config(path), layout).train, 2, 4))
+  assert [sorted(r) for r in rows[0]] == [list(range(0, 16)), list(range(16, 32))]
+  assert [sorted(r) for r in rows[1]] == [list(range(32, 48)), list(range(48, 64))]

@@ -84,6 +84,12 @@ def test_poprun_uses_popdist(monkeypatch, sdk, module):
   assert backend.replicas == 4 and backend.optimizer_kwargs() == {}  # PopDist averages itself
 
 
+def test_poprun_instances_read_their_own_shards(monkeypatch):
+  fake_ipu.install(monkeypatch, popdist=fake_ipu.build_popdist(total_replicas=4, instances=2, index=1))
+  layout = ipu_backend.create(_config(replicas=4)).layout(16)
+  assert layout.replicas == 2 and list(layout.shards) == [2, 3] and layout.total_shards == 4
+
+
 def test_poprun_replica_mismatch_is_refused(monkeypatch):
   fake_ipu.install(monkeypatch, popdist=fake_ipu.build_popdist(total_replicas=4))
   with pytest.raises(UserError, match="--replicas=2 disagrees with poprun's --num-replicas=4"):
@@ -188,3 +194,16 @@ def test_xla_cache_only_where_tensorflow_has_it(tmp_path):
   else:  # TensorFlow 2.6 aborts on this unknown flag
     assert "TF_XLA_FLAGS" not in env
   assert "TF_POPLAR_FLAGS" not in env
+
+
+def test_sixteen_bit_weights_use_ipu_optimizers_with_float32_state(monkeypatch):
+  fake_ipu.install(monkeypatch)
+  for name, module in fake_ipu.build_addons().items():
+    monkeypatch.setitem(sys.modules, name, module)
+  assert ipu_backend.create(_config()).optimizer_factories() == {}       # 32-bit weights: Keras' own
+  factories = ipu_backend.create(_config(replicas=2, precision="16.16")).optimizer_factories()
+  from training.optimizers import make_optimizer  # pylint: disable=import-outside-toplevel
+  make_optimizer("adam", 0.002, factories, gradient_transformers=[])
+  (_, _, kwargs), = _calls("AdamIpuOptimizer")
+  assert kwargs == {"learning_rate": 0.002, "m_dtype": tf.float32, "v_dtype": tf.float32,
+                    "gradient_transformers": []}

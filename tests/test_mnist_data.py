@@ -92,3 +92,14 @@ def test_tfds_failure_is_one_clear_error(tmp_path, monkeypatch):
   monkeypatch.setattr(tfds, "load", offline)
   with pytest.raises(UserError, match=r"could not load mnist \(Failed to resolve storage.googleapis.com\)"):
     mnist.load_arrays(RunConfig(model="mnist", mnist_source="tfds", data_path=str(tmp_path)))
+
+
+def test_each_process_takes_its_own_part(tmp_path):
+  images, labels = _digits(64)
+  folder = write_mnist_folder(str(tmp_path), (images, np.arange(64) % 10), _digits(16, seed=1))
+  config = RunConfig(model="mnist", data_path=folder)
+  second = mnist.load(config, BatchLayout(1, 8, first_shard=1, num_shards=2)).train
+  assert second.steps == 4                                 # 32 of the 64 images
+  seen = np.concatenate([x.numpy() for x, _ in second.dataset]).reshape(32, -1)
+  expected = images[32:].reshape(32, -1).astype(np.float32) / 255.0
+  assert sorted(map(tuple, seen.round(5))) == sorted(map(tuple, expected.round(5)))

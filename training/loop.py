@@ -53,7 +53,8 @@ def build_and_compile(config: RunConfig, backend: Backend, model_module, splits)
   with backend.strategy.scope():
     net = model_module.build(config, splits.input_shape, splits.num_outputs)
     net = backend.prepare_model(net, getattr(model_module, "STAGE_BOUNDARIES", ()))
-    optimizer = make_optimizer(config.optimizer, config.learning_rate, **backend.optimizer_kwargs())
+    optimizer = make_optimizer(config.optimizer, config.learning_rate, backend.optimizer_factories(),
+                               **backend.optimizer_kwargs())
     net.compile(optimizer=optimizer, loss=model_module.loss(), metrics=model_module.metrics(),
                 **backend.compile_kwargs(splits.train.steps))
   return net

@@ -20,8 +20,11 @@ OPTIMIZERS = {
 }
 
 
-def make_optimizer(name: str, learning_rate: float, **backend_kwargs) -> tf.keras.optimizers.Optimizer:
-  """`backend_kwargs` come from the backend (e.g. the IPU's gradient averaging over replicas)."""
+def make_optimizer(name: str, learning_rate: float, factories=None,
+                   **backend_kwargs) -> tf.keras.optimizers.Optimizer:
+  """The optimizer `name`. The backend may supply replacement `factories` (IPU-specific optimizers)
+  and `backend_kwargs` (e.g. the IPU's gradient averaging over replicas)."""
   if name not in OPTIMIZERS:
     raise UserError("unknown optimizer %r; valid optimizers: %s" % (name, ", ".join(sorted(OPTIMIZERS))))
-  return OPTIMIZERS[name](learning_rate=learning_rate, **backend_kwargs)
+  factory = (factories or {}).get(name, OPTIMIZERS[name])
+  return factory(learning_rate=learning_rate, **backend_kwargs)
