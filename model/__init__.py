@@ -40,7 +40,7 @@ MODELS = {
         description="1-D CNN + FC regressor: cellSpike voltage traces (1600 x 4) -> 15 conductances",
         # Reference: local batch 192, Adam(W) at 1e-3, warm-up then plateau (0.11, patience 8). The
         # epoch count is sized for the built-in dataset; reference runs use --epochs=161.
-        defaults={"batch_size": 192, "epochs": 20, "learning_rate": 1e-3, "optimizer": "adam",
+        defaults={"batch_size": 192, "epochs": 15, "learning_rate": 1e-3, "optimizer": "adam",
                   "warmup_epochs": 2},
     ),
 }

@@ -38,9 +38,16 @@ class RunCheckpoints:
 
   def restore_last(self) -> dict:
     """Restores the last checkpoint; returns its run state. A UserError if there is none or it mismatches."""
-    path = self._managers[LAST].latest_checkpoint
+    return self._restore(LAST)
+
+  def restore_best_weights(self) -> dict:
+    """Loads the weights of the best-validation checkpoint (for the final test); returns its state."""
+    return self._restore(BEST)
+
+  def _restore(self, which: str) -> dict:
+    path = self._managers[which].latest_checkpoint
     if path is None:
-      raise UserError("--resume: no checkpoint in %s" % os.path.join(self.directory, LAST))
+      raise UserError("--resume: no checkpoint in %s" % os.path.join(self.directory, which))
     try:
       self._checkpoint.restore(path).expect_partial()
       state = json.loads(self._state.numpy().decode())
@@ -48,7 +55,7 @@ class RunCheckpoints:
       raise UserError("--resume: checkpoint %s is unreadable (%s)" % (path, str(error).splitlines()[0])) \
           from None
     check_identity(path, state, self.identity)
-    logging.info("Resumed from %s (epoch %d done)", path, state["epoch"])
+    logging.info("Restored %s (epoch %d)", path, state["epoch"])
     return state
 
 

@@ -97,6 +97,8 @@ def _make_callbacks(config, backend, net, global_batch_size):  # pylint: disable
   checkpointing = checkpoints_lib.CheckpointCallback(checkpoints, schedule)
   if config.resume:
     state = checkpoints.restore_last()
+    logging.info("Resumed from %s: continuing with epoch %d of %d", checkpoints.directory,
+                 state["epoch"] + 1, config.epochs)
     schedule.plateau.load(state["schedule"])
     checkpointing.best_val_loss = float(state.get("best_val_loss", math.inf))
     checkpointing.best_epoch = state.get("best_epoch")
@@ -111,6 +113,17 @@ def _make_callbacks(config, backend, net, global_batch_size):  # pylint: disable
     callbacks.append(tf.keras.callbacks.TensorBoard(log_dir=config.profile_dir, profile_batch=(2, 4),
                                                     write_graph=False))
   return callbacks, throughput, checkpointing
+
+
+def _use_best_weights(checkpointing, last_epoch: int):
+  """Tests the best-validation weights, not the possibly over-fitted last ones; returns their epoch."""
+  best = checkpointing.best_epoch
+  if best is None or best == last_epoch:
+    return last_epoch
+  checkpointing.checkpoints.restore_best_weights()
+  logging.info("Testing the weights of epoch %d (best validation loss %.4f), not of epoch %d",
+               best, checkpointing.best_val_loss, last_epoch)
+  return best
 
 
 def _epoch_time_stats(history: dict):
@@ -153,8 +166,9 @@ def run(config: RunConfig, backend: Backend) -> dict:
     raise UserError("training stopped: the loss became NaN/Inf in epoch %d (lower --learning_rate); "
                     "last good checkpoint: %s" % (len(history["loss"]) + resume_state["epoch"], kept))
 
-  test_results = {}
+  test_results, test_epoch = {}, None
   if splits.test:
+    test_epoch = _use_best_weights(checkpointing, len(history.get("loss", [])) + resume_state["epoch"])
     print("\nEvaluation", flush=True)
     test_results = net.evaluate(splits.test.dataset, return_dict=True, verbose=1)
     write_test_scalars(config.logdir, test_results, step=config.epochs)
@@ -174,6 +188,7 @@ def run(config: RunConfig, backend: Backend) -> dict:
       "train_loss": _last(history, "loss"),
       "val_loss": _last(history, "val_loss"),
       "test_loss": float(test_results["loss"]) if "loss" in test_results else None,
+      "test_weights_epoch": test_epoch,
       "samples_per_sec_per_replica": throughput.samples_per_sec_per_replica,
       "compile_seconds": throughput.compile_seconds,
       "executable_from_cache": throughput.from_cache,
