@@ -152,7 +152,8 @@ def make_split(info, split, config, layout: BatchLayout, first_epoch, shuffle, m
                "of host memory", split, num, layout.shards[0], layout.shards[-1], layout.total_shards,
                block_rows, steps, layout.step_rows,
                "in-memory mode" if config.in_memory else "streaming", held / 1e6)
-  return Split(dataset=dataset, steps=steps, samples=steps * layout.step_rows)
+  return Split(dataset=dataset, steps=steps, samples=steps * layout.step_rows,
+               blocks=tuple(blocks[shard] for shard in layout.shards))
 
 
 def mean_predictor_loss(path: str, split: str = "val") -> float:
@@ -194,8 +195,9 @@ def load(config: RunConfig, layout: BatchLayout, first_epoch: int = 0) -> Splits
   logging.info("cellSpike file %s: %s; frames %s, %d parameters", info.path,
                ", ".join("%s %d (%s)" % (d, s.num_samples, s.dtype) for d, s in info.splits.items()),
                info.input_shape, info.num_params)
+  train = make_split(info, "train", config, layout, first_epoch, True, config.steps_per_epoch)
   return Splits(
-      train=make_split(info, "train", config, layout, first_epoch, True, config.steps_per_epoch),
+      train=train,
       validation=make_split(info, "val", config, eval_layout(layout), 0, False, config.eval_steps),
       test=make_split(info, "test", config, eval_layout(layout), 0, False, config.eval_steps),
       source="cellSpike: " + info.path,
@@ -204,6 +206,7 @@ def load(config: RunConfig, layout: BatchLayout, first_epoch: int = 0) -> Splits
       summary_extras={
           "mean_predictor_val_loss": mean_predictor_loss(info.path),
           "par_names": list(info.par_names),
+          "train_blocks": [list(block) for block in train.blocks],
           "input_meta": info.meta,
       },
   )

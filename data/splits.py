@@ -61,6 +61,7 @@ class Split:
   dataset: tf.data.Dataset
   steps: int                 # steps per pass (each step: one element per replica, or one global batch)
   samples: int               # samples per pass
+  blocks: tuple = ()         # [start, stop) rows of the file read by this process, per shard
 
 
 @dataclasses.dataclass(frozen=True)

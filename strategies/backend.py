@@ -33,6 +33,22 @@ class Backend:
   jit_compile: bool = False
   cache_dir: Optional[str] = None          # executable cache in effect (IPU or XLA), for reporting
 
+  rank = 0                                 # this process among all workers
+  world_size = 1
+
+  @property
+  def is_chief(self) -> bool:
+    """Whether this process writes the run's outputs (always, except non-chief workers)."""
+    return self.rank == 0
+
+  def output_dir(self, logdir: str) -> str:
+    """Where this process writes TensorBoard events, checkpoints and summary.yaml."""
+    return logdir
+
+  def fit_input(self, split):
+    """(x, steps) for Keras fit/evaluate: the dataset itself, Keras counting its batches."""
+    return split.dataset, None
+
   @property
   def label(self) -> str:
     """Upper-case name used in banners, e.g. "CPU"."""

@@ -7,7 +7,7 @@ from absl import logging
 
 from errors import UserError
 from run_config import RunConfig
-from strategies import cpu, environment, gpu, ipu
+from strategies import cpu, environment, gpu, ipu, multiworker
 from strategies.backend import Backend
 
 _CREATORS = {"cpu": cpu.create, "gpu": gpu.create, "ipu": ipu.create}
@@ -59,7 +59,8 @@ def select_backend(config: RunConfig) -> Backend:
   kind = resolve_kind(config.backend)
   if kind not in _CREATORS:
     raise UserError("unknown backend %r; valid backends: auto, %s" % (kind, ", ".join(_CREATORS)))
-  backend = _CREATORS[kind](config)
+  source = multiworker.cluster_source() if kind in ("cpu", "gpu") else None
+  backend = multiworker.create(config, kind, source) if source else _CREATORS[kind](config)
   backend = dataclasses.replace(backend, cache_dir=environment.executable_cache_dir(kind))
   policy = set_precision(config.precision, kind)
   logging.info("Backend %s, %d replica(s) on %s (TensorFlow %s, Keras %s, precision %s)", backend.label,

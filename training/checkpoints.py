@@ -22,8 +22,10 @@ LAST, BEST = "last", "best"
 class RunCheckpoints:
   """Saves and restores model + optimizer + run state."""
 
-  def __init__(self, logdir: str, model: tf.keras.Model, identity: dict):
+  def __init__(self, logdir: str, model: tf.keras.Model, identity: dict, restore_logdir: str = None):
     self.directory = os.path.join(logdir, "checkpoints")
+    # Non-chief workers write to a temporary folder but resume from the chief's checkpoints.
+    self.restore_directory = os.path.join(restore_logdir or logdir, "checkpoints")
     self.identity = identity                      # e.g. {"model": ..., "design": ...}
     self._state = tf.Variable("{}", dtype=tf.string, trainable=False, name="run_state")
     self._checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, run_state=self._state)
@@ -45,9 +47,10 @@ class RunCheckpoints:
     return self._restore(BEST)
 
   def _restore(self, which: str) -> dict:
-    path = self._managers[which].latest_checkpoint
+    folder = os.path.join(self.restore_directory, which)
+    path = tf.train.latest_checkpoint(folder)
     if path is None:
-      raise UserError("--resume: no checkpoint in %s" % os.path.join(self.directory, which))
+      raise UserError("--resume: no checkpoint in %s" % folder)
     try:
       self._checkpoint.restore(path).expect_partial()
       state = json.loads(self._state.numpy().decode())

@@ -5,6 +5,7 @@ Stages: seed -> (resume state) -> data -> model + optimizer in the strategy scop
 Backend specifics stay behind `backend.strategy`.
 """
 
+import hashlib
 import math
 import os
 import random
@@ -90,10 +91,11 @@ def _resume_state(config: RunConfig) -> dict:
   return state
 
 
-def _make_callbacks(config, backend, net, global_batch_size):  # pylint: disable=too-many-locals
+def _make_callbacks(config, backend, net, global_batch_size, outdir):
   schedule = WarmupPlateauSchedule(config.learning_rate, config.warmup_epochs, config.lr_factor,
                                    config.lr_patience, config.lr_cooldown)
-  checkpoints = checkpoints_lib.RunCheckpoints(config.logdir, net, _identity(config))
+  checkpoints = checkpoints_lib.RunCheckpoints(outdir, net, _identity(config),
+                                               restore_logdir=config.logdir)
   checkpointing = checkpoints_lib.CheckpointCallback(checkpoints, schedule)
   if config.resume:
     state = checkpoints.restore_last()
@@ -108,7 +110,7 @@ def _make_callbacks(config, backend, net, global_batch_size):  # pylint: disable
   # Order matters: each callback may add to the epoch logs that the later ones record.
   callbacks = [throughput, schedule, callbacks_lib.EpochLogger(), checkpointing,
                tf.keras.callbacks.TerminateOnNaN(),
-               tf.keras.callbacks.TensorBoard(log_dir=config.logdir, profile_batch=0)]
+               tf.keras.callbacks.TensorBoard(log_dir=outdir, profile_batch=0)]
   if config.profile_dir and backend.kind != "ipu":  # IPU profiles come from POPLAR_ENGINE_OPTIONS
     callbacks.append(tf.keras.callbacks.TensorBoard(log_dir=config.profile_dir, profile_batch=(2, 4),
                                                     write_graph=False))
@@ -126,6 +128,14 @@ def _use_best_weights(checkpointing, last_epoch: int):
   return best
 
 
+def weights_digest(net: tf.keras.Model) -> str:
+  """SHA-256 of all weights: equal digests mean identical models (e.g. across workers)."""
+  digest = hashlib.sha256()
+  for weight in net.get_weights():
+    digest.update(np.ascontiguousarray(weight).tobytes())
+  return digest.hexdigest()
+
+
 def _epoch_time_stats(history: dict):
   seconds = history.get("epoch_seconds", [])[1:]  # the first epoch carries the compilation
   if not seconds:
@@ -137,7 +147,11 @@ def run(config: RunConfig, backend: Backend) -> dict:
   """Trains and tests `config.model` on `backend`; returns the summary also written to summary.yaml."""
   started = time.perf_counter()
   info = model.get_model_info(config.model)
-  prepare_logdir(config.logdir)
+  outdir = backend.output_dir(config.logdir)
+  prepare_logdir(outdir)
+  if outdir != config.logdir:
+    logging.info("Worker %d writes its events and checkpoints to %s (the chief writes %s)",
+                 backend.rank, outdir, config.logdir)
   set_seeds(config.seed)
   print("%s, running on %s" % (info.title, backend.label), flush=True)
   resume_state = _resume_state(config)
@@ -151,12 +165,13 @@ def run(config: RunConfig, backend: Backend) -> dict:
                backend.gradient_accumulation, backend.replicas,
                splits.train.samples // global_batch_size)
 
-  callbacks, throughput, checkpointing = _make_callbacks(config, backend, net, global_batch_size)
+  callbacks, throughput, checkpointing = _make_callbacks(config, backend, net, global_batch_size, outdir)
   print("\nTraining", flush=True)
-  history = net.fit(
-      splits.train.dataset, epochs=config.epochs, initial_epoch=resume_state["epoch"],
-      callbacks=callbacks, verbose=1,
-      validation_data=splits.validation.dataset if splits.validation else None).history
+  train_x, train_steps = backend.fit_input(splits.train)
+  val_x, val_steps = backend.fit_input(splits.validation) if splits.validation else (None, None)
+  history = net.fit(train_x, epochs=config.epochs, initial_epoch=resume_state["epoch"],
+                    steps_per_epoch=train_steps, validation_data=val_x, validation_steps=val_steps,
+                    callbacks=callbacks, verbose=1 if backend.is_chief else 2).history
   if config.compile_only:
     logging.info("--compile_only: compiled in %.1f s; exiting before training",
                  throughput.compile_seconds or 0.0)
@@ -170,8 +185,9 @@ def run(config: RunConfig, backend: Backend) -> dict:
   if splits.test:
     test_epoch = _use_best_weights(checkpointing, len(history.get("loss", [])) + resume_state["epoch"])
     print("\nEvaluation", flush=True)
-    test_results = net.evaluate(splits.test.dataset, return_dict=True, verbose=1)
-    write_test_scalars(config.logdir, test_results, step=config.epochs)
+    test_x, test_steps = backend.fit_input(splits.test)
+    test_results = net.evaluate(test_x, steps=test_steps, return_dict=True, verbose=1)
+    write_test_scalars(outdir, test_results, step=config.epochs)
 
   summary = {
       "model": config.model,
@@ -199,6 +215,9 @@ def run(config: RunConfig, backend: Backend) -> dict:
       "final_lr": _last(history, "lr"),
       "data_source": splits.source,
       "devices": list(backend.devices),
+      "rank": backend.rank,
+      "world_size": backend.world_size,
+      "weights_sha256": weights_digest(net),
       "tensorflow_version": tf.__version__,
       "params": config.as_dict(),
       "history": {key: [float(v) for v in values] for key, values in history.items()},
@@ -207,6 +226,6 @@ def run(config: RunConfig, backend: Backend) -> dict:
   if info.task == "classification":
     summary["train_accuracy"] = _last(history, "accuracy")
     summary["test_accuracy"] = float(test_results["accuracy"]) if "accuracy" in test_results else None
-  path = write_summary(config.logdir, summary)
-  logging.info("Wrote %s; TensorBoard: tensorboard --logdir %s", path, config.logdir)
+  path = write_summary(outdir, summary)
+  logging.info("Wrote %s; TensorBoard: tensorboard --logdir %s", path, outdir)
   return summary

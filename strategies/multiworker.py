@@ -1,0 +1,109 @@
+"""Multi-worker data parallelism on CPU/GPU hosts with tf.distribute.MultiWorkerMirroredStrategy.
+
+The cluster comes from `TF_CONFIG` (any launcher) or from Slurm (`srun`, via SlurmClusterResolver).
+Each worker feeds its local replicas from its own contiguous shards of the data, through Keras'
+`DatasetCreator` (the per-worker input path of tf.distribute), with tf.data's auto-sharding off because
+the shards are already disjoint. Only the chief (rank 0) writes to `--logdir`; the other workers write
+their TensorBoard events and checkpoints to temporary folders, as TensorFlow's multi-worker guide
+recommends (every worker must save, because saving runs collectives).
+"""
+
+import dataclasses
+import json
+import os
+import tempfile
+
+import tensorflow as tf
+from absl import logging
+
+from data.splits import BatchLayout
+from errors import UserError
+from run_config import RunConfig
+from strategies.backend import Backend, options_from_config
+
+
+def cluster_source():
+  """"tf_config" or "slurm" when this process is one worker of several, else None."""
+  try:
+    tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+  except ValueError:
+    raise UserError("TF_CONFIG is not valid JSON: %r" % os.environ["TF_CONFIG"][:80]) from None
+  cluster = tf_config.get("cluster", {})
+  if sum(len(cluster.get(kind, [])) for kind in ("chief", "worker")) > 1:
+    return "tf_config"
+  if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ \
+      and "SLURM_STEP_ID" in os.environ:
+    return "slurm"
+  return None
+
+
+def _resolver(source: str):
+  if source == "tf_config":
+    return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+  # One task per GPU (or per node on CPU), as `srun --ntasks-per-node=<GPUs> --gpus-per-task=1` starts.
+  return tf.distribute.cluster_resolver.SlurmClusterResolver()
+
+
+def _rank(resolver) -> int:
+  """Global rank: the chief (if any) is 0, then the workers in order."""
+  spec = resolver.cluster_spec().as_dict()
+  has_chief = bool(spec.get("chief"))
+  if resolver.task_type == "chief":
+    return 0
+  return resolver.task_id + (1 if has_chief else 0)
+
+
+def _world_size(resolver) -> int:
+  spec = resolver.cluster_spec().as_dict()
+  return len(spec.get("chief", [])) + len(spec.get("worker", []))
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiWorkerBackend(Backend):
+  """MultiWorkerMirroredStrategy: `replicas` counts all workers' replicas."""
+  rank: int = 0
+  world_size: int = 1
+  local_replicas: int = 1
+
+  def layout(self, micro_batch: int) -> BatchLayout:
+    # distribute_datasets_from_function hands the worker's elements to its local replicas in turn;
+    # a replica's G micro-batches arrive together for the accumulating train step.
+    return BatchLayout(replicas=self.local_replicas, replica_rows=micro_batch * self.gradient_accumulation,
+                       element_per_replica=True,
+                       eval_replica_rows=micro_batch if self.gradient_accumulation > 1 else None,
+                       first_shard=self.rank * self.local_replicas, num_shards=self.replicas)
+
+  def fit_input(self, split):
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    dataset = split.dataset.with_options(options)
+    return tf.keras.utils.experimental.DatasetCreator(lambda input_context: dataset), split.steps
+
+  def output_dir(self, logdir: str) -> str:
+    if self.is_chief:
+      return logdir
+    return tempfile.mkdtemp(prefix="worker%d-" % self.rank)
+
+
+def create(config: RunConfig, kind: str, source: str) -> MultiWorkerBackend:
+  """A multi-worker backend over the cluster described by `source`; local devices of `kind`."""
+  if kind == "cpu":
+    tf.config.set_visible_devices([], "GPU")
+  resolver = _resolver(source)
+  options = tf.distribute.experimental.CommunicationOptions(
+      implementation=tf.distribute.experimental.CommunicationImplementation.NCCL if kind == "gpu"
+      else tf.distribute.experimental.CommunicationImplementation.RING)
+  strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
+                                                       communication_options=options)
+  world, rank = _world_size(resolver), _rank(resolver)
+  total = strategy.num_replicas_in_sync
+  if config.replicas not in (1, total):
+    raise UserError("--replicas=%d disagrees with the cluster: %d worker(s) x %d local replica(s) = %d "
+                    "(leave --replicas unset in multi-worker runs)"
+                    % (config.replicas, world, total // world, total))
+  logging.info("Multi-worker run (%s): rank %d of %d%s, %d replica(s) here, %d in total", source, rank,
+               world, " (chief)" if rank == 0 else "", total // world, total)
+  fields = dict(options_from_config(config), replicas=total)
+  return MultiWorkerBackend(kind=kind, strategy=strategy, devices=tuple(
+      d.name for d in tf.config.list_logical_devices("GPU" if kind == "gpu" else "CPU")[:total // world]),
+                            rank=rank, world_size=world, local_replicas=total // world, **fields)
