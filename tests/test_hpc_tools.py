@@ -1,0 +1,79 @@
+"""HPC launch tools: container definitions (parsed with spython), the container launcher (with a
+stand-in `singularity`), Slurm/poprun scripts and the TensorBoard tunnel helper."""
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO_ROOT
+
+TOOLS = os.path.join(REPO_ROOT, "tools")
+
+
+@pytest.mark.parametrize("name, base", [("ipu-tensorflow2.def", "graphcore/tensorflow:2"),
+                                        ("tensorflow.def", "tensorflow/tensorflow:2.21.0-gpu")])
+def test_definition_files_parse(name, base):
+  parsers = pytest.importorskip("spython.main.parse.parsers")
+  (recipe,) = parsers.SingularityParser(os.path.join(TOOLS, "containers", name)).recipe.values()
+  assert recipe.fromHeader == base
+  assert recipe.files == [". /opt/neuron_inverter"]
+  installs = " ".join(recipe.install)
+  assert "pip install" in installs and "tensorflow-cpu" not in installs
+  if "ipu" in name:  # never a PyPI TensorFlow over Graphcore's wheel
+    assert "requirements-ipu.txt" in installs
+  assert recipe.cmd == 'exec python3 /opt/neuron_inverter/main.py "$@"'
+
+
+def _stand_in(tmp_path, name):
+  """An executable that records its arguments, one per line."""
+  record = tmp_path / (name + ".args")
+  path = tmp_path / "bin" / name
+  path.parent.mkdir(exist_ok=True)
+  path.write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done > %s\n' % record)
+  path.chmod(path.stat().st_mode | stat.S_IEXEC)
+  return record
+
+
+def test_container_launcher_forwards_everything(tmp_path):
+  record = _stand_in(tmp_path, "singularity")
+  env = dict(os.environ, PATH="%s:%s" % (tmp_path / "bin", os.environ["PATH"]), SINGULARITY="singularity",
+             IMAGE="app.sif", DATA_DIR="/data", CACHE_DIR=str(tmp_path / "cache"),
+             LOG_DIR=str(tmp_path / "logs"))
+  subprocess.run([os.path.join(TOOLS, "run_container.sh"), "--model=neuron_inverter", "--replicas=4",
+                  "--data_path=/data/x.h5"], env=env, check=True)
+  args = record.read_text().split("\n")[:-1]
+  ipuof = ["--bind", "/etc/ipuof.conf.d"] if os.path.isdir("/etc/ipuof.conf.d") else []
+  cache, logs = str(tmp_path / "cache"), str(tmp_path / "logs")
+  assert args == (["exec"] + ipuof + ["--bind", "/data:/data", "--bind", "%s:%s" % (cache, cache),
+                                      "--bind", "%s:%s" % (logs, logs), "app.sif", "python3",
+                                      "/opt/neuron_inverter/main.py", "--data_cache=" + cache,
+                                      "--cache_dir=%s/executables" % cache, "--model=neuron_inverter",
+                                      "--replicas=4", "--data_path=/data/x.h5"])
+
+
+def test_poprun_script_maps_to_our_flags(tmp_path):
+  record = _stand_in(tmp_path, "poprun")
+  env = dict(os.environ, PATH="%s:%s" % (tmp_path / "bin", os.environ["PATH"]), CACHE_DIR="/cache")
+  subprocess.run([os.path.join(TOOLS, "slurm", "poprun.sh"), "2", "4", "2", "--pipeline_stages=2"],
+                 env=env, check=True)
+  assert record.read_text().split("\n")[:-1] == [
+      "--num-instances=2", "--num-replicas=4", "--ipus-per-replica=2", "--executable-cache-path=/cache",
+      "python3", "main.py", "--model=neuron_inverter", "--backend=ipu", "--replicas=4",
+      "--ipus_per_replica=2", "--pipeline_stages=2"]
+
+
+@pytest.mark.parametrize("script", ["ipu.sbatch", "gpu.sbatch", "poprun.sh"])
+def test_slurm_scripts_are_valid_bash(script):
+  subprocess.run(["bash", "-n", os.path.join(TOOLS, "slurm", script)], check=True)
+
+
+def test_tensorboard_tunnel_prints_the_ssh_command(tmp_path):
+  result = subprocess.run([sys.executable, os.path.join(TOOLS, "tensorboard_tunnel.py"),
+                           "--logdir=" + str(tmp_path), "--port=9998", "--login_host=login.example.org",
+                           "--user=ann", "--nostart"], capture_output=True, text=True, check=True)
+  import socket  # pylint: disable=import-outside-toplevel
+  assert "ssh -N -L 9998:%s:9998 ann@login.example.org" % socket.gethostname() in result.stdout
+  assert "http://localhost:9998/" in result.stdout

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Runs main.py inside a Singularity/Apptainer image, forwarding every argument to main.py.
+#
+#   IMAGE=neuron_inverter_ipu.sif DATA_DIR=/data tools/run_container.sh --model=neuron_inverter \
+#       --data_path=/data/witness2c_excite.cellSpike_4prB8kHz.data.h5 --replicas=4
+#
+# Environment:
+#   IMAGE        the .sif image (default: neuron_inverter_ipu.sif)
+#   DATA_DIR     host folder with the datasets, bound at the same path (optional)
+#   CACHE_DIR    data and executable cache (default: ~/.cache/neuron_inverter), bound, passed as
+#                --data_cache and --cache_dir
+#   LOG_DIR      a folder for run outputs (default: ./logs), bound at the same path; pass
+#                --logdir=$LOG_DIR/<run> (the current folder is bound by the runtime anyway)
+#   CONTAINER_GPU=1   add --nv (NVIDIA GPUs) for the stock TensorFlow image
+#   SINGULARITY  the runtime (default: apptainer if installed, else singularity)
+# The IPU-over-fabric configuration /etc/ipuof.conf.d is bound when the host has it, so the
+# container's Poplar finds the IPUs of this partition.
+set -euo pipefail
+
+image=${IMAGE:-neuron_inverter_ipu.sif}
+cache_dir=${CACHE_DIR:-$HOME/.cache/neuron_inverter}
+log_dir=${LOG_DIR:-$PWD/logs}
+runtime=${SINGULARITY:-$(command -v apptainer >/dev/null 2>&1 && echo apptainer || echo singularity)}
+mkdir -p "$cache_dir" "$log_dir"
+
+binds=()
+[ -d /etc/ipuof.conf.d ] && binds+=(--bind /etc/ipuof.conf.d)
+[ -n "${DATA_DIR:-}" ] && binds+=(--bind "$DATA_DIR:$DATA_DIR")
+binds+=(--bind "$cache_dir:$cache_dir" --bind "$log_dir:$log_dir")
+gpu=()
+[ "${CONTAINER_GPU:-0}" = 1 ] && gpu=(--nv)
+
+# ${gpu[@]+...}: an empty array is "unbound" to `set -u` in older bash.
+exec "$runtime" exec ${gpu[@]+"${gpu[@]}"} "${binds[@]}" "$image" \
+    python3 /opt/neuron_inverter/main.py --data_cache="$cache_dir" --cache_dir="$cache_dir/executables" "$@"
