@@ -1,4 +1,4 @@
-"""Entry point: `python main.py --model=mnist [--replicas=N] [--backend=cpu|gpu|ipu] ...`.
+"""Entry point: `python main.py --model=neuron_inverter --replicas=4 [--backend=cpu|gpu|ipu] ...`.
 
 Kept thin on purpose: parse flags, freeze them into a RunConfig, set TensorFlow's start-up environment,
 pick the backend, run. A UserError anywhere below becomes one line on stderr and exit status 1.
