@@ -39,8 +39,9 @@ def peak_rss_mb() -> float:
 
 def time_pipeline(config: RunConfig, replicas: int) -> dict:
   from data import cellspike  # pylint: disable=import-outside-toplevel
+  from data.splits import BatchLayout  # pylint: disable=import-outside-toplevel
   info = cellspike.open_configured(config)
-  split = cellspike.make_split(info, "train", config, replicas, 0, True, 0)
+  split = cellspike.make_split(info, "train", config, BatchLayout(replicas, config.batch_size), 0, True, 0)
   bytes_per_sample = 4 * (info.time_bins * info.num_probes + info.num_params)  # float32 as fed
   start = time.perf_counter()
   for _ in split.dataset:

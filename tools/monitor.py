@@ -22,13 +22,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
 
-flags.DEFINE_string("logdir", None, "Run folder; samples go to <logdir>/monitor.", required=True)
-flags.DEFINE_float("interval", 5.0, "Seconds between samples.", lower_bound=0.1)
-flags.DEFINE_float("duration", 0.0, "Stop after this many seconds (0: until the command exits).",
-                   lower_bound=0.0)
-flags.DEFINE_enum("source", "auto", ["auto", "ipu", "gpu", "host"], "What to sample besides the host: "
-                  "auto picks IPUs if gc-info exists, else GPUs if nvidia-smi exists.")
-flags.DEFINE_list("ipu_ids", ["0"], "IPU device ids for gc-info (see gc-info -l).")
+def define_flags() -> None:
+  """Flags only when run as a program: tests import this module beside main.py's flags."""
+  flags.DEFINE_string("logdir", None, "Run folder; samples go to <logdir>/monitor.", required=True)
+  flags.DEFINE_float("interval", 5.0, "Seconds between samples.", lower_bound=0.1)
+  flags.DEFINE_float("duration", 0.0, "Stop after this many seconds (0: until the command exits).",
+                     lower_bound=0.0)
+  flags.DEFINE_enum("source", "auto", ["auto", "ipu", "gpu", "host"], "What to sample besides the host: "
+                    "auto picks IPUs if gc-info exists, else GPUs if nvidia-smi exists.")
+  flags.DEFINE_list("ipu_ids", ["0"], "IPU device ids for gc-info (see gc-info -l).")
+
+
 FLAGS = flags.FLAGS
 
 NVIDIA_QUERY = "index,utilization.gpu,memory.used,memory.total,power.draw,temperature.gpu"
@@ -135,4 +139,5 @@ def main(argv):
 
 if __name__ == "__main__":
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  define_flags()
   app.run(main)
