@@ -14,12 +14,13 @@ def test_benchmark_produces_every_figure(tmp_path):
   out = str(tmp_path / "bench.json")
   subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "benchmark.py"), "--designs=dev",
                   "--batch_size=16", "--windows=1", "--window_steps=2", "--data_path=" + data,
+                  "--precisions=32.32",
                   "--skip=compile", "--json=" + out], check=True, capture_output=True, timeout=300)
   results = json.load(open(out))
-  train = results["designs"]["dev"]["train"]
+  train = results["precisions"]["32.32"]["dev"]["train"]
   assert train["samples_per_sec"] > 0 and train["peak_rss_mb"] > 0
   assert train["flops_per_sample_forward"] > 1e6
-  assert results["designs"]["dev"]["inference"]["samples_per_sec"] > 0
+  assert results["precisions"]["32.32"]["dev"]["inference"]["samples_per_sec"] > 0
   assert {"streaming", "in_memory", "raw_h5py"} <= set(results["input"])
 
 

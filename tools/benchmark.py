@@ -26,10 +26,11 @@ from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
 
 flags.DEFINE_list("designs", ["ontra4", "dev"], "Neuron-Inverter designs to measure.")
 flags.DEFINE_integer("batch_size", 192, "Batch size per replica.", lower_bound=1)
-flags.DEFINE_string("precision", "32.32", "--precision of main.py (32.32, 16.32, 16.16).")
+flags.DEFINE_list("precisions", ["32.32", "16.32"], "--precision values of main.py to compare side by "
+                  "side (32.32, 16.32, 16.16).")
 flags.DEFINE_bool("jit_compile", False, "XLA-compile the steps.")
 flags.DEFINE_integer("windows", 5, "Timed windows (the median is reported).", lower_bound=1)
-flags.DEFINE_integer("window_steps", 20, "Steps per timed window.", lower_bound=1)
+flags.DEFINE_integer("window_steps", 30, "Steps per timed window.", lower_bound=1)
 flags.DEFINE_string("data_path", None, "cellSpike .h5 file (default: the built-in dataset).")
 flags.DEFINE_list("skip", [], "Parts to skip: train, inference, input, compile.")
 flags.DEFINE_string("json", None, "Write all results to this JSON file.")
@@ -45,7 +46,7 @@ def _prepare():
   from run_config import RunConfig  # pylint: disable=import-outside-toplevel
   from strategies import environment  # pylint: disable=import-outside-toplevel
   config = RunConfig(model="neuron_inverter", backend="cpu", batch_size=FLAGS.batch_size,
-                     precision=FLAGS.precision, jit_compile=FLAGS.jit_compile,
+                     precision=FLAGS.precisions[0], jit_compile=FLAGS.jit_compile,
                      data_path=FLAGS.data_path, in_memory=True, cache_dir="")
   environment.prepare(config)
   return config
@@ -91,9 +92,17 @@ def _timed_windows(run_window) -> dict:
 
 
 def child_train(config, design) -> dict:
+  """One fit() call, one epoch per window: the first is the warm-up, the rest are timed."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
   net, dataset = _model_and_batches(config, design)
-  result = _timed_windows(lambda: net.fit(dataset, steps_per_epoch=FLAGS.window_steps, epochs=1,
-                                          verbose=0))
+  seconds = []
+  timer = tf.keras.callbacks.LambdaCallback(
+      on_epoch_begin=lambda epoch, logs: seconds.append(-time.perf_counter()),
+      on_epoch_end=lambda epoch, logs: seconds.__setitem__(-1, seconds[-1] + time.perf_counter()))
+  net.fit(dataset, steps_per_epoch=FLAGS.window_steps, epochs=FLAGS.windows + 1, verbose=0,
+          callbacks=[timer])
+  rates = [FLAGS.window_steps * FLAGS.batch_size / s for s in seconds[1:]]
+  result = {"samples_per_sec": statistics.median(rates), "windows": rates}
   result["flops_per_sample_forward"] = flops_per_sample(net)
   return result
 
@@ -131,9 +140,9 @@ def child_input(config, design) -> dict:
   return results
 
 
-def _run_child(kind: str, design: str) -> dict:
+def _run_child(kind: str, design: str, precision: str) -> dict:
   args = [sys.executable, os.path.abspath(__file__), "--child=%s:%s" % (kind, design),
-          "--batch_size=%d" % FLAGS.batch_size, "--precision=" + FLAGS.precision,
+          "--batch_size=%d" % FLAGS.batch_size, "--precisions=" + precision,
           "--windows=%d" % FLAGS.windows, "--window_steps=%d" % FLAGS.window_steps,
           "--%sjit_compile" % ("" if FLAGS.jit_compile else "no")]
   if FLAGS.data_path:
@@ -144,14 +153,14 @@ def _run_child(kind: str, design: str) -> dict:
   return json.loads(output.stdout.strip().splitlines()[-1])
 
 
-def _compile_times(design: str) -> dict:
+def _compile_times(design: str, precision: str) -> dict:
   """First-step time of main.py --compile_only, cold and then with the executable cache warm."""
   cache = tempfile.mkdtemp(prefix="benchmark-cache-")
   times = {}
   for label in ("cold", "warm_cache"):
     args = [sys.executable, os.path.join(REPO_ROOT, "main.py"), "--model=neuron_inverter",
             "--design=" + design, "--backend=cpu", "--compile_only", "--jit_compile",
-            "--cache_dir=" + cache, "--batch_size=%d" % FLAGS.batch_size, "--precision=" + FLAGS.precision,
+            "--cache_dir=" + cache, "--batch_size=%d" % FLAGS.batch_size, "--precision=" + precision,
             "--logdir=" + tempfile.mkdtemp(prefix="benchmark-run-"), "--steps_per_epoch=2", "--eval_steps=1"]
     if FLAGS.data_path:
       args.append("--data_path=" + FLAGS.data_path)
@@ -170,17 +179,17 @@ def main(argv):
     result["peak_rss_mb"] = _peak_rss_mb()
     print(json.dumps(result))
     return
-  results = {"batch_size": FLAGS.batch_size, "precision": FLAGS.precision, "jit_compile": FLAGS.jit_compile,
-             "designs": {}}
-  for design in FLAGS.designs:
-    row = results["designs"].setdefault(design, {})
-    for kind in ("train", "inference"):
-      if kind not in FLAGS.skip:
-        row[kind] = _run_child(kind, design)
-    if "compile" not in FLAGS.skip:
-      row["compile_seconds"] = _compile_times(design)
+  results = {"batch_size": FLAGS.batch_size, "jit_compile": FLAGS.jit_compile, "precisions": {}}
+  for precision in FLAGS.precisions:
+    for design in FLAGS.designs:
+      row = results["precisions"].setdefault(precision, {}).setdefault(design, {})
+      for kind in ("train", "inference"):
+        if kind not in FLAGS.skip:
+          row[kind] = _run_child(kind, design, precision)
+      if "compile" not in FLAGS.skip:
+        row["compile_seconds"] = _compile_times(design, precision)
   if "input" not in FLAGS.skip:
-    results["input"] = _run_child("input", FLAGS.designs[0])
+    results["input"] = _run_child("input", FLAGS.designs[0], FLAGS.precisions[0])
   _print_table(results)
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
@@ -188,17 +197,17 @@ def main(argv):
 
 
 def _print_table(results) -> None:
-  print("\nbatch %d per replica, precision %s, jit_compile %s" % (
-      results["batch_size"], results["precision"], results["jit_compile"]))
-  print("%-8s %13s %13s %11s %9s %10s %13s %8s" % (
-      "design", "train samp/s", "infer samp/s", "GFLOP/samp", "GFLOP/s", "compile s", "warm cache s",
-      "peak MB"))
-  for design, row in results["designs"].items():
+  print("\nbatch %d per replica, jit_compile %s" % (results["batch_size"], results["jit_compile"]))
+  print("%-6s %-8s %13s %13s %11s %9s %10s %13s %8s" % (
+      "prec", "design", "train samp/s", "infer samp/s", "GFLOP/samp", "GFLOP/s", "compile s",
+      "warm cache s", "peak MB"))
+  rows = [(p, d, row) for p, designs in results["precisions"].items() for d, row in designs.items()]
+  for precision, design, row in rows:
     train, infer = row.get("train", {}), row.get("inference", {})
     compile_s = row.get("compile_seconds", {})
     train_flops = 3 * train.get("flops_per_sample_forward", 0)  # forward + two backward products
-    print("%-8s %13.0f %13.0f %11.4f %9.1f %10s %13s %8.0f" % (
-        design, train.get("samples_per_sec", 0), infer.get("samples_per_sec", 0), train_flops / 1e9,
+    print("%-6s %-8s %13.0f %13.0f %11.4f %9.1f %10s %13s %8.0f" % (
+        precision, design, train.get("samples_per_sec", 0), infer.get("samples_per_sec", 0), train_flops / 1e9,
         train.get("samples_per_sec", 0) * train_flops / 1e9, compile_s.get("cold"),
         compile_s.get("warm_cache"), max(train.get("peak_rss_mb", 0), infer.get("peak_rss_mb", 0))))
   if "input" in results:
