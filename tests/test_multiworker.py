@@ -7,7 +7,6 @@ import socket
 import subprocess
 import sys
 
-import pytest
 import yaml
 
 from tests.cellspike_files import write_cellspike
