@@ -6,9 +6,10 @@ BACKEND ?= cpu
 VENV ?= .venv
 PY := $(VENV)/bin/python
 RUN_ARGS ?=
+REFERENCE_VENV ?= .venv-torch
 PYTHON38 ?= $(shell for p in $$HOME/.pyenv/versions/3.8*/bin/python python3.8; do $$p -c "import sys; assert sys.version_info[:2] == (3, 8)" 2>/dev/null && { echo $$p; break; }; done)
 
-.PHONY: install run test test-tf26 print-python38 clean
+.PHONY: install run test test-tf26 bench bench-reference print-python38 clean
 
 install: $(VENV)/.installed-$(BACKEND)
 
@@ -21,8 +22,20 @@ $(VENV)/.installed-$(BACKEND): requirements.txt requirements-$(BACKEND).txt requ
 run: install
 	$(PY) main.py --model=neuron_inverter --replicas=4 $(RUN_ARGS)
 
-test: install
+test: install $(REFERENCE_VENV)/.installed
 	$(PY) -m pytest -q
+
+# The reference PyTorch model for side-by-side benchmarks, always on the default python3 (its wheel).
+bench-reference: $(REFERENCE_VENV)/.installed
+
+$(REFERENCE_VENV)/.installed: requirements-reference.txt
+	test -x $(REFERENCE_VENV)/bin/python || python3 -m venv $(REFERENCE_VENV)
+	$(REFERENCE_VENV)/bin/python -m pip install --quiet -r requirements-reference.txt
+	touch $@
+
+# Training, inference, input and compile figures beside the reference (docs/PERFORMANCE.md).
+bench: install bench-reference
+	$(PY) tools/benchmark.py --reference_python=$(REFERENCE_VENV)/bin/python $(BENCH_ARGS)
 
 test-tf26:
 	@test -n "$(PYTHON38)" || { echo "test-tf26 needs Python 3.8 (pyenv install 3.8)"; exit 1; }
@@ -32,4 +45,4 @@ print-python38:
 	@echo $(PYTHON38)
 
 clean:
-	rm -rf .venv .venv-tf26 .pytest_cache
+	rm -rf .venv .venv-tf26 $(REFERENCE_VENV) .pytest_cache

@@ -38,6 +38,19 @@ def shard_blocks(num_samples: int, num_shards: int, batch_size: int, split: str)
   return [(i * per_shard, (i + 1) * per_shard) for i in range(num_shards)]
 
 
+def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
+  """An uninitialised array whose data start on an `alignment`-byte boundary.
+
+  TensorFlow takes over a numpy buffer without copying only if it is aligned for Eigen (64 bytes);
+  numpy's own allocations are 16-byte aligned, so every batch would otherwise be copied once more.
+  """
+  dtype = np.dtype(dtype)
+  nbytes = int(np.prod(shape)) * dtype.itemsize
+  raw = np.empty(nbytes + alignment, np.uint8)
+  offset = -raw.ctypes.data % alignment
+  return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
 class BlockReader:
   """Yields local batches of one contiguous block of one split, epoch after epoch."""
 
@@ -87,18 +100,37 @@ class BlockReader:
   def batches(self, epoch):
     """One epoch of local batches; rows that do not fill a batch carry over into the next window."""
     rng = self._rng(epoch)
-    carry = None
+    carry = None  # (frames, targets) left over from the previous window: fewer rows than a batch
     with h5py.File(self.path, "r") as f:
       for x, y in self._windows(f, rng):
         order = rng.permutation(len(x)) if self.shuffle else np.arange(len(x))
-        if carry is not None:  # a few leftover rows (fewer than a batch) lead the next window
-          x, y = np.concatenate([carry[0], x]), np.concatenate([carry[1], y])
-          order = np.concatenate([np.arange(len(carry[0])), order + len(carry[0])])
-        full = len(order) // self.batch_size * self.batch_size
-        for b in range(0, full, self.batch_size):
-          rows = order[b:b + self.batch_size]
-          yield x[rows], y[rows]
-        carry = (x[order[full:]], y[order[full:]]) if full < len(order) else None
+        used = 0
+        while True:
+          needed = self.batch_size - (0 if carry is None else len(carry[0]))
+          if len(order) - used < needed:
+            break
+          yield self._gather(x, y, order[used:used + needed], carry)
+          used, carry = used + needed, None
+        rest = (np.take(x, order[used:], axis=0), np.take(y, order[used:], axis=0))
+        carry = rest if carry is None else (np.concatenate([carry[0], rest[0]]),
+                                            np.concatenate([carry[1], rest[1]]))
+
+  def _gather(self, x, y, rows, lead):
+    """One batch: the `lead` rows (if any), then rows `rows` of the window, in a new aligned array.
+
+    A new array per batch is safe to hand over (tf.data may hold it while the next one is filled), and
+    batch-sized blocks are recycled by malloc without page faults. Being 64-byte aligned, TensorFlow
+    wraps it as a tensor without copying it again.
+    """
+    out_x = aligned_empty((self.batch_size,) + x.shape[1:], x.dtype)
+    out_y = aligned_empty((self.batch_size,) + y.shape[1:], y.dtype)
+    start = 0
+    if lead is not None:
+      start = len(lead[0])
+      out_x[:start], out_y[:start] = lead
+    np.take(x, rows, axis=0, out=out_x[start:], mode="clip")  # "raise" would copy twice
+    np.take(y, rows, axis=0, out=out_y[start:], mode="clip")
+    return out_x, out_y
 
   @property
   def memory_rows(self):

@@ -12,6 +12,7 @@ of each later stage). Where they run is the backend's business.
 
 import tensorflow as tf
 
+from errors import UserError
 from model.designs import DESIGNS
 from run_config import RunConfig
 
@@ -25,11 +26,22 @@ def _conv_block(x, index, filters, kernel, pool):
   return layers.ReLU(name="relu%d" % index)(x)
 
 
+def min_time_bins(design: dict) -> int:
+  """Shortest frames (in time bins) whose conv blocks still leave at least one position."""
+  length = 1
+  for kernel, pool in reversed(list(zip(design["conv_kernels"], design["conv_pools"]))):
+    length = length * pool + kernel - 1
+  return length
+
+
 def build(config: RunConfig, input_shape=(1600, 4), num_outputs=15) -> tf.keras.Model:
   """Builds the (uncompiled) model of design `config.design` for samples of `input_shape`."""
   design = DESIGNS[config.design]
   layers = tf.keras.layers
   time_bins, probes = input_shape
+  if time_bins < min_time_bins(design):
+    raise UserError("--design=%s needs frames of at least %d time bins; the data has %d time bins"
+                    % (config.design, min_time_bins(design), time_bins))
   inputs = layers.Input(shape=input_shape, name="frames")
   x = layers.Reshape((probes, time_bins), name="reference_reshape")(inputs)  # reshape, not transpose
   x = layers.Permute((2, 1), name="channels_last")(x)

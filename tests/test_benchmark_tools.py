@@ -1,4 +1,7 @@
-"""The benchmark tools run end to end on a small file (their figures are not asserted: no timed tests)."""
+"""The benchmark tools run end to end on a small file (their figures are not asserted: no timed tests).
+
+The reference PyTorch model runs from `.venv-torch`, which `make test` builds (requirements-reference.txt).
+"""
 
 import json
 import os
@@ -8,18 +11,25 @@ import sys
 from tests.cellspike_files import write_cellspike
 from tests.helpers import REPO_ROOT
 
+TORCH_PYTHON = os.path.join(REPO_ROOT, ".venv-torch", "bin", "python")
+
 
 def test_benchmark_produces_every_figure(tmp_path):
   data = write_cellspike(str(tmp_path / "d.h5"), sizes={"train": 256, "val": 32, "test": 32})
   out = str(tmp_path / "bench.json")
   subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "benchmark.py"), "--designs=dev",
                   "--batch_size=16", "--windows=1", "--window_steps=2", "--data_path=" + data,
-                  "--precisions=32.32",
+                  "--precisions=32.32,16.32", "--rounds=1", "--reference_python=" + TORCH_PYTHON,
                   "--skip=compile", "--json=" + out], check=True, capture_output=True, timeout=300)
   results = json.load(open(out))
-  train = results["precisions"]["32.32"]["dev"]["train"]
+  row = results["precisions"]["32.32"]["dev"]
+  train = row["train"]
   assert train["samples_per_sec"] > 0 and train["peak_rss_mb"] > 0
   assert train["flops_per_sample_forward"] > 1e6
+  # The reference ran beside ours at both precisions (float32, then bfloat16 autocast).
+  assert row["reference"]["params"] == 431683 and not row["reference"]["bf16"]
+  assert results["precisions"]["16.32"]["dev"]["reference"]["bf16"]
+  assert row["speedup_vs_reference"] == train["samples_per_sec"] / row["reference"]["samples_per_sec"]
   assert results["precisions"]["32.32"]["dev"]["inference"]["samples_per_sec"] > 0
   assert {"streaming", "in_memory", "raw_h5py"} <= set(results["input"])
 
@@ -33,3 +43,13 @@ def test_input_benchmark_reports_memory(tmp_path):
   result = json.load(open(out))
   assert result["pipeline"]["samples"] == 256 and result["pipeline"]["peak_rss_mb"] > 0
   assert result["raw_h5py"]["gb_per_sec"] > 0
+
+
+def test_reference_torch_model_has_the_reference_parameter_count(tmp_path):
+  """Our PyTorch re-implementation matches the documented 2,988,843 parameters (as the Keras model does)."""
+  data = write_cellspike(str(tmp_path / "d.h5"), sizes={"train": 8, "val": 4, "test": 4})
+  result = subprocess.run([TORCH_PYTHON, os.path.join(REPO_ROOT, "tools", "reference_torch.py"),
+                           "--data_path=" + data, "--design=ontra4", "--batch_size=4", "--windows=1",
+                           "--window_steps=1"], check=True, capture_output=True, text=True, timeout=120)
+  report = json.loads(result.stdout.strip().splitlines()[-1])
+  assert report["params"] == 2988843 and report["samples_per_sec"] > 0

@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 import model
+import model.designs
 from errors import UserError
 from run_config import RunConfig
 
@@ -47,3 +48,14 @@ def test_neuron_inverter_input_is_reshaped_not_transposed():
   seen = to_conv(sample).numpy()[0]          # (positions 1600, channels 4), channels last
   for channel in range(4):
     np.testing.assert_array_equal(seen[:, channel], np.arange(channel * 1600, (channel + 1) * 1600))
+
+
+@pytest.mark.parametrize("design", ["ontra4", "dev"])
+def test_neuron_inverter_refuses_frames_too_short_for_its_conv_blocks(design):
+  module = model.get_model_module("neuron_inverter")
+  config = RunConfig(model="neuron_inverter", design=design)
+  shortest = module.min_time_bins(model.designs.DESIGNS[design])
+  assert module.build(config, (shortest, 4)).get_layer("flatten").output_shape[1] > 0
+  with pytest.raises(UserError, match="--design=%s needs frames of at least %d time bins; the data has %d"
+                     % (design, shortest, shortest - 1)):
+    module.build(config, (shortest - 1, 4))

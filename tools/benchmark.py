@@ -1,12 +1,18 @@
-"""Neuron-Inverter benchmark on the current backend: training and inference throughput, input pipeline,
-compile time (cold and with a warm executable cache), peak host memory; a table and JSON.
+"""Neuron-Inverter benchmark on the current backend: training and inference throughput, side by side
+with the reference PyTorch model, input pipeline, compile time (cold and with a warm executable
+cache), peak host memory; a table and JSON.
 
-    python tools/benchmark.py [--designs=ontra4,dev] [--batch_size=192] [--precision=32.32]
-        [--data_path=FILE.h5] [--json=benchmark.json] [--skip=compile,input]
+    python tools/benchmark.py [--designs=ontra4,dev] [--batch_size=192] [--precisions=32.32,16.32]
+        [--rounds=3] [--reference_python=.venv-torch/bin/python] [--data_path=FILE.h5]
+        [--json=benchmark.json] [--skip=reference,compile,input]
 
 Every measurement runs in its own process (so peak memory is its own) on the built-in dataset unless
 --data_path is given. Throughput is samples/s per replica, after a warm-up window, the median of
---windows timed windows of --window_steps steps. Nothing here is asserted by the test suite.
+--windows timed windows of --window_steps steps. Training is measured in --rounds rounds; in each round
+the reference PyTorch model (`tools/reference_torch.py`, run by --reference_python) and this
+application train one after the other at the same precision, so both see the machine in the same
+state, and the reported speed-up is the median of the per-round ratios. Nothing here is asserted by
+the test suite.
 """
 
 import json
@@ -32,7 +38,12 @@ flags.DEFINE_bool("jit_compile", False, "XLA-compile the steps.")
 flags.DEFINE_integer("windows", 5, "Timed windows (the median is reported).", lower_bound=1)
 flags.DEFINE_integer("window_steps", 30, "Steps per timed window.", lower_bound=1)
 flags.DEFINE_string("data_path", None, "cellSpike .h5 file (default: the built-in dataset).")
-flags.DEFINE_list("skip", [], "Parts to skip: train, inference, input, compile.")
+flags.DEFINE_integer("rounds", 3, "Training rounds (ours and the reference alternate in each).",
+                     lower_bound=1)
+flags.DEFINE_string("reference_python", os.path.join(REPO_ROOT, ".venv-torch", "bin", "python"),
+                    "Python with PyTorch for tools/reference_torch.py (make bench-reference builds it); "
+                    "the reference is skipped if it does not exist.")
+flags.DEFINE_list("skip", [], "Parts to skip: train, reference, inference, input, compile.")
 flags.DEFINE_string("json", None, "Write all results to this JSON file.")
 flags.DEFINE_string("child", None, "Internal: run one measurement (kind:design) and print JSON.")
 FLAGS = flags.FLAGS
@@ -47,7 +58,7 @@ def _prepare():
   from strategies import environment  # pylint: disable=import-outside-toplevel
   config = RunConfig(model="neuron_inverter", backend="cpu", batch_size=FLAGS.batch_size,
                      precision=FLAGS.precisions[0], jit_compile=FLAGS.jit_compile,
-                     data_path=FLAGS.data_path, in_memory=True, cache_dir="")
+                     data_path=_data_path(), in_memory=True, cache_dir="")
   environment.prepare(config)
   return config
 
@@ -114,29 +125,13 @@ def child_inference(config, design) -> dict:
 
 
 def child_input(config, design) -> dict:
+  """The application's streaming and in-memory pipelines and a raw h5py read, one replica."""
   del design
   import dataclasses  # pylint: disable=import-outside-toplevel
-  from data import cellspike  # pylint: disable=import-outside-toplevel
-  from data.splits import BatchLayout  # pylint: disable=import-outside-toplevel
-  results = {}
-  for mode, in_memory in (("streaming", False), ("in_memory", True)):
-    mode_config = dataclasses.replace(config, in_memory=in_memory)
-    info = cellspike.open_configured(mode_config)
-    split = cellspike.make_split(info, "train", mode_config, BatchLayout(1, config.batch_size), 0, True, 0)
-    start = time.perf_counter()
-    for _ in split.dataset:
-      pass
-    seconds = time.perf_counter() - start
-    row_bytes = 4 * (info.time_bins * info.num_probes + info.num_params)
-    results[mode] = {"samples_per_sec": split.samples / seconds,
-                     "gb_per_sec": split.samples * row_bytes / seconds / 1e9}
-  import h5py  # pylint: disable=import-outside-toplevel
-  start, nbytes = time.perf_counter(), 0
-  with h5py.File(info.path, "r") as f:
-    for s in range(0, split.samples, 4096):
-      nbytes += f["train_frames"][s:s + 4096].nbytes + f["train_unitStar_par"][s:s + 4096].nbytes
-  seconds = time.perf_counter() - start
-  results["raw_h5py"] = {"samples_per_sec": split.samples / seconds, "gb_per_sec": nbytes / seconds / 1e9}
+  from tools import benchmark_input  # pylint: disable=import-outside-toplevel
+  results = {mode: benchmark_input.time_pipeline(dataclasses.replace(config, in_memory=in_memory), 1)
+             for mode, in_memory in (("streaming", False), ("in_memory", True))}
+  results["raw_h5py"] = benchmark_input.time_raw_read(_data_path(), results["streaming"]["samples"])
   return results
 
 
@@ -170,6 +165,59 @@ def _compile_times(design: str, precision: str) -> dict:
   return times
 
 
+def _run_reference(design: str, precision: str):
+  """One reference PyTorch training measurement, or None where there is no comparable one."""
+  if "reference" in FLAGS.skip or precision not in ("32.32", "16.32"):
+    return None
+  args = [FLAGS.reference_python, os.path.join(REPO_ROOT, "tools", "reference_torch.py"),
+          "--data_path=" + _data_path(), "--design=" + design, "--batch_size=%d" % FLAGS.batch_size,
+          "--windows=%d" % FLAGS.windows, "--window_steps=%d" % FLAGS.window_steps]
+  if precision == "16.32":
+    args.append("--bf16")
+  output = subprocess.run(args, capture_output=True, text=True, cwd=REPO_ROOT)
+  if output.returncode != 0:
+    raise SystemExit("reference benchmark %s failed:\n%s" % (design, output.stderr[-2000:]))
+  return json.loads(output.stdout.strip().splitlines()[-1])
+
+
+def _data_path() -> str:
+  """--data_path, or the built-in dataset (generated on first use by main.py's data code)."""
+  if FLAGS.data_path:
+    return FLAGS.data_path
+  from data import cellspike  # pylint: disable=import-outside-toplevel
+  from run_config import RunConfig  # pylint: disable=import-outside-toplevel
+  return cellspike.default_data_path(RunConfig(model="neuron_inverter"))
+
+
+def _median_run(runs: list) -> dict:
+  """The run whose samples/s is the median (lower median for an even count)."""
+  ranked = sorted(runs, key=lambda run: run["samples_per_sec"])
+  return ranked[(len(ranked) - 1) // 2]
+
+
+def _training_rounds(design: str, rows: dict) -> None:
+  """--rounds rounds of [reference, ours] per precision; fills each row's train, reference, speed-ups."""
+  for _ in range(FLAGS.rounds):
+    for precision in FLAGS.precisions:
+      row = rows[precision]
+      reference = _run_reference(design, precision)
+      ours = _run_child("train", design, precision)
+      row.setdefault("train_rounds", []).append(ours)
+      if reference:
+        row.setdefault("reference_rounds", []).append(reference)
+        row.setdefault("speedups", []).append(ours["samples_per_sec"] / reference["samples_per_sec"])
+  fp32_reference = rows.get("32.32", {}).get("reference_rounds")
+  for precision, row in rows.items():
+    row["train"] = _median_run(row["train_rounds"])
+    if row.get("reference_rounds"):
+      row["reference"] = _median_run(row["reference_rounds"])
+      row["speedup_vs_reference"] = statistics.median(row["speedups"])
+    if fp32_reference:  # against the reference as its users run it on a CPU: float32
+      row["speedup_vs_reference_fp32"] = statistics.median(
+          ours["samples_per_sec"] / ref["samples_per_sec"]
+          for ours, ref in zip(row["train_rounds"], fp32_reference))
+
+
 def main(argv):
   del argv
   if FLAGS.child:
@@ -179,13 +227,19 @@ def main(argv):
     result["peak_rss_mb"] = _peak_rss_mb()
     print(json.dumps(result))
     return
-  results = {"batch_size": FLAGS.batch_size, "jit_compile": FLAGS.jit_compile, "precisions": {}}
-  for precision in FLAGS.precisions:
-    for design in FLAGS.designs:
-      row = results["precisions"].setdefault(precision, {}).setdefault(design, {})
-      for kind in ("train", "inference"):
-        if kind not in FLAGS.skip:
-          row[kind] = _run_child(kind, design, precision)
+  if "reference" not in FLAGS.skip and not os.path.exists(FLAGS.reference_python):
+    print("No PyTorch at --reference_python=%s (make bench-reference): the reference is skipped"
+          % FLAGS.reference_python)
+    FLAGS.skip.append("reference")
+  results = {"batch_size": FLAGS.batch_size, "jit_compile": FLAGS.jit_compile, "rounds": FLAGS.rounds,
+             "precisions": {p: {d: {} for d in FLAGS.designs} for p in FLAGS.precisions}}
+  for design in FLAGS.designs:
+    rows = {p: results["precisions"][p][design] for p in FLAGS.precisions}
+    if "train" not in FLAGS.skip:
+      _training_rounds(design, rows)
+    for precision, row in rows.items():
+      if "inference" not in FLAGS.skip:
+        row["inference"] = _run_child("inference", design, precision)
       if "compile" not in FLAGS.skip:
         row["compile_seconds"] = _compile_times(design, precision)
   if "input" not in FLAGS.skip:
@@ -197,24 +251,36 @@ def main(argv):
 
 
 def _print_table(results) -> None:
-  print("\nbatch %d per replica, jit_compile %s" % (results["batch_size"], results["jit_compile"]))
-  print("%-6s %-8s %13s %13s %11s %9s %10s %13s %8s" % (
-      "prec", "design", "train samp/s", "infer samp/s", "GFLOP/samp", "GFLOP/s", "compile s",
-      "warm cache s", "peak MB"))
-  rows = [(p, d, row) for p, designs in results["precisions"].items() for d, row in designs.items()]
-  for precision, design, row in rows:
-    train, infer = row.get("train", {}), row.get("inference", {})
-    compile_s = row.get("compile_seconds", {})
-    train_flops = 3 * train.get("flops_per_sample_forward", 0)  # forward + two backward products
-    print("%-6s %-8s %13.0f %13.0f %11.4f %9.1f %10s %13s %8.0f" % (
-        precision, design, train.get("samples_per_sec", 0), infer.get("samples_per_sec", 0), train_flops / 1e9,
-        train.get("samples_per_sec", 0) * train_flops / 1e9, compile_s.get("cold"),
-        compile_s.get("warm_cache"), max(train.get("peak_rss_mb", 0), infer.get("peak_rss_mb", 0))))
+  print("\nbatch %d per replica, jit_compile %s, %d round(s)" % (
+      results["batch_size"], results["jit_compile"], results["rounds"]))
+  print("%-6s %-7s %8s %8s %8s %8s %8s %8s %8s %8s %8s" % (
+      "prec", "design", "train/s", "torch/s", "x torch", "x t-fp32", "infer/s", "GFLOP/s", "compile",
+      "cached", "peak MB"))
+  for precision, designs in results["precisions"].items():
+    for design, row in designs.items():
+      train, infer = row.get("train", {}), row.get("inference", {})
+      compile_s = row.get("compile_seconds", {})
+      train_flops = 3 * train.get("flops_per_sample_forward", 0)  # forward + two backward products
+      print("%-6s %-7s %8.0f %8s %8s %8s %8.0f %8.1f %8s %8s %8.0f" % (
+          precision, design, train.get("samples_per_sec", 0),
+          _fmt(row.get("reference", {}).get("samples_per_sec"), "%.0f"),
+          _fmt(row.get("speedup_vs_reference"), "%.2f"), _fmt(row.get("speedup_vs_reference_fp32"), "%.2f"),
+          infer.get("samples_per_sec", 0), train.get("samples_per_sec", 0) * train_flops / 1e9,
+          _fmt(compile_s.get("cold"), "%.1f"), _fmt(compile_s.get("warm_cache"), "%.1f"),
+          max(train.get("peak_rss_mb", 0), infer.get("peak_rss_mb", 0))))
   if "input" in results:
+    fastest = max((row["train"]["samples_per_sec"] for designs in results["precisions"].values()
+                   for design, row in designs.items() if design == "ontra4" and "train" in row), default=0)
     for mode in ("streaming", "in_memory", "raw_h5py"):
       entry = results["input"][mode]
-      print("input %-10s %12.0f samples/s %8.2f GB/s" % (mode, entry["samples_per_sec"], entry["gb_per_sec"]))
+      ratio = " (%.1fx the fastest ontra4 training)" % (entry["samples_per_sec"] / fastest) if fastest else ""
+      print("input %-10s %9.0f samples/s %6.2f GB/s%s" % (mode, entry["samples_per_sec"], entry["gb_per_sec"],
+                                                         ratio))
     print("input peak RSS %.0f MB" % results["input"]["peak_rss_mb"])
+
+
+def _fmt(value, pattern: str) -> str:
+  return "-" if value is None else pattern % value
 
 
 if __name__ == "__main__":
