@@ -6,7 +6,15 @@ string. `--data_path` names the .h5 file itself, or a folder holding `meta.cellS
 whose `dataInfo.h5nameTemplate` with `*` replaced by `--cell_name` names the file, as in the reference.
 
 Everything is checked when the file is opened, so that a bad file fails in a second with one line
-naming the file and key, not an hour into training.
+naming the file and key, not an hour into training. Any malformation, corruption or truncation is a
+`UserError` naming the file (and the key where there is one), never another exception.
+
+NaN/Inf check: a dataset of at most `FULL_SCAN_BYTES` is scanned completely (in chunks of
+`SCAN_CHUNK_BYTES`, so memory stays bounded); that covers every target array (N x 15 values: 68 MB for a
+29 GB fp16 file) and small frame arrays. A larger frame array is checked on `SAMPLED_ROWS` rows at its
+start, middle and end only: scanning 15-144 GB at every start would cost minutes (the whole file read
+from a parallel file system) before each run. A NaN/Inf elsewhere in such a frame array is therefore
+not found at open time; it shows up as a NaN/Inf training loss, which the training loop stops on.
 """
 
 import dataclasses
@@ -24,7 +32,10 @@ FRAMES_KEY = "%s_frames"
 TARGETS_KEY = "%s_unitStar_par"
 META_YAML = "meta.cellSpike_%s.yaml"
 META_KEYS = ("h5nameTemplate", "numFeature", "parName", "numPar")
-_SAMPLED_ROWS = 64  # rows read from each end and the middle of every dataset for the NaN/Inf check
+FULL_SCAN_BYTES = 256 * 2**20   # datasets up to this size are checked for NaN/Inf completely
+SCAN_CHUNK_BYTES = 16 * 2**20   # bytes read at a time by the complete scan
+SAMPLED_ROWS = 64               # rows read at each end and the middle of a larger dataset
+_FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +62,11 @@ class CellSpikeFile:
 
 def _read_yaml(path: str) -> dict:
   try:
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
       content = yaml.safe_load(f)
   except OSError as error:
     raise UserError("%s: cannot read the meta yaml (%s)" % (path, error.strerror)) from None
-  except yaml.YAMLError as error:
+  except (yaml.YAMLError, UnicodeDecodeError) as error:
     raise UserError("%s: malformed YAML (%s)" % (path, " ".join(str(error).split()))) from None
   info = content.get("dataInfo") if isinstance(content, dict) else None
   if not isinstance(info, dict):
@@ -63,6 +74,16 @@ def _read_yaml(path: str) -> dict:
   missing = [key for key in META_KEYS if key not in info]
   if missing:
     raise UserError("%s: dataInfo lacks %s" % (path, ", ".join(missing)))
+  if not isinstance(info["h5nameTemplate"], str) or not info["h5nameTemplate"]:
+    raise UserError("%s: dataInfo.h5nameTemplate is %r, expected a file name pattern such as "
+                    "'*_excite.cellSpike_4prB8kHz.data.h5'" % (path, info["h5nameTemplate"]))
+  for key in ("numFeature", "numPar", "numTimeBin"):
+    value = info.get(key)
+    if key in info and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+      raise UserError("%s: dataInfo.%s is %r, expected a positive integer" % (path, key, value))
+  if not isinstance(info["parName"], list):
+    raise UserError("%s: dataInfo.parName is %r, expected a list of parameter names"
+                    % (path, info["parName"]))
   return info
 
 
@@ -95,15 +116,29 @@ def _dataset(f: h5py.File, path: str, key: str) -> h5py.Dataset:
   dataset = f[key]
   if not isinstance(dataset, h5py.Dataset):
     raise UserError("%s: '%s' is a group, expected a dataset" % (path, key))
-  if dataset.dtype.kind != "f":
+  if dataset.dtype not in _FLOAT_DTYPES:
     raise UserError("%s: '%s' has dtype %s, expected float16 or float32" % (path, key, dataset.dtype))
   return dataset
 
 
-def _sampled_rows_are_finite(dataset: h5py.Dataset) -> bool:
-  n = dataset.shape[0]
-  starts = sorted({0, max(0, n // 2 - _SAMPLED_ROWS // 2), max(0, n - _SAMPLED_ROWS)})
-  return all(np.isfinite(dataset[s:s + _SAMPLED_ROWS]).all() for s in starts)
+def checked_row_ranges(shape: tuple, itemsize: int) -> list:
+  """[start, stop) row ranges of a dataset that the NaN/Inf check reads (see the module docstring)."""
+  n = shape[0]
+  row_bytes = itemsize * int(np.prod(shape[1:], dtype=np.int64))
+  if n * row_bytes <= FULL_SCAN_BYTES:
+    step = max(1, SCAN_CHUNK_BYTES // max(1, row_bytes))
+    return [(start, min(start + step, n)) for start in range(0, n, step)]
+  starts = sorted({0, max(0, n // 2 - SAMPLED_ROWS // 2), max(0, n - SAMPLED_ROWS)})
+  return [(start, min(start + SAMPLED_ROWS, n)) for start in starts]
+
+
+def _first_non_finite_row(dataset: h5py.Dataset):
+  """The first row found holding NaN/Inf among the checked rows, or None."""
+  for start, stop in checked_row_ranges(dataset.shape, dataset.dtype.itemsize):
+    finite = np.isfinite(dataset[start:stop]).reshape(stop - start, -1).all(axis=1)
+    if not finite.all():
+      return start + int(np.argmin(finite))
+  return None
 
 
 def _check_split(path: str, f: h5py.File, dom: str) -> tuple:
@@ -119,9 +154,15 @@ def _check_split(path: str, f: h5py.File, dom: str) -> tuple:
         path, FRAMES_KEY % dom, frames.shape[0], TARGETS_KEY % dom, targets.shape[0]))
   if frames.shape[0] == 0:
     raise UserError("%s: the %s split is empty ('%s' has 0 samples)" % (path, dom, FRAMES_KEY % dom))
+  if 0 in frames.shape[1:] or targets.shape[1] == 0:
+    raise UserError("%s: '%s' has shape %s and '%s' has shape %s, expected at least one time bin, one "
+                    "probe and one parameter" % (path, FRAMES_KEY % dom, frames.shape, TARGETS_KEY % dom,
+                                                 targets.shape))
   for dataset in (frames, targets):
-    if not _sampled_rows_are_finite(dataset):
-      raise UserError("%s: '%s' contains NaN or Inf values" % (path, dataset.name.lstrip("/")))
+    row = _first_non_finite_row(dataset)
+    if row is not None:
+      raise UserError("%s: '%s' contains NaN or Inf values (row %d)"
+                      % (path, dataset.name.lstrip("/"), row))
   return frames.shape, targets.shape, frames.dtype
 
 
@@ -130,20 +171,27 @@ def _read_meta_json(f: h5py.File, path: str) -> dict:
     return {}
   try:
     raw = f["meta.JSON"][0]
-    return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
-  except (ValueError, TypeError, IndexError) as error:
+    meta = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+  except (ValueError, TypeError, IndexError, KeyError, AttributeError) as error:
     raise UserError("%s: 'meta.JSON' is not a JSON string (%s)" % (path, error)) from None
+  if not isinstance(meta, dict):
+    raise UserError("%s: 'meta.JSON' holds a %s, expected a JSON object" % (path, type(meta).__name__))
+  return meta
 
 
-def _check_meta_agrees(path: str, yaml_info: dict, num_probes: int, num_params: int) -> tuple:
+def _check_meta_agrees(path: str, yaml_info: dict, time_bins: int, num_probes: int,
+                       num_params: int) -> tuple:
   if yaml_info is None:
     return tuple("par%d" % i for i in range(num_params))
-  if int(yaml_info["numFeature"]) != num_probes:
+  if yaml_info["numFeature"] != num_probes:
     raise UserError("%s: meta yaml says numFeature=%s but the frames have %d probes"
                     % (path, yaml_info["numFeature"], num_probes))
-  if int(yaml_info["numPar"]) != num_params or len(yaml_info["parName"]) != num_params:
+  if yaml_info["numPar"] != num_params or len(yaml_info["parName"]) != num_params:
     raise UserError("%s: meta yaml says numPar=%s with %d parName entries but the targets have %d "
                     "parameters" % (path, yaml_info["numPar"], len(yaml_info["parName"]), num_params))
+  if "numTimeBin" in yaml_info and yaml_info["numTimeBin"] != time_bins:
+    raise UserError("%s: meta yaml says numTimeBin=%s but the frames have %d time bins"
+                    % (path, yaml_info["numTimeBin"], time_bins))
   return tuple(str(name) for name in yaml_info["parName"])
 
 
@@ -155,16 +203,18 @@ def open_cellspike(path: str, yaml_info=None) -> CellSpikeFile:
     with h5py.File(path, "r") as f:
       shapes = {dom: _check_split(path, f, dom) for dom in SPLITS}
       meta = _read_meta_json(f, path)
-  except OSError as error:
-    raise UserError("%s: not a readable HDF5 file (truncated, or not HDF5: %s)"
-                    % (path, " ".join(str(error).split()))) from None
+  except (OSError, RuntimeError, KeyError, ValueError, TypeError) as error:
+    # h5py reports a truncated, corrupt or foreign file as OSError on open, and damage inside the
+    # file (a bad object header, a garbled chunk index) as any of these while it is read.
+    raise UserError("%s: not a readable HDF5 file (truncated, corrupt, or not HDF5: %s)"
+                    % (path, " ".join(str(error).split()) or type(error).__name__)) from None
   frame_shapes = {shape[0][1:] for shape in shapes.values()}
   param_counts = {shape[1][1] for shape in shapes.values()}
   if len(frame_shapes) != 1 or len(param_counts) != 1:
     raise UserError("%s: the splits disagree on frame shape %s or parameter count %s"
                     % (path, sorted(frame_shapes), sorted(param_counts)))
   (time_bins, num_probes), num_params = frame_shapes.pop(), param_counts.pop()
-  par_names = _check_meta_agrees(path, yaml_info, num_probes, num_params)
+  par_names = _check_meta_agrees(path, yaml_info, time_bins, num_probes, num_params)
   if yaml_info:
     meta = dict(meta, dataInfo=yaml_info)
   return CellSpikeFile(

@@ -1,0 +1,366 @@
+"""The bad-input battery (issue 8): every bad flag, file or checkpoint is one clear line and a non-zero
+exit, and the outputs of an earlier run in the same --logdir are left exactly as they were.
+
+Each case runs against a copy of a finished tiny run (summary.yaml, run_config.yaml, events,
+checkpoints/last and best), snapshotted (names, sizes, mtimes, SHA-256) before and compared after.
+Most cases run in this process through the functions main.py calls (`flags.parse`, `flags.to_config`,
+`select_backend`, `training.loop.run`; conftest has prepared TensorFlow's start-up environment): a `UserError` is what main.py prints as its one `error:` line
+(exit 1) and a flag error is `flags.parse`'s line and exit 2. A few cases run `python main.py` itself
+to check the whole contract end to end (exit status, one stderr line, no traceback).
+"""
+
+import hashlib
+import os
+import shutil
+
+import h5py
+import numpy as np
+import pytest
+import yaml
+from absl import flags as absl_flags
+from absl.testing import flagsaver
+
+import flags
+from errors import UserError
+from tests.cellspike_files import write_cellspike, write_meta_yaml
+from tests.helpers import assert_one_line_error, run_main
+
+flags.define_flags()
+FLAGS = absl_flags.FLAGS
+
+BASE_ARGS = ("--model=neuron_inverter", "--design=dev", "--backend=cpu", "--batch_size=16",
+             "--warmup_epochs=0", "--seed=1")
+SIZES = {"train": 64, "val": 32, "test": 32}
+CKPT = os.path.join("checkpoints", "last", "ckpt-1")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The previous good run, and snapshots of it.
+
+@pytest.fixture(scope="module")
+def good_file(tmp_path_factory):
+  return write_cellspike(str(tmp_path_factory.mktemp("data") / "good.h5"), sizes=SIZES)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, good_file):
+  """A logdir holding a finished 1-epoch run (trained once for the module)."""
+  logdir = str(tmp_path_factory.mktemp("finished") / "run")
+  result = run_main(*BASE_ARGS, "--epochs=1", "--data_path=" + good_file, "--logdir=" + logdir)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert os.path.isfile(os.path.join(logdir, "summary.yaml"))
+  assert os.path.isfile(os.path.join(logdir, CKPT + ".index"))
+  return logdir
+
+
+@pytest.fixture
+def logdir(tmp_path, finished_run):
+  """A private copy of the finished run (copy2 keeps mtimes), for a case to try to damage."""
+  copy = str(tmp_path / "run")
+  shutil.copytree(finished_run, copy, copy_function=shutil.copy2)
+  return copy
+
+
+def snapshot(folder):
+  """{relative path: (size, mtime_ns, sha256) or 'dir'} of everything under `folder`."""
+  state = {}
+  for root, dirs, files in os.walk(folder):
+    for name in dirs:
+      state[os.path.relpath(os.path.join(root, name), folder)] = "dir"
+    for name in files:
+      path = os.path.join(root, name)
+      with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+      stat = os.stat(path)
+      state[os.path.relpath(path, folder)] = (stat.st_size, stat.st_mtime_ns, digest)
+  return state
+
+
+def assert_untouched(folder, before):
+  after = snapshot(folder)
+  changed = sorted(path for path in set(before) | set(after) if before.get(path) != after.get(path))
+  assert not changed, "a failed run changed the earlier outputs in %s: %s" % (folder, changed)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running the application in this process, as main.py does.
+
+def parse_flag_error(capsys, *args):
+  """Parses flags with main.py's parser; returns (exit status, the stderr lines)."""
+  with flagsaver.flagsaver():
+    FLAGS.unparse_flags()
+    with pytest.raises(SystemExit) as exit_info:
+      flags.parse(["main.py"] + list(args))
+  return exit_info.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+def run_in_process(*args):
+  """main.main without the process: flags -> RunConfig -> backend -> run; returns the UserError."""
+  with flagsaver.flagsaver():
+    FLAGS.unparse_flags()
+    flags.parse(["main.py"] + list(args))  # a flag error exits here (SystemExit), failing the test
+    config = flags.to_config(FLAGS)
+  from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
+  from training.loop import run  # pylint: disable=import-outside-toplevel
+  with pytest.raises(UserError) as error:
+    run(config, select_backend(config))
+  return str(error.value)
+
+
+def assert_clear(message, *fragments):
+  assert "\n" not in message, message       # main.py prints it as one `error:` line
+  for fragment in fragments:
+    assert fragment in message, message
+
+
+def check_bad_run(logdir, fragments, *args):
+  """Runs the application with `args` on `logdir`: a UserError naming `fragments`, outputs untouched."""
+  before = snapshot(logdir)
+  assert_clear(run_in_process(*BASE_ARGS, "--logdir=" + logdir, *args), *fragments)
+  assert_untouched(logdir, before)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Flags: parse-time validation (exit 2), before anything is read or written.
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--backend=ipu", "--ipus_per_replica=2", "--gradient_accumulation=3"],
+     ["--gradient_accumulation", "multiple of 2 x stages"]),
+    (["--backend=ipu", "--ipus_per_replica=2", "--pipeline_schedule=interleaved",
+      "--gradient_accumulation=3"], ["--gradient_accumulation"]),
+    (["--backend=ipu", "--ipus_per_replica=4", "--pipeline_stages=2", "--gradient_accumulation=8"],
+     ["--pipeline_stages must be at least --ipus_per_replica"]),
+    (["--resume", "--epochs=2"], ["--resume needs --logdir"]),
+    (["--data_path=/no/such/cellA.h5"], ["--data_path", "does not exist"]),
+    (["--batch_size=0"], ["--batch_size"]),
+    (["--design=ontra5"], ["--design", "dev", "ontra4"]),
+], ids=["pipeline_depth_grouped", "pipeline_depth_interleaved", "stages_below_ipus", "resume_no_logdir",
+        "missing_file", "zero_batch", "unknown_design"])
+def test_contradictory_or_bad_flags(capsys, args, fragments):
+  status, lines = parse_flag_error(capsys, *BASE_ARGS, *args)
+  assert status == 2 and len(lines) == 1, lines
+  assert_clear(lines[0], "error:", *fragments)
+
+
+def test_logdir_that_is_a_file_is_refused_unchanged(capsys, tmp_path):
+  existing = tmp_path / "summary.yaml"
+  existing.write_text("model: mnist\n")
+  before = snapshot(str(tmp_path))
+  status, lines = parse_flag_error(capsys, *BASE_ARGS, "--logdir=%s" % existing)
+  assert status == 2 and len(lines) == 1 and "--logdir names an existing file" in lines[0], lines
+  assert_untouched(str(tmp_path), before)
+
+
+def test_ipu_replicas_not_a_power_of_two_end_to_end(logdir):
+  before = snapshot(logdir)
+  result = run_main(*BASE_ARGS, "--backend=ipu", "--replicas=3", "--logdir=" + logdir, timeout=120)
+  assert result.returncode == 2
+  assert_one_line_error(result, "--replicas x --ipus_per_replica must be a power of two")
+  assert_untouched(logdir, before)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data files: found when the file is opened, before any output is written.
+
+def _edited(path, key, data):
+  with h5py.File(path, "a") as f:
+    del f[key]
+    if data is not None:
+      f.create_dataset(key, data=data)
+  return path
+
+
+def _with_nonfinite(path, key, index, value):
+  with h5py.File(path, "a") as f:
+    array = f[key][()]
+    array[index] = value
+    f[key][...] = array
+  return path
+
+
+DATA_CASES = {
+    "missing_key": (lambda p: _edited(p, "val_unitStar_par", None), ["missing key 'val_unitStar_par'"]),
+    "frames_rank": (lambda p: _edited(p, "train_frames", np.zeros((64, 1600), np.float32)),
+                    ["'train_frames' has shape (64, 1600), expected rank 3"]),
+    "targets_rank": (lambda p: _edited(p, "test_unitStar_par", np.zeros((32, 15, 2), np.float32)),
+                     ["'test_unitStar_par' has shape (32, 15, 2), expected rank 2"]),
+    "probes_differ": (lambda p: _edited(p, "val_frames", np.zeros((32, 1600, 3), np.float32)),
+                      ["splits disagree on frame shape"]),
+    "lengths_differ": (lambda p: _edited(p, "train_unitStar_par", np.zeros((63, 15), np.float32)),
+                       ["'train_frames' has 64 samples but 'train_unitStar_par' has 63"]),
+    "empty_split": (lambda p: _edited(_edited(p, "test_frames", np.zeros((0, 1600, 4), np.float32)),
+                                      "test_unitStar_par", np.zeros((0, 15), np.float32)),
+                    ["the test split is empty"]),
+    "integer_dtype": (lambda p: _edited(p, "train_frames", np.zeros((64, 1600, 4), np.int16)),
+                      ["'train_frames' has dtype int16, expected float16 or float32"]),
+    "nan_one_cell": (lambda p: _with_nonfinite(p, "train_frames", (37, 811, 2), np.nan),
+                     ["'train_frames' contains NaN or Inf values (row 37)"]),
+    "inf_target": (lambda p: _with_nonfinite(p, "val_unitStar_par", (17, 3), -np.inf),
+                   ["'val_unitStar_par' contains NaN or Inf values (row 17)"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DATA_CASES))
+def test_malformed_data_file(tmp_path, logdir, case):
+  damage, fragments = DATA_CASES[case]
+  path = damage(write_cellspike(str(tmp_path / "bad.h5"), sizes=SIZES, extra_keys=False))
+  check_bad_run(logdir, [path + ": "] + fragments, "--data_path=" + path, "--epochs=1")
+
+
+def test_not_hdf5_file(tmp_path, logdir):
+  path = tmp_path / "notes.h5"
+  path.write_text("train_frames: [1, 2, 3]\n")
+  check_bad_run(logdir, [str(path), "not a readable HDF5 file"], "--data_path=%s" % path)
+
+
+def test_folder_where_a_file_is_expected(tmp_path, logdir):
+  folder = tmp_path / "cellA.h5"
+  folder.mkdir()
+  check_bad_run(logdir, ["--data_path=%s is a folder without meta.cellSpike_excite_4prB8kHz.yaml" % folder],
+                "--data_path=%s" % folder)
+
+
+def test_fewer_samples_than_one_global_batch(good_file, logdir):
+  # 64 training samples, 2 replicas x 48: not one global batch (the file itself is valid).
+  check_bad_run(logdir, ["train split has 64 samples", "--batch_size"], "--data_path=" + good_file,
+                "--replicas=2", "--batch_size=48")
+
+
+def test_validation_split_smaller_than_one_batch(good_file, logdir):
+  check_bad_run(logdir, ["val split has 32 samples", "--batch_size"], "--data_path=" + good_file,
+                "--batch_size=48")
+
+
+def test_frames_too_short_for_the_design(tmp_path, logdir):
+  path = write_cellspike(str(tmp_path / "short.h5"), sizes=SIZES, time_bins=20)
+  check_bad_run(logdir, ["--design=dev", "20 time bins"], "--data_path=" + path)
+
+
+def test_truncated_mid_dataset_end_to_end(tmp_path, logdir):
+  path = write_cellspike(str(tmp_path / "cut.h5"), sizes=SIZES)
+  with h5py.File(path, "r") as f:  # cut in the middle of train_frames' chunks
+    chunks = [f["train_frames"].id.get_chunk_info(i) for i in range(f["train_frames"].id.get_num_chunks())]
+  os.truncate(path, (min(c.byte_offset for c in chunks) + max(c.byte_offset + c.size for c in chunks)) // 2)
+  before = snapshot(logdir)
+  result = run_main(*BASE_ARGS, "--data_path=" + path, "--logdir=" + logdir, "--epochs=2", timeout=120)
+  assert result.returncode == 1
+  assert_one_line_error(result, path, "not a readable HDF5 file")
+  assert_untouched(logdir, before)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Meta yaml (a folder with --cell_name, or beside the file).
+
+def _folder_with_yaml(tmp_path, **yaml_kwargs):
+  folder = tmp_path / "data"
+  folder.mkdir()
+  write_cellspike(str(folder / "cellA_excite.cellSpike_4prB8kHz.data.h5"), sizes=SIZES)
+  yaml_path = str(folder / "meta.cellSpike_excite_4prB8kHz.yaml")
+  write_meta_yaml(yaml_path, **yaml_kwargs)
+  return str(folder), yaml_path
+
+
+@pytest.mark.parametrize("yaml_text, yaml_kwargs, fragments", [
+    ("dataInfo: [unclosed", {}, ["malformed YAML"]),
+    ("just a string\n", {}, ["expected a top-level 'dataInfo' mapping"]),
+    ("dataInfo: {numFeature: 4, numPar: 15}\n", {}, ["dataInfo lacks h5nameTemplate, parName"]),
+    (yaml.safe_dump({"dataInfo": {"h5nameTemplate": "*_excite.cellSpike_4prB8kHz.data.h5",
+                                  "numFeature": "four", "parName": ["a"] * 15, "numPar": 15}}),
+     {}, ["dataInfo.numFeature is 'four', expected a positive integer"]),
+    (b"dataInfo: \xff\xfe\n", {}, ["malformed YAML"]),
+    (None, {"num_par": 14}, ["numPar=14 with 14 parName entries but the targets have 15"]),
+    (None, {"num_feature": 3}, ["numFeature=3 but the frames have 4 probes"]),
+], ids=["unclosed", "not_mapping", "missing_keys", "not_integer", "not_utf8", "numPar", "numFeature"])
+def test_meta_yaml_malformed_or_disagreeing(tmp_path, logdir, yaml_text, yaml_kwargs, fragments):
+  folder, yaml_path = _folder_with_yaml(tmp_path, **yaml_kwargs)
+  if isinstance(yaml_text, bytes):
+    with open(yaml_path, "wb") as f:
+      f.write(yaml_text)
+  elif yaml_text is not None:
+    with open(yaml_path, "w") as f:
+      f.write(yaml_text)
+  where = "cellA_excite" if yaml_text is None else yaml_path
+  check_bad_run(logdir, [where] + fragments, "--data_path=" + folder, "--cell_name=cellA")
+
+
+def test_meta_yaml_beside_the_file_is_checked_too(tmp_path, logdir):
+  folder, _ = _folder_with_yaml(tmp_path, num_feature=2)
+  path = os.path.join(folder, "cellA_excite.cellSpike_4prB8kHz.data.h5")
+  check_bad_run(logdir, [path, "numFeature=2 but the frames have 4 probes"], "--data_path=" + path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Outputs: an unwritable logdir.
+
+def test_unwritable_logdir(tmp_path, good_file):
+  blocker = tmp_path / "outputs"
+  blocker.write_text("a file where the logdir's parent should be\n")
+  before = snapshot(str(tmp_path))
+  assert_clear(run_in_process(*BASE_ARGS, "--data_path=" + good_file, "--logdir=%s" % (blocker / "run")),
+               "--logdir=%s" % (blocker / "run"), "not a writable folder")
+  assert_untouched(str(tmp_path), before)
+
+
+# ---------------------------------------------------------------------------------------------------
+# --resume: another model or design, or a damaged checkpoint.
+
+def test_resume_with_another_model_end_to_end(logdir):
+  before = snapshot(logdir)
+  result = run_main("--model=mnist", "--backend=cpu", "--epochs=2", "--resume", "--logdir=" + logdir,
+                    timeout=120)
+  assert result.returncode == 1
+  assert_one_line_error(result, "--resume", CKPT, "model=neuron_inverter", "model=mnist")
+  assert_untouched(logdir, before)
+
+
+def test_resume_with_another_design(good_file, logdir):
+  args = [a for a in BASE_ARGS if not a.startswith("--design")]
+  before = snapshot(logdir)
+  message = run_in_process(*args, "--design=ontra4", "--data_path=" + good_file, "--logdir=" + logdir,
+                           "--epochs=2", "--resume")
+  assert_clear(message, "--resume", "design=dev", "design=ontra4")
+  assert_untouched(logdir, before)
+
+
+def _garble(path, offset, length=64):
+  with open(path, "r+b") as f:
+    f.seek(offset)
+    chunk = f.read(length)
+    f.seek(offset)
+    f.write(bytes(b ^ 0xFF for b in chunk))
+
+
+def _damage_checkpoint(logdir, how):
+  prefix = os.path.join(logdir, CKPT)
+  data, index = prefix + ".data-00000-of-00001", prefix + ".index"
+  state = os.path.join(os.path.dirname(prefix), "checkpoint")
+  if how == "data_truncated":
+    os.truncate(data, os.path.getsize(data) // 2)
+  elif how == "data_garbled":
+    _garble(data, os.path.getsize(data) // 2)
+  elif how == "data_missing":
+    os.remove(data)
+  elif how == "index_truncated":
+    os.truncate(index, os.path.getsize(index) // 2)
+  elif how == "index_garbled":
+    _garble(index, 100)
+  elif how == "state_empty":
+    open(state, "w").close()
+
+
+@pytest.mark.parametrize("how", ["data_truncated", "data_garbled", "data_missing", "index_truncated",
+                                 "index_garbled", "state_empty"])
+def test_resume_from_a_damaged_checkpoint(good_file, logdir, how):
+  _damage_checkpoint(logdir, how)
+  check_bad_run(logdir, ["--resume", os.path.join(logdir, "checkpoints", "last")],
+                "--data_path=" + good_file, "--epochs=2", "--resume")
+
+
+def test_resume_from_a_garbled_checkpoint_end_to_end(good_file, logdir):
+  _damage_checkpoint(logdir, "data_garbled")
+  before = snapshot(logdir)
+  result = run_main(*BASE_ARGS, "--data_path=" + good_file, "--logdir=" + logdir, "--epochs=2",
+                    "--resume", timeout=120)
+  assert result.returncode == 1
+  assert_one_line_error(result, "--resume", CKPT, "unreadable")
+  assert_untouched(logdir, before)
