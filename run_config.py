@@ -44,6 +44,7 @@ class RunConfig:
   lr_patience: int = 8
   lr_cooldown: int = 2
   resume: bool = False             # continue from <logdir>/checkpoints/last
+  predict: bool = False            # after training: evaluate and plot into <logdir>/predict
   # Batching, placement and compilation (strategies/ turns these into hardware settings)
   gradient_accumulation: int = 1   # micro-batches per optimizer step and replica
   steps_per_execution: int = 0     # 0: derived (IPU) or 1 (CPU/GPU)
@@ -57,7 +58,7 @@ class RunConfig:
   cache_dir: str = DEFAULT_EXECUTABLE_CACHE  # IPU executable cache / XLA persistent cache
   jit_compile: bool = False        # XLA on CPU/GPU (always compiled on IPU)
   compile_only: bool = False       # compile (and fill the cache), then exit
-  precision: str = "32.32"         # compute.weights: 32.32 | 16.32 (mixed) | 16.16
+  precision: str = "auto"          # compute.weights: 32.32 | 16.32 (mixed) | 16.16 | auto (strategies/)
   profile_dir: Optional[str] = None
 
   @property

@@ -32,6 +32,7 @@ class Backend:
   steps_per_execution: int = 1             # steps per device call (Keras compile option)
   jit_compile: bool = False
   cache_dir: Optional[str] = None          # executable cache in effect (IPU or XLA), for reporting
+  precision: str = "32.32"                 # resolved --precision (never "auto")
 
   rank = 0                                 # this process among all workers
   world_size = 1

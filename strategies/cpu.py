@@ -11,6 +11,33 @@ from run_config import RunConfig
 from strategies.backend import Backend, options_from_config
 
 
+def has_bfloat16_units() -> bool:
+  """Whether this CPU does bfloat16 arithmetic natively (AMX or AVX-512 BF16), from /proc/cpuinfo."""
+  try:
+    with open("/proc/cpuinfo") as cpuinfo:
+      flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+  except OSError:
+    return False  # not Linux: no way to tell, stay with float32
+  return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def bfloat16_kernels_available() -> bool:
+  """Whether this TensorFlow has CPU bfloat16 training kernels (oneDNN, on by default from TF 2.9).
+
+  TF 2.6 (the Poplar SDK's version) has no bfloat16 Conv1D on the CPU: training fails inside the
+  first step with "Missing 0-th output from node conv1d".
+  """
+  major, minor = (int(part) for part in tf.__version__.split(".")[:2])
+  return (major, minor) >= (2, 9)
+
+
+def check_precision(precision: str) -> None:
+  """A UserError for 16-bit precision where this TensorFlow cannot train in bfloat16 on the CPU."""
+  if precision != "32.32" and not bfloat16_kernels_available():
+    raise UserError("--precision=%s on the CPU needs TensorFlow >= 2.9 (bfloat16 kernels); this is "
+                    "TensorFlow %s: use --precision=32.32" % (precision, tf.__version__))
+
+
 def _ensure_logical_cpus(count: int) -> list:
   physical = tf.config.list_physical_devices("CPU")
   try:

@@ -11,6 +11,13 @@ def visible_gpus() -> list:
   return tf.config.list_physical_devices("GPU")
 
 
+def has_tensor_cores() -> bool:
+  """Whether every visible GPU has float16 tensor cores (compute capability 7.0 or newer)."""
+  gpus = visible_gpus()
+  capabilities = [tf.config.experimental.get_device_details(gpu).get("compute_capability") for gpu in gpus]
+  return bool(gpus) and all(capability and capability >= (7, 0) for capability in capabilities)
+
+
 def create(config: RunConfig) -> Backend:
   """Returns a GPU backend with one replica per GPU; a UserError if too few GPUs are visible."""
   replicas = config.replicas

@@ -194,7 +194,6 @@ class IPUBackend(Backend):
   ipus_per_replica: int = 1
   requested_steps_per_execution: int = 0
   sums_replica_gradients: bool = True     # IPUStrategy: yes; PopDistStrategy averages itself
-  precision: str = "32.32"
   local_replicas: int = 0                 # under poprun: this instance's replicas (0: all)
   instance_index: int = 0
 

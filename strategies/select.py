@@ -47,6 +47,15 @@ def check_keras_2() -> None:
                     "set TF_USE_LEGACY_KERAS=1 before TensorFlow is imported" % version)
 
 
+def resolve_precision(requested: str, kind: str) -> str:
+  """--precision=auto: mixed 16-bit where the processor has 16-bit arithmetic units, else float32."""
+  if requested != "auto":
+    return requested
+  native = {"ipu": lambda: True, "gpu": gpu.has_tensor_cores,
+            "cpu": lambda: cpu.has_bfloat16_units() and cpu.bfloat16_kernels_available()}[kind]()
+  return "16.32" if native else "32.32"
+
+
 def set_precision(precision: str, kind: str) -> str:
   policy = _POLICIES[precision][kind]
   tf.keras.mixed_precision.set_global_policy(policy)
@@ -61,8 +70,11 @@ def select_backend(config: RunConfig) -> Backend:
     raise UserError("unknown backend %r; valid backends: auto, %s" % (kind, ", ".join(_CREATORS)))
   source = multiworker.cluster_source() if kind in ("cpu", "gpu") else None
   backend = multiworker.create(config, kind, source) if source else _CREATORS[kind](config)
-  backend = dataclasses.replace(backend, cache_dir=environment.executable_cache_dir(kind))
-  policy = set_precision(config.precision, kind)
+  precision = resolve_precision(config.precision, kind)
+  if kind == "cpu":
+    cpu.check_precision(precision)
+  backend = dataclasses.replace(backend, cache_dir=environment.executable_cache_dir(kind), precision=precision)
+  policy = set_precision(precision, kind)
   logging.info("Backend %s, %d replica(s) on %s (TensorFlow %s, Keras %s, precision %s)", backend.label,
                backend.replicas, ", ".join(backend.devices), tf.__version__, keras_version(), policy)
   if kind != "ipu" and config.pipeline_stages > 1:

@@ -71,6 +71,47 @@ def test_precision_maps_to_keras_policies(precision, kind, policy):
     tf.keras.mixed_precision.set_global_policy("float32")
 
 
+@pytest.mark.parametrize("requested, kind, native, resolved", [
+    ("auto", "cpu", True, "16.32"), ("auto", "cpu", False, "32.32"), ("auto", "gpu", True, "16.32"),
+    ("auto", "gpu", False, "32.32"), ("auto", "ipu", False, "16.32"), ("32.32", "cpu", True, "32.32"),
+    ("16.16", "gpu", False, "16.16"),
+])
+def test_auto_precision_is_mixed_only_where_the_processor_has_16_bit_units(monkeypatch, requested, kind,
+                                                                           native, resolved):
+  monkeypatch.setattr(select.cpu, "has_bfloat16_units", lambda: native)
+  monkeypatch.setattr(select.cpu, "bfloat16_kernels_available", lambda: True)
+  monkeypatch.setattr(select.gpu, "has_tensor_cores", lambda: native)
+  assert select.resolve_precision(requested, kind) == resolved
+
+
+def test_cpu_bfloat16_detection_reads_this_machines_cpu_flags():
+  with open("/proc/cpuinfo") as cpuinfo:
+    flags = next(line for line in cpuinfo if line.startswith("flags")).split()
+  assert select.cpu.has_bfloat16_units() == ("amx_bf16" in flags or "avx512_bf16" in flags)
+
+
+def test_auto_precision_stays_float32_where_tensorflow_lacks_cpu_bfloat16_kernels(monkeypatch):
+  monkeypatch.setattr(select.cpu, "has_bfloat16_units", lambda: True)
+  monkeypatch.setattr(select.cpu, "bfloat16_kernels_available", lambda: False)
+  assert select.resolve_precision("auto", "cpu") == "32.32"
+  with pytest.raises(UserError, match=r"--precision=16.32 on the CPU needs TensorFlow >= 2.9"):
+    select.cpu.check_precision("16.32")
+
+
+def test_cpu_bfloat16_kernels_are_known_from_the_tensorflow_version():
+  major, minor = (int(part) for part in tf.__version__.split(".")[:2])
+  assert select.cpu.bfloat16_kernels_available() == ((major, minor) >= (2, 9))
+
+
+def test_backend_reports_the_resolved_precision():
+  backend = select.select_backend(RunConfig(model="mnist", backend="cpu", precision="auto"))
+  try:
+    assert backend.precision in ("16.32", "32.32") and backend.precision == select.resolve_precision(
+        "auto", "cpu")
+  finally:
+    tf.keras.mixed_precision.set_global_policy("float32")
+
+
 def test_mixed_precision_model_keeps_float32_outputs():
   import model  # pylint: disable=import-outside-toplevel
   try:

@@ -5,10 +5,14 @@ global_batch_size, epochs, train_loss, val_loss (null without validation), test_
 (classification only), samples_per_sec_per_replica, compile_seconds, wall_seconds.
 """
 
+import dataclasses
 import os
 
 import numpy as np
 import yaml
+
+from errors import UserError
+from run_config import RunConfig
 
 REQUIRED_KEYS = ("model", "backend", "replicas", "global_batch_size", "epochs", "train_loss",
                  "val_loss", "test_loss", "samples_per_sec_per_replica", "compile_seconds",
@@ -39,3 +43,67 @@ def write_summary(logdir: str, summary: dict) -> str:
     os.fsync(f.fileno())
   os.replace(temporary, path)
   return path
+
+
+RUN_CONFIG_FILE = "run_config.yaml"
+
+
+def write_run_config(logdir: str, config) -> str:
+  """Writes `<logdir>/run_config.yaml` (the whole RunConfig) at the start of a run; returns its path.
+
+  summary.yaml records the same under `params`, but only when training ends: this file lets
+  `tools/predict.py` evaluate a run that is still going or was cut short, without repeating its flags.
+  """
+  path = os.path.join(logdir, RUN_CONFIG_FILE)
+  temporary = path + ".tmp"
+  with open(temporary, "w") as f:
+    yaml.safe_dump(_plain(config.as_dict()), f, sort_keys=False)
+  os.replace(temporary, path)
+  return path
+
+
+def read_run_config(logdir: str) -> dict:
+  """The saved run configuration of `logdir`: run_config.yaml, else summary.yaml's `params`.
+
+  Returns a plain dict (possibly from an older or newer version of the application); None if neither
+  file holds one.
+  """
+  for name, key in ((RUN_CONFIG_FILE, None), ("summary.yaml", "params")):
+    path = os.path.join(logdir, name)
+    if not os.path.isfile(path):
+      continue
+    with open(path) as f:
+      content = yaml.safe_load(f)
+    if isinstance(content, dict):
+      content = content.get(key) if key else content
+    if isinstance(content, dict):
+      return content
+  return None
+
+
+# Fields of a saved run configuration that evaluation resets: the model runs whole, once, unprofiled.
+EVAL_OVERRIDES = {"resume": False, "predict": False, "compile_only": False, "profile_dir": None,
+                  "gradient_accumulation": 1, "pipeline_stages": 1, "ipus_per_replica": 1,
+                  "steps_per_execution": 0, "steps_per_epoch": 0, "eval_steps": 0}
+
+
+def load_run_config(logdir: str, **overrides) -> RunConfig:
+  """The RunConfig a run in `logdir` was trained with, reset for evaluation, updated by `overrides`.
+
+  Keys the current RunConfig does not know (a newer or older run) are ignored; missing ones take their
+  defaults. Overrides that are None are ignored. No TensorFlow: tools call this before it starts.
+  """
+  if not os.path.isdir(logdir):
+    raise UserError("--logdir=%s does not exist or is not a folder" % logdir)
+  saved = read_run_config(logdir)
+  if saved is None:
+    raise UserError("--logdir=%s holds neither %s nor a summary.yaml with params: not a training run "
+                    "folder" % (logdir, RUN_CONFIG_FILE))
+  known = {field.name for field in dataclasses.fields(RunConfig)}
+  values = {key: value for key, value in saved.items() if key in known}
+  values.update(EVAL_OVERRIDES, logdir=logdir)
+  values.update({key: value for key, value in overrides.items() if value is not None})
+  try:
+    return RunConfig(**values)
+  except TypeError as error:
+    raise UserError("%s: unusable saved run configuration (%s)" % (logdir, error)) from None

@@ -1,0 +1,231 @@
+"""Prediction and analysis: the metric/verdict maths, `main.py --predict`, `tools/predict.py`, plots, export.
+
+One tiny run (dev design, 2 epochs on a hand-made file) is trained once for the module; the tools are
+then run against it as a user would, in subprocesses.
+"""
+
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+
+import h5py
+import numpy as np
+import pytest
+import yaml
+
+from errors import UserError
+from run_config import RunConfig
+from tests.cellspike_files import PAR_NAMES, write_cellspike, write_meta_yaml
+from tests.helpers import REPO_ROOT, assert_one_line_error, run_main
+from training import evaluation, plots, summary
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def run_predict(*args, timeout=300):
+  env = dict(os.environ)
+  env.pop("TF_USE_LEGACY_KERAS", None)  # the tool must set it itself
+  return subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "predict.py")] + list(args),
+                        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def png_size(path):
+  """(width, height) of a PNG file; fails unless the file starts with a PNG signature and IHDR."""
+  with open(path, "rb") as f:
+    head = f.read(24)
+  assert head[:8] == PNG_SIGNATURE and head[12:16] == b"IHDR", path
+  return struct.unpack(">II", head[16:24])
+
+
+# --- Metrics and verdicts on synthetic arrays ---------------------------------------------------------
+
+def test_perfect_predictions_are_learned():
+  truth = np.random.RandomState(0).uniform(-1, 1, size=(500, 3))
+  figures = evaluation.compute_metrics(truth, truth.copy(), ["a", "b", "c"])
+  assert figures["mse"] == 0.0 and figures["verdict_counts"] == {"learned": 3, "weak": 0, "not learned": 0}
+  for p in figures["parameters"]:
+    assert p["pearson_r"] == pytest.approx(1.0) and p["residual_std"] == 0.0 and p["verdict"] == "learned"
+
+
+def test_random_and_constant_predictions_are_not_learned():
+  rng = np.random.RandomState(1)
+  truth = rng.uniform(-1, 1, size=(5000, 2))
+  prediction = np.stack([rng.uniform(-1, 1, 5000), np.full(5000, 0.25)], axis=1)
+  figures = evaluation.compute_metrics(truth, prediction, ["random", "constant"])
+  random_par, constant_par = figures["parameters"]
+  assert abs(random_par["pearson_r"]) < 0.05 and random_par["verdict"] == "not learned"
+  assert constant_par["pearson_r"] == 0.0 and constant_par["verdict"] == "not learned"
+  assert constant_par["prediction_std"] == 0.0
+
+
+def test_hand_computed_figures():
+  truth = np.array([[0.0], [1.0], [2.0], [3.0]])
+  prediction = np.array([[1.0], [1.0], [3.0], [3.0]])   # residuals 1, 0, 1, 0
+  figures = evaluation.compute_metrics(truth, prediction, ["x"])
+  p = figures["parameters"][0]
+  assert p["mse"] == pytest.approx(0.5) and figures["mse"] == pytest.approx(0.5)
+  assert p["residual_mean"] == pytest.approx(0.5) and p["residual_std"] == pytest.approx(0.5)
+  # r = cov / (sd_u sd_z) = 1.0 / (sqrt(1.25) * 1.0)
+  assert p["pearson_r"] == pytest.approx(1.0 / np.sqrt(1.25))
+  assert figures["mean_predictor_mse"] == pytest.approx(1.25)
+  assert figures["num_samples"] == 4
+
+
+@pytest.mark.parametrize("r, expected", [(1.0, "learned"), (0.7, "learned"), (0.6999, "weak"), (0.3, "weak"),
+                                         (0.2999, "not learned"), (-0.9, "not learned"),
+                                         (float("nan"), "not learned")])
+def test_verdict_thresholds(r, expected):
+  assert evaluation.verdict(r) == expected
+  assert (evaluation.LEARNED_MIN_R, evaluation.WEAK_MIN_R) == (0.7, 0.3)
+
+
+def test_weak_correlation_is_weak():
+  rng = np.random.RandomState(2)
+  truth = rng.randn(20000, 1)
+  prediction = 0.5 * truth + np.sqrt(1 - 0.25) * rng.randn(20000, 1)    # r = 0.5 by construction
+  p = evaluation.compute_metrics(truth, prediction, ["half"])["parameters"][0]
+  assert p["pearson_r"] == pytest.approx(0.5, abs=0.02) and p["verdict"] == "weak"
+
+
+# --- End to end: a tiny trained run -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+  folder = tmp_path_factory.mktemp("data")
+  write_meta_yaml(str(folder / "meta.cellSpike_excite_4prB8kHz.yaml"))
+  return write_cellspike(str(folder / "tiny.h5"), sizes={"train": 256, "val": 64, "test": 64})
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, data_file):
+  """`main.py ... --predict`: trains two epochs and writes the report into <logdir>/predict."""
+  logdir = str(tmp_path_factory.mktemp("runs") / "tiny")
+  result = run_main("--model=neuron_inverter", "--design=dev", "--backend=cpu", "--batch_size=16",
+                    "--data_path=" + data_file, "--logdir=" + logdir, "--epochs=2", "--warmup_epochs=1",
+                    "--precision=32.32", "--predict")  # float32, as the export: equal to float tolerance
+  assert result.returncode == 0, result.stderr[-3000:]
+  return logdir, result
+
+
+def _load_yaml(path):
+  with open(path) as f:
+    return yaml.safe_load(f)
+
+
+def _check_sum_pred(sum_pred, split, num_samples):
+  assert sum_pred["split"] == split and sum_pred["num_samples"] == num_samples
+  assert sum_pred["model"] == "neuron_inverter" and sum_pred["design"] == "dev"
+  assert sum_pred["verdict_rule"]["learned_min_r"] == 0.7 and sum_pred["verdict_rule"]["weak_min_r"] == 0.3
+  assert [p["name"] for p in sum_pred["parameters"]] == PAR_NAMES      # the meta yaml's parName
+  for p in sum_pred["parameters"]:
+    assert p["verdict"] == evaluation.verdict(p["pearson_r"])        # derived from the stated r only
+    assert np.isfinite([p["mse"], p["residual_mean"], p["residual_std"], p["pearson_r"]]).all()
+    assert p["mse"] == pytest.approx(p["residual_mean"] ** 2 + p["residual_std"] ** 2, rel=1e-6)
+  assert np.mean([p["mse"] for p in sum_pred["parameters"]]) == pytest.approx(sum_pred["mse"], rel=1e-6)
+  assert sum(sum_pred["verdict_counts"].values()) == 15
+
+
+def test_main_predict_writes_the_report(trained_run):
+  logdir, result = trained_run
+  assert "Prediction (" in result.stdout and "verdict" in result.stdout
+  assert _load_yaml(os.path.join(logdir, "run_config.yaml"))["design"] == "dev"   # written at the start
+  sum_pred = _load_yaml(os.path.join(logdir, "predict", "sum_pred.yaml"))
+  _check_sum_pred(sum_pred, "test", 64)
+  # The test split is evaluated with the weights the run tested: its MSE is the run's test loss.
+  assert sum_pred["mse"] == pytest.approx(_load_yaml(os.path.join(logdir, "summary.yaml"))["test_loss"],
+                                          rel=1e-4)
+  for name in ("truth_vs_pred.png", "residuals.png", "training_curves.png"):
+    width, height = png_size(os.path.join(logdir, "predict", name))
+    assert width >= 800 and height >= 600
+
+
+def test_predict_tool_and_export_round_trip(trained_run, data_file, tmp_path):
+  logdir, _ = trained_run
+  outdir, export_dir = str(tmp_path / "out"), str(tmp_path / "export")
+  result = run_predict("--logdir=" + logdir, "--split=validation", "--max_samples=48", "--backend=cpu",
+                       "--outdir=" + outdir, "--export_dir=" + export_dir, "--noplots")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "parameter" in result.stdout and "p14" in result.stdout and "validation split, 48 samples" \
+      in result.stdout
+  sum_pred = _load_yaml(os.path.join(outdir, "sum_pred.yaml"))
+  _check_sum_pred(sum_pred, "validation", 48)
+  assert os.path.join("checkpoints", "best") in sum_pred["checkpoint"]
+  assert not [name for name in os.listdir(outdir) if name.endswith(".png")]      # --noplots
+  saved = np.load(os.path.join(outdir, "predictions.npz"))
+  with h5py.File(data_file, "r") as f:
+    frames, targets = f["val_frames"][:48], f["val_unitStar_par"][:48]
+  np.testing.assert_array_equal(saved["truth"], targets)           # one replica: file order
+  # The export loads in a fresh interpreter without the repository on its path and reproduces Z.
+  np.save(str(tmp_path / "frames.npy"), frames)
+  script = textwrap.dedent("""
+      import importlib.util, os, sys
+      import numpy as np, tensorflow as tf
+      assert importlib.util.find_spec("run_config") is None, "the application is importable"
+      assert os.path.abspath(sys.argv[4]) not in [os.path.abspath(p) for p in sys.path]
+      loaded = tf.saved_model.load(sys.argv[1])
+      out = loaded.signatures["serving_default"](frames=tf.constant(np.load(sys.argv[2]), tf.float32))
+      np.save(sys.argv[3], out["conductances"].numpy())
+      print("NAMES", ",".join(n.decode() for n in loaded.par_names().numpy()))
+      """)
+  env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "TF_USE_LEGACY_KERAS")}
+  loaded = subprocess.run([sys.executable, "-c", script, export_dir, "frames.npy", "z.npy", REPO_ROOT], cwd=str(tmp_path),
+                          env=env, capture_output=True, text=True, timeout=300)
+  assert loaded.returncode == 0, loaded.stderr[-3000:]
+  assert "NAMES " + ",".join(PAR_NAMES) in loaded.stdout
+  np.testing.assert_allclose(np.load(str(tmp_path / "z.npy")), saved["prediction"], rtol=1e-5, atol=1e-5)
+
+
+def test_training_history_from_events_and_from_summary(trained_run, tmp_path):
+  logdir, _ = trained_run
+  history = plots.load_history(logdir)
+  assert history["source"] == "TensorBoard events" and history["epoch"] == [1, 2]
+  summary = _load_yaml(os.path.join(logdir, "summary.yaml"))
+  assert history["loss"] == pytest.approx(summary["history"]["loss"], rel=1e-5)
+  assert history["lr"] == pytest.approx(summary["history"]["lr"], rel=1e-5)
+  partial = tmp_path / "summary_only"
+  partial.mkdir()
+  (partial / "summary.yaml").write_text(yaml.safe_dump(summary))
+  assert plots.load_history(str(partial))["loss"] == summary["history"]["loss"]
+
+
+def test_missing_logdir_is_one_line_error(tmp_path):
+  assert_one_line_error(run_predict("--logdir=" + str(tmp_path / "nowhere")), "nowhere", "does not exist")
+
+
+def test_run_without_checkpoint_is_a_user_error(trained_run, tmp_path):
+  logdir, _ = trained_run
+  started = tmp_path / "started"
+  started.mkdir()
+  (started / "run_config.yaml").write_text(open(os.path.join(logdir, "run_config.yaml")).read())
+  with pytest.raises(UserError, match="no checkpoint"):
+    evaluation.evaluate_run(summary.load_run_config(str(started)), _cpu_backend())
+
+
+def test_not_a_run_folder_is_a_user_error(tmp_path):
+  with pytest.raises(UserError, match="not a training run folder"):
+    summary.load_run_config(str(tmp_path))
+
+
+def test_data_of_another_shape_is_a_user_error(trained_run, tmp_path):
+  logdir, _ = trained_run
+  other = write_cellspike(str(tmp_path / "short.h5"), sizes={"train": 32, "val": 32, "test": 32},
+                          time_bins=800)
+  config = summary.load_run_config(logdir, data_path=other, backend="cpu")
+  with pytest.raises(UserError, match=r"does not fit .* \(800, 4\) -> 15 parameters"):
+    evaluation.evaluate_run(config, _cpu_backend(), outdir=str(tmp_path / "out"))
+  assert not os.path.exists(str(tmp_path / "out"))
+
+
+def _cpu_backend():
+  from strategies import select  # pylint: disable=import-outside-toplevel
+  return select.select_backend(RunConfig(model="neuron_inverter", backend="cpu"))
+
+
+def test_bad_tool_flag_is_one_line_error():
+  assert_one_line_error(run_predict("--logdir=x", "--split=bogus"), "--split=bogus")
+
+
+def test_predict_flag_needs_the_regression_model():
+  assert_one_line_error(run_main("--model=mnist", "--predict"), "--predict", "neuron_inverter")

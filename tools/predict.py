@@ -1,0 +1,77 @@
+"""Evaluate a trained Neuron-Inverter run: sum_pred.yaml, per-parameter figures, an optional export.
+
+    python tools/predict.py --logdir=logs/neuron_inverter/RUN                 # test split, built-in data
+    python tools/predict.py --logdir=RUN --data_path=/data/cell.h5 --split=validation --max_samples=20000
+    python tools/predict.py --logdir=RUN --export_dir=RUN/saved_model         # + a standalone SavedModel
+
+The run is reloaded from its logdir alone: run_config.yaml (or summary.yaml's `params`) gives the
+model, design, data and precision it was trained with, and checkpoints/best (else last) the weights;
+`--data_path` and `--backend` may point elsewhere. Writes into `--outdir` (default `<logdir>/predict`):
+`sum_pred.yaml` (overall and per-parameter MSE, residual mean/std, Pearson r, learned/weak/not-learned
+verdicts with their thresholds), `truth_vs_pred.png`, `residuals.png`, `training_curves.png`, and
+prints the per-parameter table. A problem (no run, no checkpoint, data that do not fit) is one
+`error:` line and exit status 1.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app  # noqa: E402  pylint: disable=wrong-import-position
+from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
+from absl import logging  # noqa: E402  pylint: disable=wrong-import-position
+
+import flags as app_flags  # noqa: E402  pylint: disable=wrong-import-position
+from errors import UserError  # noqa: E402  pylint: disable=wrong-import-position
+
+FLAGS = flags.FLAGS
+SPLITS = ("test", "validation", "train")
+
+
+def define_flags() -> None:
+  """Flags only when run as a program: tests import modules beside main.py's flags."""
+  flags.DEFINE_string("logdir", None, "Folder of the trained run (its run_config.yaml/summary.yaml and "
+                      "checkpoints/).", required=True)
+  flags.DEFINE_string("data_path", None, "cellSpike .h5 file (or folder, with the run's --cell_name) to "
+                      "evaluate; default: the data the run was trained on.")
+  flags.DEFINE_enum("split", "test", SPLITS, "Which split of the file to evaluate.")
+  flags.DEFINE_enum("backend", "auto", ("auto", "cpu", "gpu", "ipu"), "Where to run the model.")
+  flags.DEFINE_integer("replicas", 1, "Data-parallel replicas for the evaluation.", lower_bound=1)
+  flags.DEFINE_integer("batch_size", None, "Batch per replica (default: the run's).", lower_bound=1)
+  flags.DEFINE_integer("max_samples", 0, "Evaluate at most this many samples (0: the whole split).",
+                       lower_bound=0)
+  flags.DEFINE_string("outdir", None, "Output folder (default: <logdir>/predict).")
+  flags.DEFINE_string("export_dir", None, "Also export the model as a self-contained float32 SavedModel "
+                      "here (loadable with tf.saved_model.load, no application code needed).")
+  flags.DEFINE_bool("plots", True, "Write the PNG figures.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
+  logging.set_verbosity(logging.INFO)
+  try:
+    # Plain Python first: the saved configuration decides TensorFlow's start-up environment.
+    from strategies import environment  # pylint: disable=import-outside-toplevel
+    from training.summary import load_run_config  # pylint: disable=import-outside-toplevel
+    if FLAGS.data_path and not os.path.exists(FLAGS.data_path):
+      raise UserError("--data_path=%s does not exist" % FLAGS.data_path)
+    config = load_run_config(FLAGS.logdir, backend=FLAGS.backend, replicas=FLAGS.replicas,
+                             data_path=FLAGS.data_path, batch_size=FLAGS.batch_size)
+    environment.prepare(config)
+    from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
+    from training import evaluation  # pylint: disable=import-outside-toplevel
+    result = evaluation.evaluate_run(config, select_backend(config), split=FLAGS.split,
+                                     max_samples=FLAGS.max_samples, outdir=FLAGS.outdir,
+                                     plots=FLAGS.plots, export_dir=FLAGS.export_dir)
+  except UserError as error:
+    sys.stderr.write("error: %s\n" % error)
+    sys.exit(1)
+  print(evaluation.format_table(result.results))
+  print("Wrote " + ", ".join(result.files), flush=True)
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main, flags_parser=app_flags.parse)  # a bad flag: one `error:` line, exit status 2

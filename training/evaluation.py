@@ -1,0 +1,317 @@
+"""Evaluation of a trained Neuron-Inverter: per-parameter figures, verdicts, sum_pred.yaml and plots.
+
+    python tools/predict.py --logdir=RUN                     # the command-line way
+    python main.py --model=neuron_inverter ... --predict     # the same at the end of training
+
+A run is reloaded from its logdir alone: the saved run configuration (run_config.yaml, else summary.yaml's
+`params`) and the weights of `checkpoints/best` (else `checkpoints/last`). The chosen split is fed
+through the backend's batch layout exactly as in training, with the inference graph (dropout off,
+BatchNorm moving statistics), and the truth U and prediction Z are compared parameter by parameter.
+
+Verdicts use the Pearson correlation r between truth and prediction and nothing else:
+  learned      r >= LEARNED_MIN_R (0.7): roughly half the variance or more follows the truth (r^2 >= 0.49)
+  weak         WEAK_MIN_R (0.3) <= r < 0.7: a real but loose relation (r^2 between 0.09 and 0.49)
+  not learned  r < 0.3 (or constant predictions): under 9% of the variance explained
+Correlation, unlike MSE, does not depend on the parameter's range, so one pair of thresholds serves all
+fifteen conductances; MSE and the residual mean/std are reported beside it for bias and spread.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import time
+
+import numpy as np
+import tensorflow as tf
+import yaml
+from absl import logging
+
+import model as model_registry
+from data import cellspike
+from data.splits import eval_layout
+from errors import UserError
+from run_config import RunConfig
+from strategies.backend import Backend
+from training import summary as summary_lib
+
+LEARNED_MIN_R = 0.7
+WEAK_MIN_R = 0.3
+LEARNED, WEAK, NOT_LEARNED = "learned", "weak", "not learned"
+SPLIT_KEYS = {"train": "train", "validation": "val", "val": "val", "test": "test"}
+PREDICT_DIR = "predict"
+SUM_PRED = "sum_pred.yaml"
+PREDICTIONS = "predictions.npz"
+load_run_config = summary_lib.load_run_config
+
+
+def verdict(r: float) -> str:
+  """learned / weak / not learned from the Pearson correlation alone (NaN: not learned)."""
+  if r is not None and r >= LEARNED_MIN_R:
+    return LEARNED
+  if r is not None and r >= WEAK_MIN_R:
+    return WEAK
+  return NOT_LEARNED
+
+
+def pearson_r(u: np.ndarray, z: np.ndarray) -> float:
+  """Pearson correlation of two 1-D arrays; 0.0 when either is constant (nothing is followed)."""
+  u, z = u - u.mean(), z - z.mean()
+  denominator = math.sqrt(float(np.dot(u, u)) * float(np.dot(z, z)))
+  return float(np.dot(u, z) / denominator) if denominator > 0 else 0.0
+
+
+def compute_metrics(truth: np.ndarray, prediction: np.ndarray, par_names) -> dict:
+  """Overall and per-parameter figures of (N, P) truth U and prediction Z (float64 arithmetic).
+
+  Residual is Z - U (prediction minus truth). Returns a plain dict ready for YAML.
+  """
+  u, z = np.asarray(truth, np.float64), np.asarray(prediction, np.float64)
+  if u.shape != z.shape or u.ndim != 2 or len(u) < 2:
+    raise ValueError("truth %s and prediction %s must be equal (N>=2, P) arrays" % (u.shape, z.shape))
+  if len(par_names) != u.shape[1]:
+    raise ValueError("%d parameter names for %d parameters" % (len(par_names), u.shape[1]))
+  residual = z - u
+  parameters = []
+  for i, name in enumerate(par_names):
+    r = pearson_r(u[:, i], z[:, i])
+    parameters.append({
+        "index": i, "name": str(name),
+        "mse": float(np.mean(residual[:, i] ** 2)),
+        "residual_mean": float(residual[:, i].mean()),
+        "residual_std": float(residual[:, i].std()),
+        "pearson_r": r,
+        "truth_std": float(u[:, i].std()),
+        "prediction_std": float(z[:, i].std()),
+        "verdict": verdict(r),
+    })
+  counts = {name: sum(p["verdict"] == name for p in parameters) for name in (LEARNED, WEAK, NOT_LEARNED)}
+  return {
+      "num_samples": int(len(u)),
+      "mse": float(np.mean(residual ** 2)),
+      "mean_predictor_mse": float(np.mean(u.var(axis=0))),  # MSE of always predicting the truth mean
+      "verdict_rule": {"statistic": "pearson_r", "learned_min_r": LEARNED_MIN_R, "weak_min_r": WEAK_MIN_R,
+                       "rule": "learned if r >= %g; weak if %g <= r < %g; else not learned"
+                               % (LEARNED_MIN_R, WEAK_MIN_R, LEARNED_MIN_R)},
+      "verdict_counts": counts,
+      "parameters": parameters,
+  }
+
+
+# --- Loading a run -----------------------------------------------------------------------------------
+
+def find_checkpoint(logdir: str) -> str:
+  """The checkpoint to evaluate: the best validation one, else the last one."""
+  for which in ("best", "last"):
+    path = tf.train.latest_checkpoint(os.path.join(logdir, "checkpoints", which))
+    if path:
+      return path
+  raise UserError("%s has no checkpoint (looked in checkpoints/best and checkpoints/last): has the run "
+                  "finished an epoch?" % logdir)
+
+
+def checkpoint_state(path: str) -> dict:
+  """The run state (epoch, best validation loss, ...) stored beside the weights; {} if unreadable."""
+  try:
+    raw = tf.train.load_checkpoint(path).get_tensor("run_state/.ATTRIBUTES/VARIABLE_VALUE")
+    return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+  except (tf.errors.OpError, ValueError):
+    return {}
+
+
+def build_model(config: RunConfig, input_shape, num_outputs, strategy=None) -> tf.keras.Model:
+  """The run's network, built in `strategy`'s scope (default: the current one), uncompiled."""
+  module = model_registry.get_model_module(config.model)
+  with (strategy or tf.distribute.get_strategy()).scope():
+    return module.build(config, tuple(input_shape), num_outputs)
+
+
+def _checkpoint_model_shapes(path: str) -> list:
+  """Shapes of the model variables stored in checkpoint `path` (optimizer slots left out)."""
+  return sorted(tuple(shape) for name, shape in tf.train.list_variables(path)
+                if name.startswith("model/") and name.endswith("/.ATTRIBUTES/VARIABLE_VALUE")
+                and ".OPTIMIZER_SLOT" not in name)
+
+
+def restore_weights(net: tf.keras.Model, path: str, input_shape, num_outputs) -> None:
+  """Loads the model weights of checkpoint `path`; a model/data mismatch is a UserError naming both."""
+  expected = sorted(tuple(weight.shape.as_list()) for weight in net.weights)
+  if _checkpoint_model_shapes(path) != expected:
+    raise UserError("checkpoint %s does not fit a %s model for data of shape %s -> %d parameters: the "
+                    "weight shapes differ (is --data_path the kind of file the run was trained on?)"
+                    % (path, net.name, tuple(input_shape), num_outputs))
+  try:
+    # expect_partial: the optimizer slots and the run state are not needed for inference.
+    tf.train.Checkpoint(model=net).restore(path).expect_partial()
+  except (ValueError, tf.errors.OpError) as error:
+    raise UserError("checkpoint %s does not fit a model for data of shape %s -> %d parameters: %s"
+                    % (path, tuple(input_shape), num_outputs, " ".join(str(error).split())[:300])) from None
+
+
+# --- Predicting --------------------------------------------------------------------------------------
+
+def collect_predictions(net: tf.keras.Model, dataset: tf.data.Dataset, steps: int = None):
+  """(U, Z): truth and prediction of every sample of `dataset`, in the order the model consumed them.
+
+  The dataset yields (x, y) elements laid out for the backend (a global batch that tf.distribute splits
+  in order, or one element per IPU replica in turn); Keras' predict returns its outputs in the same
+  element order, so the truth is read from the same elements. Evaluation splits are not shuffled, so
+  the second pass over the dataset repeats the first.
+  """
+  truth = np.concatenate([y.numpy() for _, y in dataset], axis=0)
+  prediction = net.predict(dataset.map(lambda x, y: x), steps=steps, verbose=0)
+  prediction = np.asarray(prediction, np.float32)
+  if prediction.shape != truth.shape:
+    raise RuntimeError("predict returned %s for truth %s" % (prediction.shape, truth.shape))
+  return truth.astype(np.float32), prediction
+
+
+def _eval_split(config: RunConfig, backend: Backend, split: str, max_samples: int):
+  """(cellSpike file info, Split) of `split`, unshuffled, in the backend's evaluation layout."""
+  info = cellspike.open_configured(config)
+  key = SPLIT_KEYS[split]
+  batch = config.batch_size
+  replicas = max(1, backend.replicas)
+  if max_samples:
+    batch = max(1, min(batch, max_samples // replicas))
+  layout = eval_layout(backend.layout(batch))
+  max_steps = max(1, max_samples // layout.step_rows) if max_samples else 0
+  data_split = cellspike.make_split(info, key, config, layout, 0, False, max_steps)
+  return info, data_split
+
+
+@dataclasses.dataclass
+class Evaluation:
+  """What an evaluation produced: figures (as in sum_pred.yaml), U, Z and the files written."""
+  results: dict
+  truth: np.ndarray
+  prediction: np.ndarray
+  files: list
+
+
+def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_samples: int = 0,
+                 outdir: str = None, plots: bool = True, export_dir: str = None) -> Evaluation:
+  """Evaluates the run in `config.logdir` on `split`; writes sum_pred.yaml and the PNGs into `outdir`.
+
+  Args:
+    config: the run's configuration (see `load_run_config`), possibly with another data_path/backend.
+    backend: where to run; its strategy scope holds the model and its batch layout shapes the data.
+    split: "test", "validation" or "train" of the cellSpike file.
+    max_samples: evaluate at most about this many samples (0: the whole split, in whole batches).
+    outdir: output folder (default <logdir>/predict).
+    plots: also write the PNG figures.
+    export_dir: also export the model as a self-contained SavedModel there.
+  Returns:
+    An Evaluation.
+  Raises:
+    UserError: no checkpoint, unreadable data, data that do not fit the trained model.
+  """
+  if model_registry.get_model_info(config.model).task != "regression":
+    raise UserError("prediction reports are for regression models (neuron_inverter), not %s"
+                    % config.model)
+  if split not in SPLIT_KEYS:
+    raise UserError("unknown split %r; valid splits: test, validation, train" % split)
+  outdir = outdir or os.path.join(config.logdir, PREDICT_DIR)
+  checkpoint = find_checkpoint(config.logdir)
+  state = checkpoint_state(checkpoint)
+  info, data_split = _eval_split(config, backend, split, max_samples)
+  net = build_model(config, info.input_shape, info.num_params, backend.strategy)
+  restore_weights(net, checkpoint, info.input_shape, info.num_params)
+  with backend.strategy.scope():
+    net.compile(loss=model_registry.get_model_module(config.model).loss(),
+                **backend.compile_kwargs(data_split.steps))
+  logging.info("Evaluating %s (epoch %s) on the %s split of %s: %d samples", checkpoint,
+               state.get("epoch", "?"), split, info.path, data_split.samples)
+  started = time.perf_counter()
+  x, steps = backend.fit_input(data_split)
+  truth, prediction = collect_predictions(net, x, steps)
+  seconds = time.perf_counter() - started
+
+  results = {
+      "model": config.model,
+      "design": config.design,
+      "logdir": os.path.abspath(config.logdir),
+      "checkpoint": checkpoint,
+      "checkpoint_epoch": state.get("epoch"),
+      "data_path": info.path,
+      "split": split,
+      "backend": backend.kind,
+      "replicas": backend.replicas,
+      "precision": getattr(backend, "precision", None) or config.precision,  # resolved when "auto"
+      "input_shape": list(info.input_shape),
+      "predict_seconds": seconds,
+  }
+  results.update(compute_metrics(truth, prediction, info.par_names))
+  summary = read_summary(config.logdir)
+  results["train"] = {key: summary.get(key) for key in
+                      ("epochs", "train_loss", "val_loss", "test_loss", "best_val_loss", "wall_seconds",
+                       "replicas", "backend")} if summary else None
+  os.makedirs(outdir, exist_ok=True)
+  files = [write_yaml(os.path.join(outdir, SUM_PRED), results)]
+  # U and Z themselves, for further analysis (rows in the order the model read them).
+  np.savez(os.path.join(outdir, PREDICTIONS), truth=truth, prediction=prediction,
+           par_names=np.array([str(name) for name in info.par_names]))
+  files.append(os.path.join(outdir, PREDICTIONS))
+  if plots:
+    from training import plots as plots_lib  # pylint: disable=import-outside-toplevel
+    files += plots_lib.plot_prediction(truth, prediction, results, outdir, meta=info.meta)
+    history = plots_lib.load_history(config.logdir)
+    if history:
+      files.append(plots_lib.plot_training_curves(history, outdir, title=_run_title(results)))
+  if export_dir:
+    from training import export as export_lib  # pylint: disable=import-outside-toplevel
+    files.append(export_lib.export_saved_model(net, config, info.input_shape, info.num_params,
+                                               export_dir, par_names=info.par_names))
+  return Evaluation(results=results, truth=truth, prediction=prediction, files=files)
+
+
+def _run_title(results: dict) -> str:
+  return "%s/%s, run %s" % (results["model"], results["design"], os.path.basename(results["logdir"]))
+
+
+def read_summary(logdir: str) -> dict:
+  path = os.path.join(logdir, "summary.yaml")
+  if not os.path.isfile(path):
+    return {}
+  with open(path) as f:
+    content = yaml.safe_load(f)
+  return content if isinstance(content, dict) else {}
+
+
+def write_yaml(path: str, content: dict) -> str:
+  temporary = path + ".tmp"
+  with open(temporary, "w") as f:
+    yaml.safe_dump(summary_lib._plain(content), f, sort_keys=False)  # pylint: disable=protected-access
+  os.replace(temporary, path)
+  return path
+
+
+def format_table(results: dict) -> str:
+  """The short per-parameter table printed by the tools."""
+  lines = ["%-3s %-28s %9s %8s %9s %9s  %s" % ("#", "parameter", "MSE", "r", "res.mean", "res.std",
+                                                 "verdict")]
+  for p in results["parameters"]:
+    lines.append("%-3d %-28s %9.4f %8.3f %9.4f %9.4f  %s" % (
+        p["index"], p["name"][:28], p["mse"], p["pearson_r"], p["residual_mean"], p["residual_std"],
+        p["verdict"]))
+  counts = results["verdict_counts"]
+  lines.append("%s split, %d samples: MSE %.4f (mean predictor %.4f); %d learned, %d weak, %d not learned "
+               "(learned: r >= %g, weak: r >= %g)" % (
+                   results["split"], results["num_samples"], results["mse"], results["mean_predictor_mse"],
+                   counts[LEARNED], counts[WEAK], counts[NOT_LEARNED], LEARNED_MIN_R, WEAK_MIN_R))
+  return "\n".join(lines)
+
+
+def report(config: RunConfig, backend: Backend) -> None:
+  """`main.py --predict`: evaluates the just-trained run on its test split into <logdir>/predict.
+
+  Only the chief writes; other workers of a multi-worker run return at once. With several workers the
+  chief evaluates alone on its first device, so no collective operation waits for the others.
+  """
+  if not config.predict or config.compile_only or not backend.is_chief:
+    return
+  if backend.world_size > 1:
+    backend = Backend(backend.kind, tf.distribute.get_strategy(), tuple(backend.devices[:1]))
+  evaluation = evaluate_run(dataclasses.replace(config, **summary_lib.EVAL_OVERRIDES), backend)
+  print("\nPrediction (%s)\n%s" % (os.path.join(config.logdir, PREDICT_DIR),
+                                   format_table(evaluation.results)), flush=True)

@@ -1,0 +1,323 @@
+"""Figures of a Neuron-Inverter evaluation and of a run's training, for people without TensorBoard at hand.
+
+- `truth_vs_pred.png`: one panel per parameter (a 4 x 4 grid for 15), a 2-D histogram of prediction
+  against truth with the diagonal, the panel's MSE, Pearson r and residual mean/std, and the verdict in
+  its colour (frame and label); the spare panel holds the run's figures.
+- `residuals.png`: per-parameter histograms of the residual (prediction - truth) on one shared axis,
+  and a bar chart of r against the verdict thresholds.
+- `training_curves.png`: train/validation loss and learning rate per epoch, from the TensorBoard events
+  (complete across resumed and unfinished runs), else from summary.yaml's `history`.
+
+matplotlib's Agg backend is selected before pyplot is imported: the figures render the same on a
+headless machine, and nothing opens a window.
+"""
+
+import math
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=wrong-import-position
+import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
+import yaml  # noqa: E402  pylint: disable=wrong-import-position
+
+# Colour-blind-safe verdict colours (green / orange / red from ColorBrewer RdYlGn, darkened for text).
+VERDICT_COLORS = {"learned": "#1a9641", "weak": "#e66101", "not learned": "#c51b1b"}
+TRUTH_VS_PRED_PNG = "truth_vs_pred.png"
+RESIDUALS_PNG = "residuals.png"
+TRAINING_CURVES_PNG = "training_curves.png"
+_DPI = 110
+
+
+def _grid(num_panels: int):
+  """Rows x columns for `num_panels` plus one spare panel (4 x 4 for 15 parameters)."""
+  columns = max(1, int(math.ceil(math.sqrt(num_panels + 1))))
+  rows = int(math.ceil((num_panels + 1) / columns))
+  return rows, columns
+
+
+def _limits(truth: np.ndarray):
+  """Common axis range of truth and prediction: the truth's range plus a 10% margin."""
+  low, high = float(np.min(truth)), float(np.max(truth))
+  margin = 0.1 * max(high - low, 1e-6)
+  return low - margin, high + margin
+
+
+def _short(name: str, width: int = 30) -> str:
+  return name if len(name) <= width else name[:width - 1] + "…"
+
+
+def _color_frame(ax, color: str) -> None:
+  for spine in ax.spines.values():
+    spine.set_edgecolor(color)
+    spine.set_linewidth(2.2)
+
+
+def _run_lines(results: dict) -> list:
+  train = results.get("train") or {}
+  counts = results["verdict_counts"]
+  rule = results["verdict_rule"]
+  lines = [
+      "%s / %s" % (results["model"], results["design"]),
+      "run: %s" % _short(os.path.basename(results["logdir"].rstrip("/")), 34),
+      "data: %s" % _short(os.path.basename(results["data_path"]), 34),
+      "split: %s, %d samples" % (results["split"], results["num_samples"]),
+      "checkpoint epoch: %s" % results.get("checkpoint_epoch"),
+      "",
+      "MSE: %.4f" % results["mse"],
+      "mean-predictor MSE: %.4f" % results["mean_predictor_mse"],
+  ]
+  if train.get("val_loss") is not None:
+    lines.append("train val loss: %.4f" % train["val_loss"])
+  if train.get("epochs") is not None:
+    lines.append("trained: %s epochs, %s x %s" % (train["epochs"], train.get("replicas"),
+                                                   str(train.get("backend", "")).upper()))
+  lines += ["", "learned (r >= %g): %d" % (rule["learned_min_r"], counts["learned"]),
+            "weak (%g <= r < %g): %d" % (rule["weak_min_r"], rule["learned_min_r"], counts["weak"]),
+            "not learned (r < %g): %d" % (rule["weak_min_r"], counts["not learned"])]
+  return lines
+
+
+def _info_panel(ax, results: dict) -> None:
+  ax.axis("off")
+  lines = _run_lines(results)
+  ax.text(0.02, 0.98, "\n".join(lines[:-3]), transform=ax.transAxes, va="top", ha="left", fontsize=9.5,
+          family="monospace")
+  # The three verdict lines in their colours, at the bottom.
+  for i, (line, verdict) in enumerate(zip(lines[-3:], ("learned", "weak", "not learned"))):
+    ax.text(0.02, 0.2 - 0.09 * i, line, transform=ax.transAxes, va="top", ha="left", fontsize=9.5,
+            family="monospace", color=VERDICT_COLORS[verdict], fontweight="bold")
+
+
+def _density_colormap():
+  """Blues without its near-white end: a bin holding a single sample must still show."""
+  from matplotlib.colors import ListedColormap  # pylint: disable=import-outside-toplevel
+  return ListedColormap(plt.get_cmap("Blues")(np.linspace(0.3, 1.0, 256)))
+
+
+def plot_truth_vs_prediction(truth, prediction, results: dict, path: str, bins: int = 0) -> str:
+  """The 4 x 4 grid of 2-D histograms (prediction against truth) with each parameter's figures."""
+  parameters = results["parameters"]
+  bins = bins or int(np.clip(0.8 * math.sqrt(len(truth)), 10, 40))  # about 1 sample per bin on average
+  cmap = _density_colormap()
+  rows, columns = _grid(len(parameters))
+  fig, axes = plt.subplots(rows, columns, figsize=(4.0 * columns, 3.9 * rows), squeeze=False)
+  axes = axes.ravel()
+  for ax, p in zip(axes, parameters):
+    i = p["index"]
+    low, high = _limits(truth[:, i])
+    color = VERDICT_COLORS[p["verdict"]]
+    ax.hist2d(truth[:, i], prediction[:, i], bins=bins, range=[[low, high], [low, high]], cmap=cmap,
+              cmin=1)
+    ax.plot([low, high], [low, high], color="#d01c8b", linestyle="--", linewidth=1.2)
+    ax.set_xlim(low, high)
+    ax.set_ylim(low, high)
+    ax.set_aspect("equal")
+    ax.set_title("%d: %s" % (i, _short(p["name"])), fontsize=10)
+    ax.tick_params(labelsize=8)
+    ax.text(0.03, 0.97, "MSE   %.4f\nr     %.3f\nresid %+.3f ± %.3f" % (
+        p["mse"], p["pearson_r"], p["residual_mean"], p["residual_std"]),
+            transform=ax.transAxes, va="top", ha="left", fontsize=8.5, family="monospace",
+            bbox=dict(boxstyle="round,pad=0.25", facecolor="white", edgecolor="#bbbbbb", alpha=0.85))
+    ax.text(0.97, 0.03, p["verdict"].upper(), transform=ax.transAxes, va="bottom", ha="right",
+            fontsize=9, fontweight="bold", color="white",
+            bbox=dict(boxstyle="round,pad=0.3", facecolor=color, edgecolor=color))
+    _color_frame(ax, color)
+  for ax in axes[:len(parameters)]:
+    if ax.get_subplotspec().is_last_row() or ax is axes[len(parameters) - 1]:
+      ax.set_xlabel("truth (u*)", fontsize=9)
+    if ax.get_subplotspec().is_first_col():
+      ax.set_ylabel("prediction (u*)", fontsize=9)
+  _info_panel(axes[len(parameters)], results)
+  for ax in axes[len(parameters) + 1:]:
+    ax.axis("off")
+  fig.suptitle("Truth vs prediction per parameter: %s split, %d samples, MSE %.4f\n(dashed: perfect "
+               "prediction; darker blue: more samples; resid = prediction - truth, mean ± std; frame colour: verdict)"
+               % (results["split"], results["num_samples"], results["mse"]), fontsize=13)
+  fig.tight_layout(rect=(0, 0, 1, 0.96))
+  fig.savefig(path, dpi=_DPI)
+  plt.close(fig)
+  return path
+
+
+def plot_residuals(truth, prediction, results: dict, path: str, bins: int = 50) -> str:
+  """Per-parameter residual histograms on a shared axis, and r per parameter against the thresholds."""
+  parameters = results["parameters"]
+  residual = np.asarray(prediction, np.float64) - np.asarray(truth, np.float64)
+  reach = float(np.percentile(np.abs(residual), 99.5)) or 1.0
+  edges = np.linspace(-reach, reach, bins + 1)
+  rows, columns = _grid(len(parameters))
+  fig, axes = plt.subplots(rows, columns, figsize=(4.0 * columns, 3.1 * rows), squeeze=False)
+  axes = axes.ravel()
+  for ax, p in zip(axes, parameters):
+    i = p["index"]
+    color = VERDICT_COLORS[p["verdict"]]
+    ax.hist(np.clip(residual[:, i], -reach, reach), bins=edges, color=color, alpha=0.75,
+            histtype="stepfilled")
+    ax.axvline(0.0, color="black", linewidth=1.0)
+    ax.axvline(p["residual_mean"], color="#d01c8b", linestyle="--", linewidth=1.2)
+    ax.set_xlim(-reach, reach)
+    ax.set_title("%d: %s" % (i, _short(p["name"])), fontsize=10)
+    ax.tick_params(labelsize=8)
+    ax.set_yticks([])
+    ax.text(0.03, 0.97, "mean %+.3f\nstd  %.3f\nr    %.3f" % (p["residual_mean"], p["residual_std"],
+                                                              p["pearson_r"]),
+            transform=ax.transAxes, va="top", ha="left", fontsize=8.5, family="monospace",
+            bbox=dict(boxstyle="round,pad=0.25", facecolor="white", edgecolor="#bbbbbb", alpha=0.85))
+    if ax.get_subplotspec().is_last_row() or ax is axes[len(parameters) - 1]:
+      ax.set_xlabel("prediction - truth (u*)", fontsize=9)
+  _correlation_bars(axes[len(parameters)], results)
+  for ax in axes[len(parameters) + 1:]:
+    ax.axis("off")
+  fig.suptitle("Residuals (prediction - truth) per parameter: %s split, %d samples\n(dashed: mean; "
+               "colour: verdict; shared axis, the outer 0.5%% piled at the edges)"
+               % (results["split"], results["num_samples"]), fontsize=13)
+  fig.tight_layout(rect=(0, 0, 1, 0.95))
+  fig.savefig(path, dpi=_DPI)
+  plt.close(fig)
+  return path
+
+
+def _correlation_bars(ax, results: dict) -> None:
+  parameters = results["parameters"]
+  rule = results["verdict_rule"]
+  positions = np.arange(len(parameters))
+  ax.barh(positions, [p["pearson_r"] for p in parameters],
+          color=[VERDICT_COLORS[p["verdict"]] for p in parameters])
+  for threshold in (rule["weak_min_r"], rule["learned_min_r"]):
+    ax.axvline(threshold, color="#555555", linestyle=":", linewidth=1.2)
+  ax.set_yticks(positions)
+  ax.set_yticklabels([str(p["index"]) for p in parameters], fontsize=7)
+  ax.invert_yaxis()
+  ax.set_xlim(min(0.0, min(p["pearson_r"] for p in parameters)), 1.0)
+  ax.set_xlabel("Pearson r (dotted: %g, %g)" % (rule["weak_min_r"], rule["learned_min_r"]), fontsize=9)
+  ax.set_ylabel("parameter", fontsize=9)
+  ax.tick_params(labelsize=8)
+  ax.set_title("correlation per parameter", fontsize=10)
+
+
+def plot_prediction(truth, prediction, results: dict, outdir: str, meta=None) -> list:
+  """Writes the truth-vs-prediction grid and the residual figure into `outdir`; returns their paths."""
+  del meta  # parameter names already come with the results (the file's parName)
+  return [plot_truth_vs_prediction(truth, prediction, results, os.path.join(outdir, TRUTH_VS_PRED_PNG)),
+          plot_residuals(truth, prediction, results, os.path.join(outdir, RESIDUALS_PNG))]
+
+
+# --- Training curves -----------------------------------------------------------------------------------
+
+def _series_by_epoch(pairs) -> dict:
+  """{epoch (1-based): value}; a step logged twice (a resumed run redoing an epoch) keeps the last."""
+  return {int(step) + 1: value for step, value in pairs}
+
+
+def _history_from_events(logdir: str) -> dict:
+  from training.events import read_scalars  # pylint: disable=import-outside-toplevel
+  train_dir, val_dir = os.path.join(logdir, "train"), os.path.join(logdir, "validation")
+  if not os.path.isdir(train_dir):
+    return {}
+  train = read_scalars(train_dir)
+  if "epoch_loss" not in train:
+    return {}
+  series = {"loss": _series_by_epoch(train["epoch_loss"])}
+  if "epoch_lr" in train:
+    series["lr"] = _series_by_epoch(train["epoch_lr"])
+  if os.path.isdir(val_dir):
+    validation = read_scalars(val_dir)
+    if "epoch_loss" in validation:
+      series["val_loss"] = _series_by_epoch(validation["epoch_loss"])
+  epochs = sorted(series["loss"])
+  return {"source": "TensorBoard events", "epoch": epochs,
+          **{key: [values.get(e, float("nan")) for e in epochs] for key, values in series.items()}}
+
+
+def _history_from_summary(logdir: str) -> dict:
+  path = os.path.join(logdir, "summary.yaml")
+  if not os.path.isfile(path):
+    return {}
+  with open(path) as f:
+    summary = yaml.safe_load(f) or {}
+  history = summary.get("history") or {}
+  if not history.get("loss"):
+    return {}
+  first = int(summary.get("first_epoch") or 1)
+  epochs = list(range(first, first + len(history["loss"])))
+  return dict({key: history[key] for key in ("loss", "val_loss", "lr") if key in history},
+              epoch=epochs, source="summary.yaml")
+
+
+def load_history(logdir: str) -> dict:
+  """Per-epoch loss, val_loss and lr of a run, finished or not; {} if nothing was logged yet.
+
+  The TensorBoard events hold every epoch, across `--resume`s and before the run ends; summary.yaml's
+  history (written at the end, covering the last invocation only) is the fallback. Extra keys:
+  `epoch` (1-based), `source`, and `mean_predictor_val_loss` / `best_val_epoch` when summary.yaml has them.
+  """
+  try:
+    history = _history_from_events(logdir)
+  except Exception:  # pylint: disable=broad-except  (unreadable/partial events: fall back)
+    history = {}
+  history = history or _history_from_summary(logdir)
+  path = os.path.join(logdir, "summary.yaml")
+  if history and os.path.isfile(path):
+    with open(path) as f:
+      summary = yaml.safe_load(f) or {}
+    for key in ("mean_predictor_val_loss", "best_val_epoch"):
+      if summary.get(key) is not None:
+        history[key] = summary[key]
+  return history
+
+
+def _plain_log_labels(ax) -> None:
+  """Log-scale ticks labelled 0.2, 0.3, ... instead of 2 x 10^-1 (the losses span a decade or so)."""
+  formatter = matplotlib.ticker.FormatStrFormatter("%.3g")
+  ax.yaxis.set_major_formatter(formatter)
+  ax.yaxis.set_minor_formatter(formatter)
+  ax.tick_params(axis="y", which="both", labelsize=10)
+
+
+def plot_training_curves(history: dict, outdir: str, title: str = "") -> str:
+  """Loss (train, validation; log scale) and learning rate per epoch, one above the other."""
+  epochs = history["epoch"]
+  fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True,
+                                       gridspec_kw={"height_ratios": [2.2, 1]})
+  marker = "o" if len(epochs) <= 40 else None
+  ax_loss.plot(epochs, history["loss"], marker=marker, markersize=4, color="#2c7bb6", label="train loss")
+  if history.get("val_loss"):
+    ax_loss.plot(epochs, history["val_loss"], marker=marker, markersize=4, color="#d7191c",
+                 label="validation loss")
+  if history.get("mean_predictor_val_loss"):
+    ax_loss.axhline(history["mean_predictor_val_loss"], color="#777777", linestyle="--", linewidth=1.2,
+                    label="mean predictor (val) %.3f" % history["mean_predictor_val_loss"])
+  best = history.get("best_val_epoch")
+  if best in epochs and history.get("val_loss"):
+    value = history["val_loss"][epochs.index(best)]
+    ax_loss.plot([best], [value], marker="*", markersize=15, color="#d7191c", linestyle="none",
+                 label="best val %.4f (epoch %d)" % (value, best))
+  values = [v for key in ("loss", "val_loss") for v in history.get(key) or [] if v and np.isfinite(v)]
+  if values and min(values) > 0 and max(values) / min(values) > 3:
+    ax_loss.set_yscale("log")
+    _plain_log_labels(ax_loss)
+  ax_loss.set_ylabel("MSE loss", fontsize=11)
+  ax_loss.grid(True, which="both", alpha=0.3)
+  ax_loss.legend(fontsize=9)
+  ax_loss.set_title("Training curves: %s (%d epochs, from %s)" % (title, len(epochs), history["source"]),
+                    fontsize=11)
+  if history.get("lr"):
+    ax_lr.plot(epochs, history["lr"], marker=marker, markersize=4, color="#1a9641")
+    lrs = [v for v in history["lr"] if v and np.isfinite(v) and v > 0]
+    if lrs and max(lrs) / min(lrs) > 3:
+      ax_lr.set_yscale("log")
+    else:
+      ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+  else:
+    ax_lr.text(0.5, 0.5, "no learning rate logged", transform=ax_lr.transAxes, ha="center")
+  ax_lr.set_ylabel("learning rate", fontsize=11)
+  ax_lr.set_xlabel("epoch", fontsize=11)
+  ax_lr.grid(True, which="both", alpha=0.3)
+  ax_lr.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+  fig.tight_layout()
+  path = os.path.join(outdir, TRAINING_CURVES_PNG)
+  fig.savefig(path, dpi=_DPI)
+  plt.close(fig)
+  return path
