@@ -43,7 +43,7 @@ flags.DEFINE_integer("rounds", 3, "Training rounds (ours and the reference alter
 flags.DEFINE_string("reference_python", os.path.join(REPO_ROOT, ".venv-torch", "bin", "python"),
                     "Python with PyTorch for tools/reference_torch.py (make bench-reference builds it); "
                     "the reference is skipped if it does not exist.")
-flags.DEFINE_list("skip", [], "Parts to skip: train, reference, inference, input, compile.")
+flags.DEFINE_list("skip", [], "Parts to skip: train, reference, inference, input, compile, peak.")
 flags.DEFINE_string("json", None, "Write all results to this JSON file.")
 flags.DEFINE_string("child", None, "Internal: run one measurement (kind:design) and print JSON.")
 FLAGS = flags.FLAGS
@@ -54,13 +54,15 @@ def _peak_rss_mb() -> float:
 
 
 def _prepare():
+  """The measurement's run config, after TensorFlow's start-up environment is set (in every process)."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
   from run_config import RunConfig  # pylint: disable=import-outside-toplevel
   from strategies import environment  # pylint: disable=import-outside-toplevel
   config = RunConfig(model="neuron_inverter", backend="cpu", batch_size=FLAGS.batch_size,
-                     precision=FLAGS.precisions[0], jit_compile=FLAGS.jit_compile,
-                     data_path=_data_path(), in_memory=True, cache_dir="")
+                     precision=FLAGS.precisions[0], jit_compile=FLAGS.jit_compile, in_memory=True,
+                     cache_dir="")
   environment.prepare(config)
-  return config
+  return dataclasses.replace(config, data_path=_data_path())
 
 
 def flops_per_sample(net) -> int:
@@ -118,6 +120,27 @@ def child_train(config, design) -> dict:
   return result
 
 
+def child_matmul_peak(config, design) -> dict:
+  """GFLOP/s of a large square matmul per dtype: the practical ceiling to read model throughput against."""
+  del config, design
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  size, repeats, results = 2048, 20, {}
+  for dtype in ("float32", "bfloat16"):
+    a = tf.random.uniform((size, size), dtype=tf.float32)
+    a = tf.cast(a, dtype)
+    product = tf.function(lambda m: tf.matmul(m, m))
+    product(a).numpy()  # warm-up
+    rates = []
+    for _ in range(3):
+      start = time.perf_counter()
+      for _ in range(repeats):
+        result = product(a)
+      result.numpy()
+      rates.append(2 * size ** 3 * repeats / (time.perf_counter() - start) / 1e9)
+    results[dtype] = max(rates)
+  return {"gflops": results, "matmul_size": size}
+
+
 def child_inference(config, design) -> dict:
   net, dataset = _model_and_batches(config, design)
   frames = dataset.map(lambda x, y: x)
@@ -131,7 +154,7 @@ def child_input(config, design) -> dict:
   from tools import benchmark_input  # pylint: disable=import-outside-toplevel
   results = {mode: benchmark_input.time_pipeline(dataclasses.replace(config, in_memory=in_memory), 1)
              for mode, in_memory in (("streaming", False), ("in_memory", True))}
-  results["raw_h5py"] = benchmark_input.time_raw_read(_data_path(), results["streaming"]["samples"])
+  results["raw_h5py"] = benchmark_input.time_raw_read(config.data_path, results["streaming"]["samples"])
   return results
 
 
@@ -165,12 +188,12 @@ def _compile_times(design: str, precision: str) -> dict:
   return times
 
 
-def _run_reference(design: str, precision: str):
+def _run_reference(design: str, precision: str, data_path: str):
   """One reference PyTorch training measurement, or None where there is no comparable one."""
   if "reference" in FLAGS.skip or precision not in ("32.32", "16.32"):
     return None
   args = [FLAGS.reference_python, os.path.join(REPO_ROOT, "tools", "reference_torch.py"),
-          "--data_path=" + _data_path(), "--design=" + design, "--batch_size=%d" % FLAGS.batch_size,
+          "--data_path=" + data_path, "--design=" + design, "--batch_size=%d" % FLAGS.batch_size,
           "--windows=%d" % FLAGS.windows, "--window_steps=%d" % FLAGS.window_steps]
   if precision == "16.32":
     args.append("--bf16")
@@ -195,12 +218,12 @@ def _median_run(runs: list) -> dict:
   return ranked[(len(ranked) - 1) // 2]
 
 
-def _training_rounds(design: str, rows: dict) -> None:
+def _training_rounds(design: str, rows: dict, data_path: str) -> None:
   """--rounds rounds of [reference, ours] per precision; fills each row's train, reference, speed-ups."""
   for _ in range(FLAGS.rounds):
     for precision in FLAGS.precisions:
       row = rows[precision]
-      reference = _run_reference(design, precision)
+      reference = _run_reference(design, precision, data_path)
       ours = _run_child("train", design, precision)
       row.setdefault("train_rounds", []).append(ours)
       if reference:
@@ -220,10 +243,11 @@ def _training_rounds(design: str, rows: dict) -> None:
 
 def main(argv):
   del argv
+  config = _prepare()  # the parent too: it may generate the built-in dataset
   if FLAGS.child:
     kind, design = FLAGS.child.split(":")
-    config = _prepare()
-    result = {"train": child_train, "inference": child_inference, "input": child_input}[kind](config, design)
+    result = {"train": child_train, "inference": child_inference, "input": child_input,
+              "peak": child_matmul_peak}[kind](config, design)
     result["peak_rss_mb"] = _peak_rss_mb()
     print(json.dumps(result))
     return
@@ -236,7 +260,7 @@ def main(argv):
   for design in FLAGS.designs:
     rows = {p: results["precisions"][p][design] for p in FLAGS.precisions}
     if "train" not in FLAGS.skip:
-      _training_rounds(design, rows)
+      _training_rounds(design, rows, config.data_path)
     for precision, row in rows.items():
       if "inference" not in FLAGS.skip:
         row["inference"] = _run_child("inference", design, precision)
@@ -244,6 +268,8 @@ def main(argv):
         row["compile_seconds"] = _compile_times(design, precision)
   if "input" not in FLAGS.skip:
     results["input"] = _run_child("input", FLAGS.designs[0], FLAGS.precisions[0])
+  if "peak" not in FLAGS.skip:
+    results["matmul_peak"] = _run_child("peak", FLAGS.designs[0], FLAGS.precisions[0])
   _print_table(results)
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
@@ -277,6 +303,10 @@ def _print_table(results) -> None:
       print("input %-10s %9.0f samples/s %6.2f GB/s%s" % (mode, entry["samples_per_sec"], entry["gb_per_sec"],
                                                          ratio))
     print("input peak RSS %.0f MB" % results["input"]["peak_rss_mb"])
+  if "matmul_peak" in results:
+    print("matmul %dx%d: %s" % (results["matmul_peak"]["matmul_size"], results["matmul_peak"]["matmul_size"],
+                                 ", ".join("%s %.0f GFLOP/s" % item
+                                           for item in results["matmul_peak"]["gflops"].items())))
 
 
 def _fmt(value, pattern: str) -> str:
