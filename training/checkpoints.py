@@ -1,15 +1,34 @@
 """Checkpoints of a run (`<logdir>/checkpoints/{last,best}`) and `--resume`.
 
-TensorFlow's CheckpointManager writes each checkpoint's files and only then atomically rewrites its
-`checkpoint` index, keeping the previous checkpoint on disk: a job killed mid-save resumes from the
-last complete one. The run's own state (epoch, learning-rate schedule, best validation loss, which
-model wrote it) is a JSON string variable inside the same checkpoint, so it can never disagree with the
-weights and optimizer state saved beside it.
+Each folder holds TensorFlow checkpoints (`<name>.index` + `<name>.data-*`, readable by
+`tf.train.latest_checkpoint` / `tf.train.load_checkpoint`) and a `checkpoint` index file naming the
+newest one. A save never touches a checkpoint that the index names, so a job killed at any instant
+(SIGKILL, node failure, full disk) keeps the previous checkpoint intact:
+
+1. the checkpoint is written under a fresh name into a private staging folder (`.saving-*`);
+2. its files are fsynced, renamed into the folder (data files first, `.index` last) and the folder is
+   fsynced;
+3. the index is rewritten atomically (temporary file, fsync, rename, fsync of the folder);
+4. only then are checkpoints beyond `max_to_keep` (and leftovers of killed saves) deleted.
+
+TensorFlow's CheckpointManager (used before) renames its index atomically but fsyncs nothing, and
+re-saving an existing checkpoint number overwrites the files of the checkpoint the index points to,
+which happens when a resumed run saves an epoch again. A failed save (disk full, folder made
+unwritable) raises `CheckpointSaveError`: a one-line UserError naming the folder, the cause and the
+checkpoint that is still intact.
+
+The run's own state (epoch, step within the epoch for interrupted runs, learning-rate schedule, best
+validation loss, per-epoch history, which model wrote it) is a JSON string variable inside the same
+checkpoint, so it can never disagree with the weights and optimizer state saved beside it.
 """
 
+import errno
 import json
 import math
 import os
+import re
+import shutil
+import tempfile
 
 import tensorflow as tf
 from absl import logging
@@ -17,6 +36,89 @@ from absl import logging
 from errors import UserError
 
 LAST, BEST = "last", "best"
+KEEP = {LAST: 2, BEST: 1}
+INDEX_FILE = "checkpoint"
+STAGING_PREFIX = ".saving-"
+STATE_KEY = "run_state/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+class CheckpointSaveError(UserError):
+  """A checkpoint could not be written; the previous one is intact."""
+
+
+def checkpoint_name(epoch: int, step: int = 0) -> str:
+  """`ckpt-<epochs done>`, or `ckpt-<epochs done>-step<k>` for a run interrupted k steps into the next."""
+  return "ckpt-%d" % epoch if not step else "ckpt-%d-step%d" % (epoch, step)
+
+
+def _is_local(path: str) -> bool:
+  return "://" not in path
+
+
+def _fsync(path: str) -> None:
+  """fsync a file or (on POSIX) a folder, so a rename that follows survives a crash of the node."""
+  if not _is_local(path):
+    return
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except IsADirectoryError:  # pragma: no cover - folders cannot be opened on some platforms
+    return
+  try:
+    os.fsync(fd)
+  except OSError as error:
+    if error.errno not in (errno.EINVAL, errno.EBADF):  # folders that cannot be fsynced
+      raise
+  finally:
+    os.close(fd)
+
+
+def read_index(folder: str) -> list:
+  """Names of the checkpoints the index of `folder` lists, oldest first (newest = the current one)."""
+  path = os.path.join(folder, INDEX_FILE)
+  if not tf.io.gfile.exists(path):
+    return []
+  with tf.io.gfile.GFile(path, "r") as f:
+    text = f.read()
+  current = re.findall(r'^model_checkpoint_path:\s*"(.*)"\s*$', text, re.M)
+  names = re.findall(r'^all_model_checkpoint_paths:\s*"(.*)"\s*$', text, re.M)
+  names = [os.path.basename(n) for n in names]
+  if current:
+    current = os.path.basename(current[-1])
+    names = [n for n in names if n != current] + [current]
+  return names
+
+
+def _write_index(folder: str, names: list) -> None:
+  """Rewrites the index atomically (tf.train.CheckpointState text format, paths relative to folder)."""
+  lines = ['model_checkpoint_path: "%s"' % names[-1]]
+  lines += ['all_model_checkpoint_paths: "%s"' % name for name in names]
+  path = os.path.join(folder, INDEX_FILE)
+  temporary = path + ".tmp%d" % os.getpid()
+  with tf.io.gfile.GFile(temporary, "w") as f:
+    f.write("\n".join(lines) + "\n")
+  _fsync(temporary)
+  tf.io.gfile.rename(temporary, path, overwrite=True)
+  _fsync(folder)
+
+
+def _files_of(folder: str, name: str) -> list:
+  return [f for f in tf.io.gfile.listdir(folder) if f == name + ".index" or f.startswith(name + ".data-")]
+
+
+_CAUSES = tuple(os.strerror(code) for code in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM,
+                                                 errno.EROFS, errno.EIO, errno.ENOENT))
+
+
+def _reason(error: Exception) -> str:
+  """A short cause: the OS error's text (TensorFlow's messages bury it after the op's name)."""
+  if isinstance(error, OSError) and error.strerror:
+    return error.strerror
+  text = str(getattr(error, "message", "") or error)
+  for cause in _CAUSES:
+    if cause in text:
+      return cause
+  text = re.sub(r"\{\{[^}]*\}\}", "", text).strip().splitlines()
+  return text[0][:200] if text else type(error).__name__
 
 
 class RunCheckpoints:
@@ -29,14 +131,55 @@ class RunCheckpoints:
     self.identity = identity                      # e.g. {"model": ..., "design": ...}
     self._state = tf.Variable("{}", dtype=tf.string, trainable=False, name="run_state")
     self._checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, run_state=self._state)
-    self._managers = {name: tf.train.CheckpointManager(self._checkpoint, os.path.join(self.directory, name),
-                                                       max_to_keep=2 if name == LAST else 1)
-                      for name in (LAST, BEST)}
 
-  def save(self, which: str, state: dict) -> str:
-    self._state.assign(json.dumps(dict(state, **self.identity)))
-    path = self._managers[which].save(checkpoint_number=state["epoch"])
-    return path
+  def folder(self, which: str) -> str:
+    return os.path.join(self.directory, which)
+
+  def latest(self, which: str = LAST, restoring: bool = False):
+    """Path (prefix) of the newest checkpoint in `which` (of the run resumed from), or None."""
+    folder = os.path.join(self.restore_directory, which) if restoring else self.folder(which)
+    names = read_index(folder)
+    return os.path.join(folder, names[-1]) if names else None
+
+  def save(self, which: str, state: dict, name: str = None) -> str:
+    """Writes a checkpoint atomically (see the module docstring); returns its path (prefix).
+
+    Raises CheckpointSaveError if it cannot be written; the previous checkpoint is then untouched.
+    """
+    folder = self.folder(which)
+    name = name or checkpoint_name(state["epoch"], state.get("step", 0))
+    staging = None
+    try:
+      tf.io.gfile.makedirs(folder)
+      listed = read_index(folder)
+      name = _fresh_name(name, listed)
+      self._state.assign(json.dumps(dict(state, **self.identity)))
+      staging = tempfile.mkdtemp(prefix=STAGING_PREFIX + name + ".", dir=folder) if _is_local(folder) \
+          else os.path.join(folder, STAGING_PREFIX + name + ".%d" % os.getpid())
+      self._checkpoint.write(os.path.join(staging, name))
+      files = sorted(_files_of(staging, name), key=lambda f: f.endswith(".index"))  # .index last
+      if not files or not files[-1].endswith(".index"):
+        raise OSError(errno.EIO, "TensorFlow wrote no checkpoint files")
+      for file_name in files:
+        _fsync(os.path.join(staging, file_name))
+      for file_name in files:
+        tf.io.gfile.rename(os.path.join(staging, file_name), os.path.join(folder, file_name),
+                           overwrite=True)
+      _fsync(folder)
+      tf.io.gfile.rmtree(staging)
+      staging = None
+      kept = (listed + [name])[-KEEP[which]:]
+      _write_index(folder, kept)
+    except (OSError, tf.errors.OpError) as error:
+      if staging is not None:
+        shutil.rmtree(staging, ignore_errors=True)
+      previous = self.latest(which) if os.path.isdir(folder) else None
+      raise CheckpointSaveError(
+          "could not save checkpoint %s (%s); the previous checkpoint %s is intact; free space or fix the "
+          "folder, then continue with --resume" % (os.path.join(folder, name), _reason(error),
+                                                    previous or "(none)")) from None
+    _sweep(folder, kept)
+    return os.path.join(folder, name)
 
   def restore_last(self) -> dict:
     """Restores the last checkpoint; returns its run state. A UserError if there is none or it mismatches."""
@@ -47,29 +190,84 @@ class RunCheckpoints:
     return self._restore(BEST)
 
   def _restore(self, which: str) -> dict:
-    folder = os.path.join(self.restore_directory, which)
-    path = tf.train.latest_checkpoint(folder)
-    if path is None:
-      raise UserError("--resume: no checkpoint in %s" % folder)
+    path = latest_for_restore(os.path.join(self.restore_directory, which))
     try:
       self._checkpoint.restore(path).expect_partial()
       state = json.loads(self._state.numpy().decode())
-    except (tf.errors.OpError, ValueError) as error:
-      raise UserError("--resume: checkpoint %s is unreadable (%s)" % (path, str(error).splitlines()[0])) \
-          from None
+    except Exception as error:  # pylint: disable=broad-except  # any reader failure: a damaged file
+      raise UserError("--resume: checkpoint %s is unreadable (%s)" % (path, _first_line(error))) from None
     check_identity(path, state, self.identity)
-    logging.info("Restored %s (epoch %d)", path, state["epoch"])
+    logging.info("Restored %s (epoch %d%s)", path, state["epoch"],
+                 ", step %d of the next" % state["step"] if state.get("step") else "")
     return state
 
 
+def _fresh_name(name: str, listed: list) -> str:
+  """`name`, or `name-<n>` if the index lists `name` (its files must not be overwritten in place)."""
+  candidate, n = name, 0
+  while candidate in listed:
+    n += 1
+    candidate = "%s-%d" % (name, n)
+  return candidate
+
+
+def _sweep(folder: str, kept: list) -> None:
+  """Deletes checkpoints the index no longer lists and leftovers of killed saves (best effort)."""
+  try:
+    entries = tf.io.gfile.listdir(folder)
+  except tf.errors.OpError:
+    return
+  for entry in entries:
+    entry = entry.rstrip("/")
+    path = os.path.join(folder, entry)
+    stem = re.sub(r"\.(index|data-\d+-of-\d+)$", "", entry)
+    stale_checkpoint = entry.startswith("ckpt-") and stem != entry and stem not in kept
+    stale_staging = entry.startswith(STAGING_PREFIX) or entry.startswith(INDEX_FILE + ".tmp")
+    if not (stale_checkpoint or stale_staging):
+      continue
+    try:
+      if tf.io.gfile.isdir(path):
+        tf.io.gfile.rmtree(path)
+      else:
+        tf.io.gfile.remove(path)
+    except tf.errors.OpError as error:
+      logging.warning("Could not delete the old checkpoint file %s (%s)", path, _reason(error))
+
+
 class CheckpointCallback(tf.keras.callbacks.Callback):
-  """Saves `last` every epoch and `best` when the validation loss improves."""
+  """Saves `best` when the validation loss improves, then `last`, every epoch.
+
+  `best` goes first: a job killed between the two saves resumes from the previous `last`, whose
+  state still names the older best, and `--resume` reconciles the two (see `restore_into`).
+  """
 
   def __init__(self, checkpoints: RunCheckpoints, schedule, best_val_loss=math.inf, best_epoch=None):
     super().__init__()
     self.checkpoints, self.schedule = checkpoints, schedule
     self.best_val_loss, self.best_epoch = best_val_loss, best_epoch
+    self.epoch_logs = []     # one dict per epoch of the run (across resumes), saved with the state
     self.last_saved = None   # path of the newest good checkpoint written by this run
+
+  def restore_into(self, state: dict) -> None:
+    """Takes over the best validation loss and the per-epoch logs of a resumed run."""
+    self.best_val_loss = float(state.get("best_val_loss", math.inf))
+    self.best_epoch = state.get("best_epoch")
+    self.epoch_logs = [dict(entry) for entry in state.get("epoch_logs", [])]
+    best = self.checkpoints.latest(BEST, restoring=True)
+    if best is None:
+      return
+    try:  # `best` saved by a job that was killed before it saved `last`: a better model than `last` knows
+      best_state = peek_state(best)
+    except UserError as error:
+      logging.warning("Ignoring the best-validation checkpoint: %s", error)
+      return
+    if float(best_state.get("best_val_loss", math.inf)) < self.best_val_loss:
+      self.best_val_loss, self.best_epoch = float(best_state["best_val_loss"]), best_state["best_epoch"]
+
+  def _state(self, epoch: int, **extra) -> dict:
+    return dict({"epoch": epoch, "schedule": self.schedule.plateau.to_dict(),
+                 "best_val_loss": self.best_val_loss, "best_epoch": self.best_epoch,
+                 "epoch_logs": self.epoch_logs}, **extra)
 
   def on_epoch_end(self, epoch, logs=None):
     logs = logs or {}
@@ -80,11 +278,23 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
     improved = val_loss is not None and val_loss < self.best_val_loss
     if improved:
       self.best_val_loss, self.best_epoch = float(val_loss), epoch + 1
-    state = {"epoch": epoch + 1, "schedule": self.schedule.plateau.to_dict(),
-             "best_val_loss": self.best_val_loss, "best_epoch": self.best_epoch}
-    self.last_saved = self.checkpoints.save(LAST, state)
+    entry = {"epoch": epoch + 1}
+    for key, value in logs.items():
+      try:
+        entry[key] = float(value)
+      except (TypeError, ValueError):
+        pass
+    self.epoch_logs.append(entry)
+    state = self._state(epoch + 1)
     if improved:
       self.checkpoints.save(BEST, state)
+    self.last_saved = self.checkpoints.save(LAST, state)
+
+  def save_interrupted(self, epoch: int, step: int, partial_logs: dict) -> str:
+    """Saves `last` after `step` steps of epoch `epoch` (0-based): `--resume` continues from that step."""
+    self.last_saved = self.checkpoints.save(
+        LAST, self._state(epoch, step=step, partial_logs=partial_logs))
+    return self.last_saved
 
 
 def check_identity(path: str, state: dict, identity: dict) -> None:
@@ -94,17 +304,44 @@ def check_identity(path: str, state: dict, identity: dict) -> None:
                       % (path, key, state.get(key), key, value))
 
 
+def _first_line(error: Exception) -> str:
+  lines = str(error).strip().splitlines()
+  return lines[0] if lines else type(error).__name__
+
+
+def latest_for_restore(folder: str) -> str:
+  """The checkpoint the index of `folder` names; a one-line UserError if there is none or it is gone."""
+  if not tf.io.gfile.exists(os.path.join(folder, INDEX_FILE)):
+    raise UserError("--resume: no checkpoint in %s" % folder)
+  try:
+    names = read_index(folder)
+  except Exception as error:  # pylint: disable=broad-except
+    raise UserError("--resume: the checkpoint index %s is unreadable (%s)"
+                    % (os.path.join(folder, INDEX_FILE), _first_line(error))) from None
+  if not names:
+    raise UserError("--resume: no checkpoint in %s (its index file %s is empty or damaged)"
+                    % (folder, INDEX_FILE))
+  path = os.path.join(folder, names[-1])
+  if not tf.io.gfile.exists(path + ".index"):
+    raise UserError("--resume: checkpoint %s is missing (no %s.index in %s)" % (path, names[-1], folder))
+  return path
+
+
+def peek_state(path: str) -> dict:
+  """The run state stored in checkpoint `path`, read without building the model."""
+  try:
+    raw = tf.train.load_checkpoint(path).get_tensor(STATE_KEY)
+    state = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+  except Exception as error:  # pylint: disable=broad-except  # any reader failure: a damaged file
+    raise UserError("--resume: checkpoint %s is unreadable (%s)" % (path, _first_line(error))) from None
+  if not isinstance(state, dict) or not isinstance(state.get("epoch"), int):
+    raise UserError("--resume: checkpoint %s is unreadable (its run state has no epoch)" % path)
+  return state
+
+
 def peek_last_state(logdir: str, identity: dict) -> dict:
   """The run state of the last checkpoint, read without building the model (to position the data)."""
-  directory = os.path.join(logdir, "checkpoints", LAST)
-  path = tf.train.latest_checkpoint(directory)
-  if path is None:
-    raise UserError("--resume: no checkpoint in %s" % directory)
-  try:
-    raw = tf.train.load_checkpoint(path).get_tensor("run_state/.ATTRIBUTES/VARIABLE_VALUE")
-    state = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
-  except (tf.errors.OpError, ValueError) as error:
-    raise UserError("--resume: checkpoint %s is unreadable (%s)" % (path, str(error).splitlines()[0])) \
-        from None
+  path = latest_for_restore(os.path.join(logdir, "checkpoints", LAST))
+  state = peek_state(path)
   check_identity(path, state, identity)
   return state

@@ -5,6 +5,8 @@ Stages: seed -> (resume state) -> data -> model + optimizer in the strategy scop
 Backend specifics stay behind `backend.strategy`.
 """
 
+import dataclasses
+import gc
 import hashlib
 import math
 import os
@@ -22,9 +24,10 @@ from run_config import RunConfig
 from strategies.backend import Backend
 from training import callbacks as callbacks_lib
 from training import checkpoints as checkpoints_lib
+from training import interrupt as interrupt_lib
 from training.lr_schedule import WarmupPlateauSchedule
 from training.optimizers import make_optimizer
-from training.summary import write_summary
+from training.summary import write_run_config, write_summary
 
 
 def set_seeds(seed: int) -> None:
@@ -91,29 +94,39 @@ def _resume_state(config: RunConfig) -> dict:
   return state
 
 
-def _make_callbacks(config, backend, net, global_batch_size, outdir):
+def _make_callbacks(config, backend, net, global_batch_size, outdir, flag, steps_per_epoch):
   schedule = WarmupPlateauSchedule(config.learning_rate, config.warmup_epochs, config.lr_factor,
                                    config.lr_patience, config.lr_cooldown)
   checkpoints = checkpoints_lib.RunCheckpoints(outdir, net, _identity(config),
                                                restore_logdir=config.logdir)
   checkpointing = checkpoints_lib.CheckpointCallback(checkpoints, schedule)
+  state = {}
   if config.resume:
     state = checkpoints.restore_last()
-    logging.info("Resumed from %s: continuing with epoch %d of %d", checkpoints.directory,
-                 state["epoch"] + 1, config.epochs)
+    logging.info("Resumed from %s: continuing with epoch %d of %d%s", checkpoints.directory,
+                 state["epoch"] + 1, config.epochs,
+                 " at step %d of %d" % (state["step"] + 1, steps_per_epoch) if state.get("step") else "")
     schedule.plateau.load(state["schedule"])
-    checkpointing.best_val_loss = float(state.get("best_val_loss", math.inf))
-    checkpointing.best_epoch = state.get("best_epoch")
+    checkpointing.restore_into(state)
   throughput = callbacks_lib.ThroughputCallback(global_batch_size, backend.replicas, backend.cache_dir)
   if config.compile_only:
     return [throughput, callbacks_lib.StopAfterFirstStep()], throughput, checkpointing
-  # Order matters: each callback may add to the epoch logs that the later ones record.
-  callbacks = [throughput, schedule, callbacks_lib.EpochLogger(), checkpointing,
+  resumed = interrupt_lib.ResumedEpochLogs(state.get("step", 0), state.get("partial_logs"))
+  # Several workers stop together at an epoch end (every step is a collective); one process mid-epoch.
+  several = backend.world_size > 1
+  graceful = interrupt_lib.GracefulStop(flag, checkpointing, steps_per_epoch, config.epochs, resumed,
+                                        mid_epoch=not several,
+                                        strategy=backend.strategy if several else None)
+  # Order matters: each callback may add to the epoch logs that the later ones record; `resumed`
+  # completes a resumed epoch's metrics before anything records them, `graceful` acts after the
+  # epoch's checkpoint and TensorBoard scalars are written.
+  callbacks = [resumed, throughput, schedule, callbacks_lib.EpochLogger(), checkpointing,
                tf.keras.callbacks.TerminateOnNaN(),
                tf.keras.callbacks.TensorBoard(log_dir=outdir, profile_batch=0)]
   if config.profile_dir and backend.kind != "ipu":  # IPU profiles come from POPLAR_ENGINE_OPTIONS
     callbacks.append(tf.keras.callbacks.TensorBoard(log_dir=config.profile_dir, profile_batch=(2, 4),
                                                     write_graph=False))
+  callbacks.append(graceful)
   return callbacks, throughput, checkpointing
 
 
@@ -122,9 +135,10 @@ def _use_best_weights(checkpointing, last_epoch: int):
   best = checkpointing.best_epoch
   if best is None or best == last_epoch:
     return last_epoch
-  checkpointing.checkpoints.restore_best_weights()
+  state = checkpointing.checkpoints.restore_best_weights()
+  best = state.get("best_epoch", best)  # the checkpoint's own record
   logging.info("Testing the weights of epoch %d (best validation loss %.4f), not of epoch %d",
-               best, checkpointing.best_val_loss, last_epoch)
+               best, float(state.get("best_val_loss", checkpointing.best_val_loss)), last_epoch)
   return best
 
 
@@ -134,6 +148,58 @@ def weights_digest(net: tf.keras.Model) -> str:
   for weight in net.get_weights():
     digest.update(np.ascontiguousarray(weight).tobytes())
   return digest.hexdigest()
+
+
+def _full_history(epoch_logs: list) -> dict:
+  """Per-key lists over every epoch of the run since epoch 1, across resumes (None where missing)."""
+  keys = []
+  for entry in epoch_logs:
+    keys += [key for key in entry if key not in keys]
+  return {key: [entry.get(key) for entry in epoch_logs] for key in keys}
+
+
+def _merge_histories(*histories) -> dict:
+  merged = {}
+  for history in histories:
+    for key, values in history.items():
+      merged.setdefault(key, []).extend(values)
+  return merged
+
+
+def _fit(net, config, backend, splits, first_epoch, first_step, callbacks) -> dict:
+  """Keras fit from `first_epoch`; a run resumed mid-epoch first trains the rest of that epoch.
+
+  Keras' steps_per_epoch applies to every epoch, so the partial epoch is a fit of its own on the train
+  dataset without the `first_step` batches already trained on (the data order of the epoch is the
+  same: the pipeline orders each epoch by (seed, shard, epoch)); the remaining epochs follow.
+  """
+  val_x, val_steps = backend.fit_input(splits.validation) if splits.validation else (None, None)
+  histories = []
+  verbose = 1 if backend.is_chief else 2
+  if first_step:
+    part_x, part_steps = backend.fit_input(interrupt_lib.skip_steps(splits.train, first_step))
+    histories.append(net.fit(part_x, epochs=first_epoch + 1, initial_epoch=first_epoch,
+                             steps_per_epoch=part_steps, validation_data=val_x,
+                             validation_steps=val_steps, callbacks=callbacks, verbose=verbose).history)
+    first_epoch += 1
+    if any(not np.isfinite(v) for v in histories[0].get("loss", [])):
+      return histories[0]
+  if first_epoch < config.epochs or not histories:
+    train_x, train_steps = backend.fit_input(splits.train)
+    histories.append(net.fit(train_x, epochs=config.epochs, initial_epoch=first_epoch,
+                             steps_per_epoch=train_steps, validation_data=val_x,
+                             validation_steps=val_steps, callbacks=callbacks, verbose=verbose).history)
+  return _merge_histories(*histories)
+
+
+def _close_writers(callbacks) -> None:
+  """TensorBoard writers are closed at the end of fit; an interrupted fit has no end."""
+  for callback in callbacks:
+    if isinstance(callback, tf.keras.callbacks.TensorBoard):
+      try:
+        callback.on_train_end()
+      except Exception as error:  # pylint: disable=broad-except
+        logging.warning("Could not close the TensorBoard writers: %s", error)
 
 
 def _epoch_time_stats(history: dict):
@@ -165,19 +231,32 @@ def run(config: RunConfig, backend: Backend) -> dict:
                backend.gradient_accumulation, backend.replicas,
                splits.train.samples // global_batch_size)
 
-  callbacks, throughput, checkpointing = _make_callbacks(config, backend, net, global_batch_size, outdir)
+  # SIGTERM/SIGINT during training: checkpoint at the next safe point, then exit 128 + signal number.
+  flag = interrupt_lib.InterruptFlag()
+  callbacks, throughput, checkpointing = _make_callbacks(config, backend, net, global_batch_size, outdir,
+                                                         flag, splits.train.steps)
+  # Only now, with the flags, data and any checkpoint to resume found good: a bad command leaves the
+  # outputs of the run already in the logdir untouched.
+  write_run_config(outdir, dataclasses.replace(config, precision=backend.precision))
   print("\nTraining", flush=True)
-  train_x, train_steps = backend.fit_input(splits.train)
-  val_x, val_steps = backend.fit_input(splits.validation) if splits.validation else (None, None)
-  history = net.fit(train_x, epochs=config.epochs, initial_epoch=resume_state["epoch"],
-                    steps_per_epoch=train_steps, validation_data=val_x, validation_steps=val_steps,
-                    callbacks=callbacks, verbose=1 if backend.is_chief else 2).history
+  interrupted = None
+  with flag:
+    try:
+      history = _fit(net, config, backend, splits, resume_state["epoch"], resume_state.get("step", 0),
+                     callbacks)
+    except interrupt_lib.TrainingInterrupted as stop:
+      interrupted = stop.with_traceback(None)  # frees fit's frames (and its data iterators) below
+  if interrupted is not None:
+    _close_writers(callbacks)
+    gc.collect()  # finalise the input pipeline's generators while Python can still run them
+    interrupt_lib.log_interrupted(interrupted, config.logdir)
+    raise interrupted
   if config.compile_only:
     logging.info("--compile_only: compiled in %.1f s; exiting before training",
                  throughput.compile_seconds or 0.0)
     return {"compile_seconds": throughput.compile_seconds}
   if any(not np.isfinite(v) for v in history.get("loss", [])):
-    kept = checkpointing.last_saved or "none written by this run"
+    kept = checkpointing.last_saved or checkpointing.checkpoints.latest() or "none"
     raise UserError("training stopped: the loss became NaN/Inf in epoch %d (lower --learning_rate); "
                     "last good checkpoint: %s" % (len(history["loss"]) + resume_state["epoch"], kept))
 
@@ -196,7 +275,7 @@ def run(config: RunConfig, backend: Backend) -> dict:
       "global_batch_size": global_batch_size,
       "per_replica_batch_size": config.batch_size,
       "gradient_accumulation": backend.gradient_accumulation,
-      "precision": config.precision,
+      "precision": backend.precision,
       "epochs": config.epochs,
       "first_epoch": resume_state["epoch"] + 1,
       "steps_per_epoch": splits.train.steps,
@@ -221,6 +300,7 @@ def run(config: RunConfig, backend: Backend) -> dict:
       "tensorflow_version": tf.__version__,
       "params": config.as_dict(),
       "history": {key: [float(v) for v in values] for key, values in history.items()},
+      "full_history": _full_history(checkpointing.epoch_logs),
   }
   summary.update(splits.summary_extras)
   if info.task == "classification":

@@ -1,0 +1,199 @@
+"""Graceful stop on SIGTERM / SIGINT: save a checkpoint at the next safe point, exit, `--resume` later.
+
+Slurm sends SIGTERM at the time limit (then SIGKILL after `KillWait`, 30 s by default; ask for an
+earlier warning with `sbatch --signal=TERM@120`), srun forwards it to every task, and Ctrl-C is SIGINT.
+
+Design:
+- The signal handler only records the signal (and writes one line with `os.write`, which is safe in a
+  handler); repeated signals are noted and ignored, so a second Ctrl-C or SIGTERM can never interrupt
+  the save. SIGKILL still stops the process at once, and the atomic checkpoint writes
+  (training/checkpoints.py) then leave the previous checkpoint intact.
+- `GracefulStop`, a Keras callback, looks at the flag at every batch end (the next safe point: the
+  weights and optimizer state are those after a whole step). Mid-epoch it saves `checkpoints/last`
+  with the epoch, the steps done in it and their running training metrics, then raises
+  `TrainingInterrupted`; `--resume` restores it and trains the rest of that epoch on the same data
+  order with the consumed batches skipped (`skip_steps`), then the remaining epochs, so an
+  interrupted-and-resumed run trains exactly the batches of an uninterrupted one. When the signal
+  comes after the epoch's last step (during validation or saving), the epoch finishes, its normal
+  checkpoint is written, and the run stops at the epoch end.
+- `TrainingInterrupted` is a `SystemExit` with status 128 + signal number (143 for SIGTERM, 130 for
+  SIGINT), the status a shell reports for a process the signal stopped: a requeue script can tell
+  "interrupted, resumable" (143/130) from "finished" (0) and "failed" (1). It is not a UserError, so
+  no `error:` line is printed; one warning line says where the checkpoint is and how to resume.
+- Multi-worker runs (MultiWorkerMirroredStrategy): every training step is an all-reduce, so all
+  workers must stop after the same step. They only stop at epoch ends, after agreeing through one
+  all-reduce of their flags (a worker that saw no signal stops with the others); srun delivers
+  SIGTERM to all tasks. On IPUs with one execution per epoch the batch end is the epoch end.
+"""
+
+import math
+import os
+import signal
+import threading
+
+import tensorflow as tf
+from absl import logging
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class TrainingInterrupted(SystemExit):
+  """Training stopped on a signal after saving `checkpoint`; exit status 128 + signal number."""
+
+  def __init__(self, signum: int, checkpoint: str, where: str):
+    super().__init__(128 + signum)
+    self.signum, self.checkpoint, self.where = signum, checkpoint, where
+
+  @property
+  def signal_name(self) -> str:
+    return signal.Signals(self.signum).name
+
+
+class InterruptFlag:
+  """Records SIGTERM/SIGINT while installed (a context manager); the handler does nothing else."""
+
+  def __init__(self):
+    self.signum = None
+    self._previous = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+      for signum in SIGNALS:
+        self._previous[signum] = signal.signal(signum, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler)
+    self._previous = {}
+    return False
+
+  def _handle(self, signum, frame):
+    del frame
+    name = signal.Signals(signum).name
+    if self.signum is None:
+      self.signum = signum
+      message = ("%s received: stopping after the current training step and saving a checkpoint "
+                 "(more signals are ignored until it is saved)\n" % name)
+    else:
+      message = "%s received again: still stopping and saving the checkpoint; please wait\n" % name
+    try:
+      os.write(2, message.encode())
+    except OSError:
+      pass
+
+  @property
+  def requested(self) -> bool:
+    return self.signum is not None
+
+
+def skip_steps(split, steps: int):
+  """`split` without its first `steps` steps (the batches an interrupted epoch already trained on)."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  elements = int(split.dataset.cardinality())
+  per_step = elements // split.steps if elements > 0 and split.steps else 1
+  rows_per_step = split.samples // split.steps if split.steps else 0
+  return dataclasses.replace(split, dataset=split.dataset.skip(steps * per_step),
+                             steps=split.steps - steps, samples=split.samples - steps * rows_per_step)
+
+
+def _finite(logs: dict) -> bool:
+  return all(math.isfinite(v) for v in logs.values())
+
+
+class ResumedEpochLogs(tf.keras.callbacks.Callback):
+  """Completes the training metrics of an epoch resumed `step_offset` steps in.
+
+  Keras averages the metrics over the batches it ran; the interrupted run's running averages over the
+  first `step_offset` batches were saved with the checkpoint, and the epoch's metrics are the
+  step-weighted mean of both. Must come first among the callbacks, before anything records the logs.
+  """
+
+  def __init__(self, step_offset: int, offset_logs: dict):
+    super().__init__()
+    self.step_offset, self.offset_logs = step_offset, dict(offset_logs or {})
+    self._steps = 0
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self._steps = 0
+
+  def on_train_batch_end(self, batch, logs=None):
+    self._steps = batch + 1
+
+  def combine(self, logs: dict, steps: int) -> dict:
+    total = self.step_offset + steps
+    out = dict(logs)
+    for key, saved in self.offset_logs.items():
+      if key in logs and total:
+        out[key] = (float(saved) * self.step_offset + float(logs[key]) * steps) / total
+    return out
+
+  def on_epoch_end(self, epoch, logs=None):
+    if logs is not None and self.step_offset:
+      logs.update(self.combine({k: v for k, v in logs.items() if k in self.offset_logs}, self._steps))
+      self.step_offset = 0  # only the first (resumed) epoch
+
+
+class GracefulStop(tf.keras.callbacks.Callback):
+  """Stops training at the next safe point after a signal; see the module docstring. Put it last."""
+
+  def __init__(self, flag: InterruptFlag, checkpointing, steps_per_epoch: int, total_epochs: int,
+               resumed: ResumedEpochLogs = None, mid_epoch: bool = True, strategy=None):
+    super().__init__()
+    self.flag, self.checkpointing = flag, checkpointing
+    self.steps_per_epoch, self.total_epochs = steps_per_epoch, total_epochs
+    self.resumed, self.mid_epoch, self.strategy = resumed, mid_epoch, strategy
+    self._epoch = 0
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self._epoch = epoch
+
+  def on_train_batch_end(self, batch, logs=None):
+    if not (self.mid_epoch and self.flag.requested):
+      return
+    offset = self.resumed.step_offset if self.resumed is not None else 0
+    steps = offset + batch + 1
+    if steps >= self.steps_per_epoch:
+      return  # the epoch's training is complete: finish it (validation, checkpoint), stop at its end
+    metrics = {key: float(value) for key, value in (logs or {}).items()
+               if not key.startswith("val_") and _is_number(value)}
+    if self.resumed is not None and offset:
+      metrics = self.resumed.combine(metrics, batch + 1)
+    if _finite(metrics):
+      path = self.checkpointing.save_interrupted(self._epoch, steps, metrics)
+    else:  # never replace a good checkpoint with diverged weights
+      path = self.checkpointing.checkpoints.latest()
+    raise TrainingInterrupted(self.flag.signum, path,
+                              "in epoch %d after step %d of %d" % (self._epoch + 1, steps,
+                                                                    self.steps_per_epoch))
+
+  def on_epoch_end(self, epoch, logs=None):
+    if epoch + 1 >= self.total_epochs:
+      return  # the last epoch: nothing left to resume; the run finishes normally
+    if self._agreed_stop():
+      raise TrainingInterrupted(self.flag.signum or signal.SIGTERM, self.checkpointing.checkpoints.latest(),
+                                "at the end of epoch %d" % (epoch + 1))
+
+  def _agreed_stop(self) -> bool:
+    """Whether to stop now; with several workers, whether any of them was signalled (one all-reduce)."""
+    if self.strategy is None:
+      return self.flag.requested
+    strategy = self.strategy
+    value = tf.constant(1.0 if self.flag.requested else 0.0)
+    per_replica = strategy.run(lambda: tf.identity(value))
+    return float(strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)) > 0
+
+
+def _is_number(value) -> bool:
+  try:
+    float(value)
+    return True
+  except (TypeError, ValueError):
+    return False
+
+
+def log_interrupted(stop: TrainingInterrupted, logdir: str) -> None:
+  """The one line a user (or a requeue script) needs after a graceful stop."""
+  logging.warning("Training interrupted by %s %s; checkpoint: %s; continue with the same command and "
+                  "--resume --logdir=%s (exit status %d)", stop.signal_name, stop.where,
+                  stop.checkpoint or "none (nothing was saved)", logdir, stop.code)
