@@ -330,7 +330,12 @@ def latest_for_restore(folder: str) -> str:
 def peek_state(path: str) -> dict:
   """The run state stored in checkpoint `path`, read without building the model."""
   try:
-    raw = tf.train.load_checkpoint(path).get_tensor(STATE_KEY)
+    reader = tf.train.load_checkpoint(path)
+    # Reading every tensor checks every checksum now: TensorFlow restores optimizer slots lazily, so
+    # damaged bytes would otherwise surface only inside the first training step.
+    for name in reader.get_variable_to_shape_map():
+      reader.get_tensor(name)
+    raw = reader.get_tensor(STATE_KEY)
     state = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
   except Exception as error:  # pylint: disable=broad-except  # any reader failure: a damaged file
     raise UserError("--resume: checkpoint %s is unreadable (%s)" % (path, _first_line(error))) from None
