@@ -168,7 +168,16 @@ def _run_child(kind: str, design: str, precision: str) -> dict:
   output = subprocess.run(args, capture_output=True, text=True, cwd=REPO_ROOT)
   if output.returncode != 0:
     raise SystemExit("benchmark %s:%s failed:\n%s" % (kind, design, output.stderr[-2000:]))
-  return json.loads(output.stdout.strip().splitlines()[-1])
+  result = json.loads(output.stdout.strip().splitlines()[-1])
+  _progress("%s %s %s" % (kind, design, precision), result)
+  return result
+
+
+def _progress(label: str, result: dict) -> None:
+  """One line per finished measurement: a full benchmark takes many minutes."""
+  rate = result.get("samples_per_sec")
+  print("%s %-28s %s" % (time.strftime("%H:%M:%S"), label,
+                         "%.0f samples/s" % rate if rate else "done"), flush=True)
 
 
 def _compile_times(design: str, precision: str) -> dict:
@@ -200,7 +209,9 @@ def _run_reference(design: str, precision: str, data_path: str):
   output = subprocess.run(args, capture_output=True, text=True, cwd=REPO_ROOT)
   if output.returncode != 0:
     raise SystemExit("reference benchmark %s failed:\n%s" % (design, output.stderr[-2000:]))
-  return json.loads(output.stdout.strip().splitlines()[-1])
+  result = json.loads(output.stdout.strip().splitlines()[-1])
+  _progress("reference %s %s" % (design, precision), result)
+  return result
 
 
 def _data_path() -> str:
