@@ -8,10 +8,13 @@ their TensorBoard events and checkpoints to temporary folders, as TensorFlow's m
 recommends (every worker must save, because saving runs collectives).
 """
 
+import atexit
 import dataclasses
 import json
+import multiprocessing.pool
 import os
 import tempfile
+import time
 
 import tensorflow as tf
 from absl import logging
@@ -76,13 +79,46 @@ class MultiWorkerBackend(Backend):
   def fit_input(self, split):
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    dataset = split.dataset.with_options(options)
+    # Keras keeps one iterator of a DatasetCreator for all the epochs of a fit (it never re-creates
+    # it, unlike a tf.data.Dataset's): without repeat() the input runs out after the first epoch and
+    # Keras ends the fit there, "successfully", with the remaining epochs untrained. Each repetition
+    # is a new pass of the split's generator, i.e. the next epoch's order; evaluation makes a new
+    # iterator per call and takes its `steps` from it.
+    dataset = split.dataset.repeat().with_options(options)
     return tf.keras.utils.experimental.DatasetCreator(lambda input_context: dataset), split.steps
 
   def output_dir(self, logdir: str) -> str:
     if self.is_chief:
       return logdir
     return tempfile.mkdtemp(prefix="worker%d-" % self.rank)
+
+
+def _finish_collective_threads(strategy, timeout: float = 10.0) -> None:
+  """Stops the all-reduce thread pools of `strategy` and waits for their threads (at exit).
+
+  TensorFlow 2.6's CollectiveAllReduce keeps a ThreadPool for its whole life and runs every eager
+  cross-replica reduction on it (the workers' agreement to stop, Keras' reads of its metrics), so
+  each pool thread holds a thread-local TensorFlow graph. At interpreter exit, multiprocessing's
+  own atexit hook stops such a pool without waiting for its threads: a thread that is still
+  deleting its graph when Python begins to finalise is ended by pthread_exit inside a pybind11
+  destructor, and std::terminate aborts the process (SIGABRT, "terminate called without an active
+  exception") instead of letting it exit with its status. Registered after multiprocessing's hook,
+  this runs before it and lets the threads finish while Python still runs normally. Newer
+  TensorFlow versions create and close a pool per reduction, so there is nothing to do there.
+  """
+  pools = []
+  for name in ("_cross_device_ops", "_host_cross_device_ops"):
+    pool = getattr(getattr(strategy.extended, name, None), "_pool", None)
+    if isinstance(pool, multiprocessing.pool.ThreadPool) and all(pool is not p for p in pools):
+      pools.append(pool)
+  deadline = time.monotonic() + timeout
+  for pool in pools:
+    try:
+      pool.close()  # no new work; each thread exits after its current task
+      for thread in list(getattr(pool, "_pool", ())):  # a thread stuck in a collective is left
+        thread.join(max(0.0, deadline - time.monotonic()))
+    except Exception as error:  # pylint: disable=broad-except  # never fail an exit over this
+      logging.warning("Could not stop the all-reduce threads: %s", error)
 
 
 def create(config: RunConfig, kind: str, source: str) -> MultiWorkerBackend:
@@ -95,6 +131,7 @@ def create(config: RunConfig, kind: str, source: str) -> MultiWorkerBackend:
       else tf.distribute.experimental.CommunicationImplementation.RING)
   strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
                                                        communication_options=options)
+  atexit.register(_finish_collective_threads, strategy)
   world, rank = _world_size(resolver), _rank(resolver)
   total = strategy.num_replicas_in_sync
   if config.replicas not in (1, total):

@@ -247,6 +247,25 @@ def test_interrupt_flag_records_the_signal_and_restores_the_handlers():
   assert isinstance(stop, SystemExit) and stop.code == 130 and stop.signal_name == "SIGINT"
 
 
+def test_interrupt_flag_ignores_more_signals_while_the_process_exits_on_one():
+  """Leaving on the stop's SystemExit, more signals are ignored (never the default action, which
+  would turn exit status 143 into "killed by SIGTERM" during the rest of the exit)."""
+  previous = {signum: signal.getsignal(signum) for signum in interrupt_lib.SIGNALS}
+  try:
+    with pytest.raises(interrupt_lib.TrainingInterrupted):
+      with interrupt_lib.InterruptFlag() as flag:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert flag.requested
+        raise interrupt_lib.TrainingInterrupted(flag.signum, "/x/ckpt-1-step3", "in epoch 2")
+    assert all(signal.getsignal(signum) == signal.SIG_IGN for signum in interrupt_lib.SIGNALS)
+    os.kill(os.getpid(), signal.SIGTERM)  # ignored: this process lives on
+    time.sleep(0.01)
+  finally:
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
+
+
 # ---------------------------------------------------------------------------------------------------
 # (d) Disk full on a real (tiny) file system, where the test may mount one.
 
@@ -468,6 +487,9 @@ def test_sigterm_to_one_worker_stops_all_workers_at_the_same_epoch_end(tmp_path)
     for job in jobs:
       job.close()
   assert statuses == [143, 143], [output[-2000:] for output in outputs]
+  # Every epoch up to the stop trained: Keras keeps one iterator for all epochs of a multi-worker
+  # fit, and an input that ends after one epoch ends the fit early, as if it were done.
+  assert not any("ran out of data" in output for output in outputs), [o[-2000:] for o in outputs]
   stops = [re.search(r"Training interrupted by SIGTERM at the end of epoch (\d+)", output)
            for output in outputs]
   assert all(stops), [output[-2000:] for output in outputs]

@@ -6,8 +6,11 @@ earlier warning with `sbatch --signal=TERM@120`), srun forwards it to every task
 Design:
 - The signal handler only records the signal (and writes one line with `os.write`, which is safe in a
   handler); repeated signals are noted and ignored, so a second Ctrl-C or SIGTERM can never interrupt
-  the save. SIGKILL still stops the process at once, and the atomic checkpoint writes
-  (training/checkpoints.py) then leave the previous checkpoint intact.
+  the save. It stays installed until the interrupted run has saved, closed its writers and logged its
+  line, and then gives way to SIG_IGN (not to the default action) for the rest of the exit, so a second
+  signal at any point cannot turn the exit status 128 + signal into "killed by the signal". SIGKILL
+  still stops the process at once, and the atomic checkpoint writes (training/checkpoints.py) then
+  leave the previous checkpoint intact.
 - `GracefulStop`, a Keras callback, looks at the flag at every batch end (the next safe point: the
   weights and optimizer state are those after a whole step). Mid-epoch it saves `checkpoints/last`
   with the epoch, the steps done in it and their running training metrics, then raises
@@ -62,9 +65,15 @@ class InterruptFlag:
         self._previous[signum] = signal.signal(signum, self._handle)
     return self
 
-  def __exit__(self, *exc):
+  def __exit__(self, exc_type, exc, tb):
+    # Leaving on the SystemExit of a stop that a signal asked for (TrainingInterrupted), the process is
+    # about to exit: restoring the default action now would let a second signal kill it during the
+    # rest of its exit (interpreter and TensorFlow teardown), with status -signum instead of 128 +
+    # signum. More signals are ignored instead, until the process has exited (SIGKILL still works;
+    # Python resets its own handlers to the default action early in its shutdown, SIG_IGN it keeps).
+    exiting = self.signum is not None and exc_type is not None and issubclass(exc_type, SystemExit)
     for signum, handler in self._previous.items():
-      signal.signal(signum, handler)
+      signal.signal(signum, signal.SIG_IGN if exiting else handler)
     self._previous = {}
     return False
 

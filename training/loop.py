@@ -246,11 +246,13 @@ def run(config: RunConfig, backend: Backend) -> dict:
                      callbacks)
     except interrupt_lib.TrainingInterrupted as stop:
       interrupted = stop.with_traceback(None)  # frees fit's frames (and its data iterators) below
-  if interrupted is not None:
-    _close_writers(callbacks)
-    gc.collect()  # finalise the input pipeline's generators while Python can still run them
-    interrupt_lib.log_interrupted(interrupted, config.logdir)
-    raise interrupted
+    if interrupted is not None:
+      # Still inside `with flag`: a further signal is only noted while the run winds down, and the
+      # flag ignores signals (instead of restoring the default action) once this raise leaves it.
+      _close_writers(callbacks)
+      gc.collect()  # finalise the input pipeline's generators while Python can still run them
+      interrupt_lib.log_interrupted(interrupted, config.logdir)
+      raise interrupted
   if config.compile_only:
     logging.info("--compile_only: compiled in %.1f s; exiting before training",
                  throughput.compile_seconds or 0.0)
