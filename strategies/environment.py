@@ -86,6 +86,10 @@ def prepare(config: RunConfig) -> None:
   # Keras 2 everywhere: Graphcore's SDK ships Keras 2.6, and on TensorFlow >= 2.16 this makes
   # `tf.keras` the tf-keras package instead of Keras 3 (which has no multi-worker support either).
   os.environ["TF_USE_LEGACY_KERAS"] = "1"
+  # TensorFlow sets TF2_BEHAVIOR=1 itself, but only part-way through its own import. On TF 2.6 (the
+  # Poplar SDK's version), in this application's import order, modules read it before that, and the
+  # Keras functional model is then built eagerly: Flatten fails on the unknown batch size.
+  os.environ["TF2_BEHAVIOR"] = "1"
   # TensorFlow's C++ INFO lines (oneDNN notices, CPU feature banners) bury the progress output.
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
   if config.backend in ("ipu", "auto"):

@@ -11,7 +11,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_main(*args, timeout=300):
   """Runs `python main.py ARGS` as a user would; returns the CompletedProcess (text mode)."""
   env = dict(os.environ)
-  env.pop("TF_USE_LEGACY_KERAS", None)  # main.py must set it itself.
+  for variable in ("TF_USE_LEGACY_KERAS", "TF2_BEHAVIOR"):  # set by importing TensorFlow in pytest:
+    env.pop(variable, None)                                  # main.py must set them itself.
   return subprocess.run([sys.executable, os.path.join(REPO_ROOT, "main.py")] + list(args),
                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
