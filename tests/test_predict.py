@@ -104,7 +104,7 @@ def trained_run(tmp_path_factory, data_file):
   logdir = str(tmp_path_factory.mktemp("runs") / "tiny")
   result = run_main("--model=neuron_inverter", "--design=dev", "--backend=cpu", "--batch_size=16",
                     "--data_path=" + data_file, "--logdir=" + logdir, "--epochs=2", "--warmup_epochs=1",
-                    "--precision=32.32", "--predict")  # float32, as the export: equal to float tolerance
+                    "--precision=32.32", "--predict")
   assert result.returncode == 0, result.stderr[-3000:]
   return logdir, result
 
@@ -229,3 +229,27 @@ def test_bad_tool_flag_is_one_line_error():
 
 def test_predict_flag_needs_the_regression_model():
   assert_one_line_error(run_main("--model=mnist", "--predict"), "--predict", "neuron_inverter")
+
+
+@pytest.mark.parametrize("precision", ["32.32", "16.32"])
+def test_export_computes_as_the_application_at_its_precision(tmp_path, precision):
+  """A model trained at mixed 16-bit is exported at the same policy: the same predictions, exactly."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from strategies import cpu, select  # pylint: disable=import-outside-toplevel
+  from training import export  # pylint: disable=import-outside-toplevel
+  import model  # pylint: disable=import-outside-toplevel
+  if precision != "32.32" and not cpu.bfloat16_kernels_available():
+    precision = "32.32"  # TF 2.6 has no CPU bfloat16 kernels: the float32 case is the one it can run
+  config = RunConfig(model="neuron_inverter", design="dev", precision=precision)
+  try:
+    select.set_precision(precision, "cpu")
+    net = model.get_model_module("neuron_inverter").build(config, (1600, 4), 15)
+    frames = np.random.RandomState(0).randn(8, 1600, 4).astype(np.float32)
+    expected = net.predict(frames, verbose=0)
+    export_dir = export.export_saved_model(net, config, (1600, 4), 15, str(tmp_path / "export"), PAR_NAMES)
+  finally:
+    tf.keras.mixed_precision.set_global_policy("float32")
+  loaded = tf.saved_model.load(export_dir)
+  got = loaded.signatures["serving_default"](frames=tf.constant(frames))["conductances"].numpy()
+  assert got.dtype == np.float32
+  np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)

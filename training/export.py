@@ -4,9 +4,10 @@
     loaded = tf.saved_model.load("EXPORT_DIR")
     z = loaded.signatures["serving_default"](frames=tf.constant(x, tf.float32))["conductances"]
 
-The exported network is rebuilt in float32 (whatever `--precision` trained it) with standard Keras
-layers only, and the trained weights are copied in: float32 in, float32 out, inference graph (dropout
-off, BatchNorm moving statistics). The serving signature takes `frames` of shape (batch, time bins,
+The exported network is rebuilt with standard Keras layers only, under the precision policy the
+application computed with (float32, or mixed 16-bit for `--precision=16.32`, so that the export gives
+the application's predictions exactly), and the trained weights are copied in: float32 in, float32 out,
+inference graph (dropout off, BatchNorm moving statistics). The serving signature takes `frames` of shape (batch, time bins,
 probes) and returns `conductances` (batch, parameters) in the training targets' units (u*). The
 parameter names travel with it as `loaded.par_names()` (and in `export_info.yaml` beside the model).
 The same folder also loads with `tf.keras.models.load_model` under Keras 2 (TF <= 2.15, or tf-keras).
@@ -23,24 +24,23 @@ SIGNATURE_INPUT = "frames"
 SIGNATURE_OUTPUT = "conductances"
 
 
-def float32_copy(net: tf.keras.Model, config: RunConfig, input_shape, num_outputs) -> tf.keras.Model:
-  """The same network rebuilt under the float32 policy, outside any strategy, with `net`'s weights."""
+def plain_copy(net: tf.keras.Model, config: RunConfig, input_shape, num_outputs) -> tf.keras.Model:
+  """The same network rebuilt outside any strategy (and any IPU layer swap), with `net`'s weights.
+
+  It is built under the global precision policy in effect, the one `net` was built under, so it
+  computes exactly as the application does.
+  """
   import model as model_registry  # pylint: disable=import-outside-toplevel
-  previous = tf.keras.mixed_precision.global_policy()
-  tf.keras.mixed_precision.set_global_policy("float32")
-  try:
-    with tf.distribute.get_strategy().scope():  # the default strategy: plain, single-device variables
-      plain = model_registry.get_model_module(config.model).build(config, tuple(input_shape), num_outputs)
-  finally:
-    tf.keras.mixed_precision.set_global_policy(previous)
-  plain.set_weights(net.get_weights())  # set_weights casts 16-bit weights to the float32 variables
+  with tf.distribute.get_strategy().scope():  # the default strategy: plain, single-device variables
+    plain = model_registry.get_model_module(config.model).build(config, tuple(input_shape), num_outputs)
+  plain.set_weights(net.get_weights())
   return plain
 
 
 def export_saved_model(net: tf.keras.Model, config: RunConfig, input_shape, num_outputs, export_dir: str,
                        par_names=()) -> str:
-  """Writes the float32 SavedModel of `net` into `export_dir`; returns the folder."""
-  plain = float32_copy(net, config, input_shape, num_outputs)
+  """Writes the SavedModel of `net` (float32 in and out) into `export_dir`; returns the folder."""
+  plain = plain_copy(net, config, input_shape, num_outputs)
 
   @tf.function(input_signature=[tf.TensorSpec((None,) + tuple(input_shape), tf.float32,
                                               name=SIGNATURE_INPUT)])
@@ -56,7 +56,9 @@ def export_saved_model(net: tf.keras.Model, config: RunConfig, input_shape, num_
           "input": {"name": SIGNATURE_INPUT, "shape": [None] + list(input_shape), "dtype": "float32"},
           "output": {"name": SIGNATURE_OUTPUT, "shape": [None, num_outputs], "dtype": "float32"},
           "par_names": names, "model": config.model, "design": config.design,
-          "trained_precision": config.precision, "tensorflow_version": tf.__version__}
+          "trained_precision": config.precision,
+          "compute_policy": tf.keras.mixed_precision.global_policy().name,
+          "tensorflow_version": tf.__version__}
   with open(os.path.join(export_dir, "export_info.yaml"), "w") as f:
     yaml.safe_dump(info, f, sort_keys=False)
   return export_dir
