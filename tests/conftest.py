@@ -18,7 +18,12 @@ tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0],
     [tf.config.LogicalDeviceConfiguration() for _ in range(TEST_CPU_DEVICES)])
 
+
+
 @pytest.fixture(autouse=True)
 def _fresh_keras_session():
   yield
   tf.keras.backend.clear_session()
+  # select_backend() sets the global precision policy (mixed bfloat16 under the default
+  # --precision=auto on AMX CPUs); no test may hand it on to the next.
+  tf.keras.mixed_precision.set_global_policy("float32")
