@@ -11,18 +11,19 @@ from training.checkpoints import CheckpointCallback, RunCheckpoints, read_index
 from training.lr_schedule import WarmupPlateauSchedule
 
 
-def _callback(tmp_path):
+def toy_checkpoints(tmp_path):
+  """A trained toy model, its RunCheckpoints in `tmp_path`, and the checkpoint callback bound to it."""
   net = tf.keras.Sequential([tf.keras.layers.Dense(2, input_shape=(3,))])
   net.compile(optimizer="adam", loss="mse")
   net.fit(np.zeros((4, 3)), np.zeros((4, 2)), verbose=0)
   checkpoints = RunCheckpoints(str(tmp_path), net, {"model": "toy"})
   callback = CheckpointCallback(checkpoints, WarmupPlateauSchedule(1e-3, 0, 0.1, 1, 0))
   callback.set_model(net)
-  return net, callback
+  return net, checkpoints, callback
 
 
 def test_nan_epoch_is_not_saved(tmp_path):
-  net, callback = _callback(tmp_path)
+  net, _, callback = toy_checkpoints(tmp_path)
   callback.on_epoch_end(0, {"loss": 0.5, "val_loss": 0.4})
   index = os.path.join(str(tmp_path), "checkpoints", "last", "checkpoint")
   before = open(index).read()
@@ -31,7 +32,7 @@ def test_nan_epoch_is_not_saved(tmp_path):
 
 
 def test_best_follows_validation_and_state_round_trips(tmp_path):
-  net, callback = _callback(tmp_path)
+  net, _, callback = toy_checkpoints(tmp_path)
   callback.on_epoch_end(0, {"loss": 0.5, "val_loss": 0.4})
   callback.on_epoch_end(1, {"loss": 0.4, "val_loss": 0.6})
   assert callback.best_epoch == 1 and callback.best_val_loss == 0.4
@@ -45,7 +46,7 @@ def test_best_follows_validation_and_state_round_trips(tmp_path):
 
 
 def test_saves_are_atomic_keep_two_and_never_overwrite_a_listed_checkpoint(tmp_path):
-  net, callback = _callback(tmp_path)
+  net, _, callback = toy_checkpoints(tmp_path)
   checkpoints = callback.checkpoints
   folder = checkpoints.folder("last")
   os.makedirs(folder)

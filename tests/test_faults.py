@@ -27,10 +27,10 @@ from errors import UserError
 from run_config import RunConfig
 from tests.cellspike_files import write_cellspike, write_row_marked
 from tests.helpers import REPO_ROOT
+from tests.test_checkpoints import toy_checkpoints
 from training import checkpoints as checkpoints_lib
 from training import interrupt as interrupt_lib
-from training.checkpoints import CheckpointCallback, RunCheckpoints, read_index
-from training.lr_schedule import WarmupPlateauSchedule
+from training.checkpoints import read_index
 
 EPOCHS = 10
 STEPS = 32          # 256 train samples / batch 8
@@ -362,23 +362,13 @@ def test_resumed_epoch_skips_exactly_the_trained_batches(tmp_path):
   assert batches(1, 5) == uninterrupted[16 + 5:]
 
 
-def _toy_checkpoints(tmp_path):
-  net = tf.keras.Sequential([tf.keras.layers.Dense(2, input_shape=(3,))])
-  net.compile(optimizer="adam", loss="mse")
-  net.fit(np.zeros((4, 3)), np.zeros((4, 2)), verbose=0)
-  checkpoints = RunCheckpoints(str(tmp_path), net, {"model": "toy"})
-  callback = CheckpointCallback(checkpoints, WarmupPlateauSchedule(1e-3, 0, 0.1, 1, 0))
-  callback.set_model(net)
-  return net, checkpoints, callback
-
-
 def _enospc(*args, **kwargs):
   raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 @pytest.mark.parametrize("where", ["fsync", "staging", "tensorflow", "index"])
 def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, where):
-  net, checkpoints, callback = _toy_checkpoints(tmp_path)
+  net, checkpoints, callback = toy_checkpoints(tmp_path)
   callback.on_epoch_end(0, {"loss": 0.5, "val_loss": 0.4})
   folder = checkpoints.folder("last")
   before = {name: open(os.path.join(folder, name), "rb").read() for name in os.listdir(folder)}
