@@ -8,22 +8,39 @@ on the flattened features; Dense+ReLU+Dropout layers; a linear output.
 
 Pipeline stages: the CNN block and the fully connected head (`STAGE_BOUNDARIES` names the first layer
 of each later stage). Where they run is the backend's business.
+
+Training builds each conv block as one `model.conv_layers.PooledConv1D`: the same function and the same
+weights, computed faster, with the backend's convolution options. `standard_layers=True` builds the
+plain Keras form of the reference (Conv1D, MaxPooling1D, ReLU layers), which the export uses.
 """
 
 import tensorflow as tf
 
 from errors import UserError
+from model.conv_layers import LeadingChannels, PooledConv1D
 from model.designs import DESIGNS
 from run_config import RunConfig
 
 STAGE_BOUNDARIES = ("flatten",)
 
 
-def _conv_block(x, index, filters, kernel, pool):
+def _standard_conv_block(x, index, filters, kernel, pool):
   layers = tf.keras.layers
   x = layers.Conv1D(filters, kernel, padding="valid", name="conv%d" % index)(x)
   x = layers.MaxPooling1D(pool, name="pool%d" % index)(x)
   return layers.ReLU(name="relu%d" % index)(x)
+
+
+def _conv_blocks(x, design, standard_layers, **conv_options):
+  blocks = list(zip(design["conv_filters"], design["conv_kernels"], design["conv_pools"]))
+  in_channels = int(x.shape[-1])
+  for index, (filters, kernel, pool) in enumerate(blocks, start=1):
+    if standard_layers:
+      x = _standard_conv_block(x, index, filters, kernel, pool)
+    else:
+      x = PooledConv1D(filters, kernel, pool, in_channels, name="conv%d" % index, **conv_options)(x)
+    in_channels = filters
+  return x if standard_layers else LeadingChannels(in_channels, name="conv_channels")(x)
 
 
 def min_time_bins(design: dict) -> int:
@@ -34,8 +51,13 @@ def min_time_bins(design: dict) -> int:
   return length
 
 
-def build(config: RunConfig, input_shape=(1600, 4), num_outputs=15) -> tf.keras.Model:
-  """Builds the (uncompiled) model of design `config.design` for samples of `input_shape`."""
+def build(config: RunConfig, input_shape=(1600, 4), num_outputs=15, channel_multiple=1,
+          input_grad_by_forward_conv=False, standard_layers=False) -> tf.keras.Model:
+  """Builds the (uncompiled) model of design `config.design` for samples of `input_shape`.
+
+  `channel_multiple` and `input_grad_by_forward_conv` are the backend's convolution options (see
+  `model.conv_layers`); `standard_layers` builds the plain Keras layers instead, without options.
+  """
   design = DESIGNS[config.design]
   layers = tf.keras.layers
   time_bins, probes = input_shape
@@ -45,9 +67,8 @@ def build(config: RunConfig, input_shape=(1600, 4), num_outputs=15) -> tf.keras.
   inputs = layers.Input(shape=input_shape, name="frames")
   x = layers.Reshape((probes, time_bins), name="reference_reshape")(inputs)  # reshape, not transpose
   x = layers.Permute((2, 1), name="channels_last")(x)
-  for i, (filters, kernel, pool) in enumerate(zip(design["conv_filters"], design["conv_kernels"],
-                                                  design["conv_pools"]), start=1):
-    x = _conv_block(x, i, filters, kernel, pool)
+  x = _conv_blocks(x, design, standard_layers, channel_multiple=channel_multiple,
+                   input_grad_by_forward_conv=input_grad_by_forward_conv)
   x = layers.Flatten(name="flatten")(x)
   # PyTorch BatchNorm1d defaults: momentum 0.1 (Keras 0.9), eps 1e-5.
   x = layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name="batch_norm")(x)

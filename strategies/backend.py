@@ -6,6 +6,7 @@ the tf.distribute behaviour (CPU and GPU); `strategies/ipu.py` overrides it for 
 """
 
 import dataclasses
+import inspect
 from typing import Optional
 
 import tensorflow as tf
@@ -33,6 +34,10 @@ class Backend:
   jit_compile: bool = False
   cache_dir: Optional[str] = None          # executable cache in effect (IPU or XLA), for reporting
   precision: str = "32.32"                 # resolved --precision (never "auto")
+  # How this hardware's convolutions run fastest (the model computes the same function either way;
+  # see model/conv_layers.py): channel counts padded to a multiple, input gradient as a forward conv.
+  conv_channel_multiple: int = 1
+  conv_input_grad_by_forward_conv: bool = False
 
   rank = 0                                 # this process among all workers
   world_size = 1
@@ -64,6 +69,13 @@ class Backend:
     # together and the accumulating train step walks through them.
     return BatchLayout(replicas=self.replicas, replica_rows=micro_batch * self.gradient_accumulation,
                        eval_replica_rows=micro_batch if self.gradient_accumulation > 1 else None)
+
+  def model_options(self, builder) -> dict:
+    """The hardware options among `builder`'s keyword parameters, for model_module.build(...)."""
+    options = {"channel_multiple": self.conv_channel_multiple,
+               "input_grad_by_forward_conv": self.conv_input_grad_by_forward_conv}
+    accepted = inspect.signature(builder).parameters
+    return {name: value for name, value in options.items() if name in accepted}
 
   def prepare_model(self, model: tf.keras.Model, stage_boundaries=()) -> tf.keras.Model:
     """Called inside the strategy scope, before compile()."""

@@ -38,6 +38,17 @@ def check_precision(precision: str) -> None:
                     "TensorFlow %s: use --precision=32.32" % (precision, tf.__version__))
 
 
+def conv_options(precision: str) -> dict:
+  """Backend fields for oneDNN's convolutions, as measured on a Sapphire Rapids CPU (PERFORMANCE.md).
+
+  Its backward-data convolution ran 3-4x slower than the forward one at the Neuron-Inverter's shapes,
+  in float32 and bfloat16 alike; its AMX bfloat16 kernels take their fast path only for channel
+  counts that are multiples of 32 (float32 gained nothing from padding).
+  """
+  return {"conv_channel_multiple": 32 if precision != "32.32" else 1,
+          "conv_input_grad_by_forward_conv": True}
+
+
 def _ensure_logical_cpus(count: int) -> list:
   physical = tf.config.list_physical_devices("CPU")
   try:

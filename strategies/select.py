@@ -71,9 +71,12 @@ def select_backend(config: RunConfig) -> Backend:
   source = multiworker.cluster_source() if kind in ("cpu", "gpu") else None
   backend = multiworker.create(config, kind, source) if source else _CREATORS[kind](config)
   precision = resolve_precision(config.precision, kind)
+  hardware = {}
   if kind == "cpu":
     cpu.check_precision(precision)
-  backend = dataclasses.replace(backend, cache_dir=environment.executable_cache_dir(kind), precision=precision)
+    hardware = cpu.conv_options(precision)
+  backend = dataclasses.replace(backend, cache_dir=environment.executable_cache_dir(kind), precision=precision,
+                                **hardware)
   policy = set_precision(precision, kind)
   logging.info("Backend %s, %d replica(s) on %s (TensorFlow %s, Keras %s, precision %s)", backend.label,
                backend.replicas, ", ".join(backend.devices), tf.__version__, keras_version(), policy)

@@ -4,17 +4,20 @@ import math
 import os
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
+from errors import UserError
 from training import checkpoints as checkpoints_lib
+from training import optimizers
 from training.checkpoints import CheckpointCallback, RunCheckpoints, read_index
 from training.lr_schedule import WarmupPlateauSchedule
 
 
-def toy_checkpoints(tmp_path):
+def toy_checkpoints(tmp_path, optimizer="adam"):
   """A trained toy model, its RunCheckpoints in `tmp_path`, and the checkpoint callback bound to it."""
   net = tf.keras.Sequential([tf.keras.layers.Dense(2, input_shape=(3,))])
-  net.compile(optimizer="adam", loss="mse")
+  net.compile(optimizer=optimizer, loss="mse")
   net.fit(np.zeros((4, 3)), np.zeros((4, 2)), verbose=0)
   checkpoints = RunCheckpoints(str(tmp_path), net, {"model": "toy"})
   callback = CheckpointCallback(checkpoints, WarmupPlateauSchedule(1e-3, 0, 0.1, 1, 0))
@@ -74,3 +77,27 @@ def test_saves_are_atomic_keep_two_and_never_overwrite_a_listed_checkpoint(tmp_p
     np.testing.assert_array_equal(restored.numpy(), saved)
   state = checkpoints_lib.peek_state(os.path.join(checkpoints.folder("best"), "ckpt-2"))
   assert state["best_epoch"] == 2 and [e["epoch"] for e in state["epoch_logs"]] == [1, 2]
+
+
+@pytest.mark.skipif(not hasattr(tf.keras.optimizers, "legacy"), reason="TensorFlow < 2.11 has one optimizer family")
+def test_resume_builds_the_optimizer_family_its_checkpoint_was_written_with(tmp_path):
+  """Runs started before Adam became the fused legacy class keep their optimizer state on --resume."""
+  written = tf.keras.optimizers.Adam(1e-3)  # the TF >= 2.11 family, as such runs used
+  net, _, callback = toy_checkpoints(tmp_path, written)
+  callback.on_epoch_end(0, {"loss": 0.5, "val_loss": 0.4})
+  state = checkpoints_lib.peek_last_state(str(tmp_path), {"model": "toy"})
+  assert state["optimizer_format"] == optimizers.KERAS_2_11
+  assert optimizers.optimizer_format(optimizers.make_optimizer("adam", 1e-3)) == optimizers.LEGACY
+
+  resumed, _, callback = toy_checkpoints(tmp_path / "new", optimizers.make_optimizer(
+      "adam", 1e-3, checkpoint_format=state["optimizer_format"]))
+  resumed_checkpoints = checkpoints_lib.RunCheckpoints(str(tmp_path), resumed, {"model": "toy"})
+  resumed_checkpoints.restore_last()
+  assert int(resumed.optimizer.iterations) == int(written.iterations) == 1
+  for old, new in zip(written.variables, resumed.optimizer.variables):
+    np.testing.assert_array_equal(new.numpy(), old.numpy())
+
+  fused, _, _ = toy_checkpoints(tmp_path / "fused", optimizers.make_optimizer("adam", 1e-3))
+  with pytest.raises(UserError, match="holds optimizer_2.11 optimizer state, but this run built a "
+                     "optimizer_v2 optimizer"):
+    checkpoints_lib.RunCheckpoints(str(tmp_path), fused, {"model": "toy"}).restore_last()

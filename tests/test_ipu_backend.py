@@ -126,7 +126,7 @@ def test_stage_assignment_at_the_builder_boundary(monkeypatch):
   net = fake_ipu.inject_keras_extensions(module.build(_config()))
   backend.prepare_model(net, module.STAGE_BOUNDARIES)
   (_, (stages,), _), = _calls("set_pipeline_stage_assignment")
-  assert stages["conv3"] == 0 and stages["relu3"] == 0
+  assert stages["conv3"] == 0 and stages["conv_channels"] == 0
   assert stages["flatten"] == 1 and stages["batch_norm"] == 1 and stages["conductances"] == 1
   (_, _, options), = _calls("set_pipelining_options")
   assert options["gradient_accumulation_steps_per_replica"] == 8

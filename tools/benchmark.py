@@ -70,10 +70,11 @@ def flops_per_sample(net) -> int:
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   total = 0
   for layer in net.layers:
-    if isinstance(layer, tf.keras.layers.Conv1D):
-      _, length, out_channels = layer.output_shape
-      kernel, in_channels = layer.kernel_size[0], layer.input_shape[-1]
-      total += 2 * length * out_channels * in_channels * kernel
+    if len(getattr(layer, "kernel", tf.zeros(())).shape) == 3:  # Conv1D, or the fused PooledConv1D
+      # The design's (width, in, out) kernel: padded channels are not counted as useful work.
+      width, in_channels, out_channels = layer.kernel.shape
+      length = layer.input_shape[1] - width + 1
+      total += 2 * length * out_channels * in_channels * width
     elif isinstance(layer, tf.keras.layers.Dense):
       total += 2 * layer.input_shape[-1] * layer.units
   return total

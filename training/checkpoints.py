@@ -34,6 +34,7 @@ import tensorflow as tf
 from absl import logging
 
 from errors import UserError
+from training import optimizers
 
 LAST, BEST = "last", "best"
 KEEP = {LAST: 2, BEST: 1}
@@ -130,6 +131,7 @@ class RunCheckpoints:
     self.restore_directory = os.path.join(restore_logdir or logdir, "checkpoints")
     self.identity = identity                      # e.g. {"model": ..., "design": ...}
     self._state = tf.Variable("{}", dtype=tf.string, trainable=False, name="run_state")
+    self._optimizer = model.optimizer
     self._checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, run_state=self._state)
 
   def folder(self, which: str) -> str:
@@ -197,6 +199,11 @@ class RunCheckpoints:
     except Exception as error:  # pylint: disable=broad-except  # any reader failure: a damaged file
       raise UserError("--resume: checkpoint %s is unreadable (%s)" % (path, _first_line(error))) from None
     check_identity(path, state, self.identity)
+    if which == LAST:
+      written, built = written_optimizer_format(path), optimizers.optimizer_format(self._optimizer)
+      if written not in (None, built):
+        raise UserError("--resume: checkpoint %s holds %s optimizer state, but this run built a %s "
+                        "optimizer (which would start from zero)" % (path, written, built))
     logging.info("Restored %s (epoch %d%s)", path, state["epoch"],
                  ", step %d of the next" % state["step"] if state.get("step") else "")
     return state
@@ -327,6 +334,16 @@ def latest_for_restore(folder: str) -> str:
   return path
 
 
+def written_optimizer_format(path: str):
+  """The optimizer family (training.optimizers.FORMATS) whose state checkpoint `path` holds, or None."""
+  names = [name for name, _ in tf.train.list_variables(path)]
+  if any(name.startswith(("optimizer/_iterations/", "optimizer/_variables/")) for name in names):
+    return optimizers.KERAS_2_11
+  if any(name.startswith("optimizer/iter/") for name in names):
+    return optimizers.LEGACY
+  return None
+
+
 def peek_state(path: str) -> dict:
   """The run state stored in checkpoint `path`, read without building the model."""
   try:
@@ -345,8 +362,9 @@ def peek_state(path: str) -> dict:
 
 
 def peek_last_state(logdir: str, identity: dict) -> dict:
-  """The run state of the last checkpoint, read without building the model (to position the data)."""
+  """The run state of the last checkpoint, read without building the model (to position the data
+  and build the optimizer family it was written with: state["optimizer_format"])."""
   path = latest_for_restore(os.path.join(logdir, "checkpoints", LAST))
   state = peek_state(path)
   check_identity(path, state, identity)
-  return state
+  return dict(state, optimizer_format=written_optimizer_format(path))

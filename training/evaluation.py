@@ -141,8 +141,14 @@ def restore_weights(net: tf.keras.Model, path: str, input_shape, num_outputs) ->
                     "weight shapes differ (is --data_path the kind of file the run was trained on?)"
                     % (path, net.name, tuple(input_shape), num_outputs))
   try:
-    # expect_partial: the optimizer slots and the run state are not needed for inference.
-    tf.train.Checkpoint(model=net).restore(path).expect_partial()
+    # expect_partial: the optimizer slots and the run state are not needed for inference. Where the
+    # option exists (TF >= 2.12), slots are not even queued: the optimizer that compile() creates
+    # later (Keras' default, of the TF >= 2.11 family) refuses slots written by the legacy family.
+    try:
+      options = tf.train.CheckpointOptions(experimental_skip_slot_variables=True)
+    except TypeError:
+      options = None  # TF 2.6: one optimizer family, nothing to refuse
+    tf.train.Checkpoint(model=net).restore(path, options=options).expect_partial()
   except (ValueError, tf.errors.OpError) as error:
     raise UserError("checkpoint %s does not fit a model for data of shape %s -> %d parameters: %s"
                     % (path, tuple(input_shape), num_outputs, " ".join(str(error).split())[:300])) from None

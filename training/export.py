@@ -13,6 +13,7 @@ parameter names travel with it as `loaded.par_names()` (and in `export_info.yaml
 The same folder also loads with `tf.keras.models.load_model` under Keras 2 (TF <= 2.15, or tf-keras).
 """
 
+import inspect
 import os
 
 import tensorflow as tf
@@ -32,7 +33,9 @@ def plain_copy(net: tf.keras.Model, config: RunConfig, input_shape, num_outputs)
   """
   import model as model_registry  # pylint: disable=import-outside-toplevel
   with tf.distribute.get_strategy().scope():  # the default strategy: plain, single-device variables
-    plain = model_registry.get_model_module(config.model).build(config, tuple(input_shape), num_outputs)
+    builder = model_registry.get_model_module(config.model).build
+    standard = {"standard_layers": True} if "standard_layers" in inspect.signature(builder).parameters else {}
+    plain = builder(config, tuple(input_shape), num_outputs, **standard)
   plain.set_weights(net.get_weights())
   return plain
 

@@ -48,17 +48,20 @@ def prepare_logdir(logdir: str) -> None:
     raise UserError("--logdir=%s is not a writable folder (%s)" % (logdir, error.strerror)) from None
 
 
-def build_and_compile(config: RunConfig, backend: Backend, model_module, splits) -> tf.keras.Model:
+def build_and_compile(config: RunConfig, backend: Backend, model_module, splits,
+                      checkpoint_format=None) -> tf.keras.Model:
   """Creates the model and its optimizer state inside the strategy scope, as tf.distribute requires.
+  A resumed run passes the optimizer family of its checkpoint as `checkpoint_format`.
 
   The backend prepares the model between building and compiling: pipeline stages and on-device
   gradient accumulation on IPUs, the accumulating train step on CPU/GPU.
   """
   with backend.strategy.scope():
-    net = model_module.build(config, splits.input_shape, splits.num_outputs)
+    net = model_module.build(config, splits.input_shape, splits.num_outputs,
+                             **backend.model_options(model_module.build))
     net = backend.prepare_model(net, getattr(model_module, "STAGE_BOUNDARIES", ()))
     optimizer = make_optimizer(config.optimizer, config.learning_rate, backend.optimizer_factories(),
-                               **backend.optimizer_kwargs())
+                               checkpoint_format, **backend.optimizer_kwargs())
     net.compile(optimizer=optimizer, loss=model_module.loss(), metrics=model_module.metrics(),
                 **backend.compile_kwargs(splits.train.steps))
   return net
@@ -224,7 +227,8 @@ def run(config: RunConfig, backend: Backend) -> dict:
 
   global_batch_size = backend.effective_batch(config.batch_size)
   splits = data.load(info.dataset, config, backend.layout(config.batch_size), resume_state["epoch"])
-  net = build_and_compile(config, backend, model.get_model_module(config.model), splits)
+  net = build_and_compile(config, backend, model.get_model_module(config.model), splits,
+                          resume_state.get("optimizer_format"))
   net.summary()
   logging.info("Global batch %d = %d per replica x %d gradient accumulation x %d replicas; "
                "%d optimizer steps per epoch", global_batch_size, config.batch_size,

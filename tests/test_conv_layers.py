@@ -1,0 +1,136 @@
+"""The fast Neuron-Inverter conv blocks compute the same function, gradients and weights as the standard
+Keras layers, with every combination of the backend's convolution options."""
+
+import itertools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import model
+from model import conv_layers
+from run_config import RunConfig
+from strategies import cpu
+from strategies.backend import Backend
+
+OPTIONS = [{"channel_multiple": multiple, "input_grad_by_forward_conv": by_forward}
+           for multiple, by_forward in itertools.product((1, 8, 32), (False, True))]
+
+
+def _builder():
+  return model.get_model_module("neuron_inverter").build
+
+
+def _pair(design, **options):
+  """The standard-layer network and the fast one with the same weights."""
+  config = RunConfig(model="neuron_inverter", design=design)
+  standard = _builder()(config, standard_layers=True)
+  fast = _builder()(config, **options)
+  fast.set_weights(standard.get_weights())
+  return standard, fast
+
+
+def _batch(seed=0, samples=6):
+  rng = np.random.default_rng(seed)
+  return (tf.constant(rng.standard_normal((samples, 1600, 4)), tf.float32),
+          tf.constant(rng.standard_normal((samples, 15)), tf.float32))
+
+
+def _loss_and_gradients(net, x, y):
+  with tf.GradientTape() as tape:
+    loss = tf.reduce_mean(tf.square(net(x, training=False) - y))
+  return float(loss), [g.numpy() for g in tape.gradient(loss, net.trainable_variables)]
+
+
+@pytest.mark.parametrize("design", ["ontra4", "dev"])
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "x%(channel_multiple)d-%(input_grad_by_forward_conv)s" % o)
+def test_fast_blocks_match_the_standard_layers_in_float32(design, options):
+  standard, fast = _pair(design, **options)
+  assert [(w.name, w.shape) for w in fast.weights] == [(w.name, w.shape) for w in standard.weights]
+  x, y = _batch()
+  loss, grads = _loss_and_gradients(standard, x, y)
+  fast_loss, fast_grads = _loss_and_gradients(fast, x, y)
+  assert fast_loss == pytest.approx(loss, rel=1e-6)
+  for expected, got in zip(grads, fast_grads):
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6 * np.abs(expected).max())
+
+
+@pytest.mark.skipif(not cpu.bfloat16_kernels_available(), reason="this TensorFlow has no CPU bfloat16 kernels")
+def test_fast_blocks_in_bfloat16_are_as_close_to_float32_as_the_standard_layers():
+  """bfloat16 rounds each step differently in the two forms; neither may stray further from float32."""
+  x, y = _batch(seed=1, samples=16)
+  tf.random.set_seed(1)
+  reference, _ = _pair("ontra4")
+  _, exact = _loss_and_gradients(reference, x, y)
+  tf.keras.mixed_precision.set_global_policy("mixed_bfloat16")
+  standard, fast = _pair("ontra4", channel_multiple=32, input_grad_by_forward_conv=True)
+  standard.set_weights(reference.get_weights())
+  fast.set_weights(reference.get_weights())
+  standard_loss, standard_grads = _loss_and_gradients(standard, x, y)
+  fast_loss, fast_grads = _loss_and_gradients(fast, x, y)
+  # Forward: adding the bias after the max (and padding with zeros) changes no rounding here.
+  assert fast_loss == pytest.approx(standard_loss, rel=1e-3)
+  def error(grads, truth):
+    return np.linalg.norm(grads - truth) / np.linalg.norm(truth)
+
+  flat = [np.concatenate([g.ravel() for g in grads]) for grads in (exact, standard_grads, fast_grads)]
+  assert error(flat[2], flat[0]) <= 1.1 * error(flat[1], flat[0]) + 1e-3  # about 0.1 for both
+  # Per weight the rounding noise is larger; a wrong conv gradient would be off by order one.
+  for truth, old, new in zip(exact, standard_grads, fast_grads):
+    assert error(new, truth) <= 2 * error(old, truth) + 0.02
+
+
+@pytest.mark.parametrize("width, in_channels, out_channels, length", [(1, 3, 5, 9), (2, 4, 7, 16),
+                                                                       (4, 30, 90, 40), (4, 5, 2, 4)])
+def test_input_gradient_by_forward_conv_equals_autodiff(width, in_channels, out_channels, length):
+  rng = np.random.default_rng(width)
+  x = tf.constant(rng.standard_normal((3, length, in_channels)), tf.float32)
+  kernel = tf.constant(rng.standard_normal((width, in_channels, out_channels)), tf.float32)
+  upstream = tf.constant(rng.standard_normal((3, length - width + 1, out_channels)), tf.float32)
+
+  def grads(conv):
+    with tf.GradientTape() as tape:
+      tape.watch([x, kernel])
+      y = conv(x, kernel)
+    return [y] + tape.gradient(y, [x, kernel], output_gradients=upstream)
+
+  autodiff = grads(lambda a, b: tf.nn.conv1d(a, b, 1, "VALID"))
+  custom = grads(conv_layers._conv1d_input_grad_by_forward_conv)  # pylint: disable=protected-access
+  for expected, got in zip(autodiff, custom):
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_padded_channels_are_zero_and_dropped_before_the_head():
+  config = RunConfig(model="neuron_inverter", design="ontra4")
+  net = _builder()(config, channel_multiple=32)
+  x, _ = _batch()
+  widths = [net.get_layer("conv%d" % i).output_shape[-1] for i in (1, 2, 3)]
+  assert widths == [32, 96, 192]  # 30, 90, 180 filters padded to multiples of 32
+  outputs = tf.keras.Model(net.input, [net.get_layer("conv%d" % i).output for i in (1, 2, 3)])(x)
+  for block, filters in zip(outputs, (30, 90, 180)):
+    assert not np.any(block.numpy()[..., filters:])
+    assert np.any(block.numpy()[..., :filters])
+  assert net.get_layer("conv_channels").output_shape == (None, 24, 180)
+  assert net.get_layer("flatten").output_shape == (None, 24 * 180)
+
+
+def test_checkpoint_of_the_standard_layers_restores_into_the_fast_blocks(tmp_path):
+  standard, _ = _pair("dev")
+  path = tf.train.Checkpoint(model=standard).write(str(tmp_path / "ckpt"))
+  fast = _builder()(RunConfig(model="neuron_inverter", design="dev"), channel_multiple=32)
+  tf.train.Checkpoint(model=fast).read(path).assert_existing_objects_matched()
+  for expected, got in zip(standard.get_weights(), fast.get_weights()):
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_backend_passes_only_the_options_a_builder_declares():
+  backend = Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",), conv_channel_multiple=32,
+                    conv_input_grad_by_forward_conv=True)
+  assert backend.model_options(_builder()) == {"channel_multiple": 32, "input_grad_by_forward_conv": True}
+  assert backend.model_options(model.get_model_module("mnist").build) == {}
+
+
+def test_cpu_pads_channels_only_for_16_bit_precision():
+  assert cpu.conv_options("32.32")["conv_channel_multiple"] == 1
+  assert cpu.conv_options("16.32")["conv_channel_multiple"] == 32
+  assert all(cpu.conv_options(p)["conv_input_grad_by_forward_conv"] for p in ("32.32", "16.32"))
