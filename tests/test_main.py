@@ -1,13 +1,16 @@
 """End to end through the real entry point: `python main.py ...` on real digits, 1 and 2 replicas."""
 
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import yaml
 
 from training.events import read_scalars
-from tests.helpers import assert_one_line_error, run_main
+from tests.helpers import REPO_ROOT, assert_one_line_error, run_main
 from tests.idx_files import write_mnist_folder
 
 CONTRACT_KEYS = ("model", "backend", "replicas", "global_batch_size", "epochs", "train_loss", "val_loss",
@@ -95,3 +98,17 @@ def test_profile_dir_gets_a_tensorboard_profile(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   traces = [name for _, _, names in os.walk(str(profile)) for name in names if ".xplane.pb" in name]
   assert traces, list(os.walk(str(profile)))
+  # tools/op_profile.py reads it back: three profiled steps (2-4) with the MNIST convolutions in them.
+  table = str(tmp_path / "ops.json")
+  tool = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "op_profile.py"),
+                         "--profile_dir=" + str(profile), "--json=" + table], capture_output=True,
+                        text=True, timeout=120)
+  assert tool.returncode == 0, tool.stderr[-3000:]
+  ops = json.load(open(table))
+  assert ops["steps"] == 3
+  kernels = {op["type"] for op in ops["ops"]}
+  assert any("Conv2DBackpropFilter" in kernel for kernel in kernels), sorted(kernels)
+  assert ops["ops"][0]["ms_per_step"] > 0 and "ms/step" in tool.stdout
+  missing = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "op_profile.py"),
+                            "--profile_dir=" + str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+  assert missing.returncode == 2 and "holds no profile" in missing.stderr

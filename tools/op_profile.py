@@ -60,7 +60,7 @@ def op_times(path: str) -> dict:
   space = _xplane_module().XSpace()
   with open(path, "rb") as f:
     space.ParseFromString(f.read())
-  seconds, calls, steps = collections.Counter(), collections.Counter(), set()
+  seconds, calls, steps = collections.Counter(), collections.Counter(), collections.defaultdict(set)
   for plane in space.planes:
     metadata = plane.event_metadata
     for line in plane.lines:
@@ -70,12 +70,13 @@ def op_times(path: str) -> dict:
           if name not in _WRAPPERS:
             seconds[name] += event.duration_ps * 1e-12
             calls[name] += 1
-        elif name.startswith("EagerLocalExecute: __inference_train_function") or name == "train_function":
-          steps.add(event.offset_ps)
-  per_step = max(len(steps), 1)
+        elif "train_function" in name:  # Keras' step, seen under one or two names (TF version)
+          steps[name.split("_train_function")[0]].add(event.offset_ps)
+  step_count = max((len(offsets) for offsets in steps.values()), default=0)
+  per_step = max(step_count, 1)
   ops = [{"name": name, "type": _op_type(name), "ms_per_step": 1e3 * s / per_step,
           "calls_per_step": calls[name] / per_step} for name, s in seconds.most_common()]
-  return {"trace": path, "steps": len(steps), "ops": ops}
+  return {"trace": path, "steps": step_count, "ops": ops}
 
 
 def by_type(ops: list) -> list:
