@@ -11,7 +11,8 @@ Two further options change how the same function is computed; the backend choose
 which is faster depends on the processor's kernels:
 - `channel_multiple`: the kernel is zero-padded so that the block's output channel count is a multiple
   of it (and its input count matches the padded block before it; the network's 4 input probes are not
-  widened). The padded output channels are exactly zero (zero weights, zero bias, ReLU),
+  widened). Only where that adds at most a quarter more channels: padding the small `dev` design's 4
+  filters to 32 would multiply that block's work by 8 for no gain. The padded output channels are exactly zero (zero weights, zero bias, ReLU),
   feed the next block through zero weights, and their gradients are never applied: only the design's
   (kernel, in_channels, filters) variables exist. oneDNN's AMX bfloat16 convolutions take their fast
   path only for channel counts that are multiples of 32; at 90 -> 30 channels they ran 4x slower per
@@ -48,15 +49,20 @@ def _conv1d_input_grad_by_forward_conv(x, kernel):
   return outputs, grad
 
 
-def _round_up(count: int, multiple: int) -> int:
-  return -(-count // multiple) * multiple
+MAX_PADDING = 0.25  # extra channels, as a share of the real ones, worth the fast kernels
+
+
+def padded_channels(count: int, multiple: int) -> int:
+  """`count` rounded up to a multiple of `multiple`, unless that adds more than MAX_PADDING."""
+  rounded = -(-count // multiple) * multiple
+  return rounded if rounded <= count * (1 + MAX_PADDING) else count
 
 
 class PooledConv1D(tf.keras.layers.Layer):
   """Conv1D (VALID, stride 1) -> MaxPooling1D(pool) -> ReLU over `in_channels` real input channels.
 
   The incoming tensor may carry extra, all-zero channels after the real ones (a padded block before
-  it); the output carries round_up(filters, channel_multiple) channels, the first `filters` real.
+  it); the output carries padded_channels(filters, channel_multiple) channels, the first `filters` real.
   """
 
   def __init__(self, filters, kernel_size, pool_size, in_channels, channel_multiple=1,
@@ -78,7 +84,7 @@ class PooledConv1D(tf.keras.layers.Layer):
                                   initializer="glorot_uniform")
     self.bias = self.add_weight("bias", (self.filters,), initializer="zeros")
     self._input_padding = incoming - self.in_channels  # the previous block's zero channels
-    self._output_padding = _round_up(self.filters, self.channel_multiple) - self.filters
+    self._output_padding = padded_channels(self.filters, self.channel_multiple) - self.filters
     super().build(input_shape)
 
   def call(self, inputs):

@@ -114,6 +114,14 @@ def test_padded_channels_are_zero_and_dropped_before_the_head():
   assert net.get_layer("flatten").output_shape == (None, 24 * 180)
 
 
+def test_padding_is_only_for_channel_counts_near_a_multiple():
+  assert [conv_layers.padded_channels(n, 32) for n in (30, 90, 180, 4, 16, 32, 100)] == [
+      32, 96, 192, 4, 16, 32, 100]
+  assert conv_layers.padded_channels(30, 1) == 30
+  net = _builder()(RunConfig(model="neuron_inverter", design="dev"), channel_multiple=32)
+  assert [net.get_layer("conv%d" % i).output_shape[-1] for i in (1, 2, 3)] == [4, 16, 32]
+
+
 def test_checkpoint_of_the_standard_layers_restores_into_the_fast_blocks(tmp_path):
   standard, _ = _pair("dev")
   path = tf.train.Checkpoint(model=standard).write(str(tmp_path / "ckpt"))
