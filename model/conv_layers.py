@@ -88,6 +88,11 @@ class PooledConv1D(tf.keras.layers.Layer):
     super().build(input_shape)
 
   def call(self, inputs):
+    return self._forward(inputs)
+
+  # No Python control flow depends on tensors here: AutoGraph's conversion would only add tracing time.
+  @tf.autograph.experimental.do_not_convert
+  def _forward(self, inputs):
     # A tensor, not the variable: tf.custom_gradient must see only tensors (the autocast read is here).
     kernel, bias = tf.convert_to_tensor(self.kernel), self.bias
     if self._input_padding or self._output_padding:
@@ -116,6 +121,10 @@ class LeadingChannels(tf.keras.layers.Layer):
     self.count = count
 
   def call(self, inputs):
+    return self._forward(inputs)
+
+  @tf.autograph.experimental.do_not_convert
+  def _forward(self, inputs):
     count, width = self.count, int(inputs.shape[-1])
     if width == count:
       return inputs

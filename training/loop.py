@@ -26,7 +26,7 @@ from training import callbacks as callbacks_lib
 from training import checkpoints as checkpoints_lib
 from training import interrupt as interrupt_lib
 from training.lr_schedule import WarmupPlateauSchedule
-from training.optimizers import make_optimizer
+from training.optimizers import create_slots, make_optimizer
 from training.summary import write_run_config, write_summary
 
 
@@ -64,6 +64,7 @@ def build_and_compile(config: RunConfig, backend: Backend, model_module, splits,
                                checkpoint_format, **backend.optimizer_kwargs())
     net.compile(optimizer=optimizer, loss=model_module.loss(), metrics=model_module.metrics(),
                 **backend.compile_kwargs(splits.train.steps))
+    create_slots(net.optimizer, net.trainable_variables)
   return net
 
 

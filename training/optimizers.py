@@ -57,3 +57,16 @@ def make_optimizer(name: str, learning_rate: float, factories=None, checkpoint_f
     return _adam(learning_rate, checkpoint_format, **backend_kwargs)
   factory = (factories or {}).get(name, OPTIMIZERS[name])
   return factory(learning_rate=learning_rate, **backend_kwargs)
+
+
+def create_slots(optimizer, variables) -> None:
+  """Creates the optimizer's state (slots, step counter) now, inside the caller's strategy scope.
+
+  Left to Keras, the first traced training step creates it, and a tf.function whose first trace
+  creates variables is traced a second time: about half a second of start-up for ontra4, which no
+  executable cache can save. Both Keras 2 families (and the loss-scale wrappers) have the hook.
+  """
+  if hasattr(optimizer, "_create_all_weights"):  # legacy OptimizerV2 family (TF 2.4+)
+    optimizer._create_all_weights(variables)  # pylint: disable=protected-access
+  elif hasattr(optimizer, "build"):  # the TF >= 2.11 family
+    optimizer.build(variables)
