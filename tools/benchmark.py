@@ -43,6 +43,8 @@ flags.DEFINE_integer("rounds", 3, "Training rounds (ours and the reference alter
 flags.DEFINE_string("reference_python", os.path.join(REPO_ROOT, ".venv-torch", "bin", "python"),
                     "Python with PyTorch for tools/reference_torch.py (make bench-reference builds it); "
                     "the reference is skipped if it does not exist.")
+flags.DEFINE_integer("compile_pairs", 3, "Cold/warm-cache start-up pairs per design and precision.",
+                     lower_bound=1)
 flags.DEFINE_list("skip", [], "Parts to skip: train, reference, inference, input, compile, peak.")
 flags.DEFINE_string("json", None, "Write all results to this JSON file.")
 flags.DEFINE_string("child", None, "Internal: run one measurement (kind:design) and print JSON.")
@@ -181,21 +183,37 @@ def _progress(label: str, result: dict) -> None:
                          "%.0f samples/s" % rate if rate else "done"), flush=True)
 
 
+def _first_step_seconds(design: str, precision: str, cache: str):
+  args = [sys.executable, os.path.join(REPO_ROOT, "main.py"), "--model=neuron_inverter",
+          "--design=" + design, "--backend=cpu", "--compile_only", "--jit_compile",
+          "--cache_dir=" + cache, "--batch_size=%d" % FLAGS.batch_size, "--precision=" + precision,
+          "--logdir=" + tempfile.mkdtemp(prefix="benchmark-run-"), "--steps_per_epoch=2", "--eval_steps=1"]
+  if FLAGS.data_path:
+    args.append("--data_path=" + FLAGS.data_path)
+  output = subprocess.run(args, capture_output=True, text=True, cwd=REPO_ROOT)
+  match = [line for line in output.stderr.splitlines() if "--compile_only: compiled in" in line]
+  return float(match[-1].split("compiled in")[1].split()[0]) if match else None
+
+
 def _compile_times(design: str, precision: str) -> dict:
-  """First-step time of main.py --compile_only, cold and then with the executable cache warm."""
-  cache = tempfile.mkdtemp(prefix="benchmark-cache-")
-  times = {}
-  for label in ("cold", "warm_cache"):
-    args = [sys.executable, os.path.join(REPO_ROOT, "main.py"), "--model=neuron_inverter",
-            "--design=" + design, "--backend=cpu", "--compile_only", "--jit_compile",
-            "--cache_dir=" + cache, "--batch_size=%d" % FLAGS.batch_size, "--precision=" + precision,
-            "--logdir=" + tempfile.mkdtemp(prefix="benchmark-run-"), "--steps_per_epoch=2", "--eval_steps=1"]
-    if FLAGS.data_path:
-      args.append("--data_path=" + FLAGS.data_path)
-    output = subprocess.run(args, capture_output=True, text=True, cwd=REPO_ROOT)
-    match = [line for line in output.stderr.splitlines() if "--compile_only: compiled in" in line]
-    times[label] = float(match[-1].split("compiled in")[1].split()[0]) if match else None
-  return times
+  """First-step time of main.py --compile_only, cold and then with the executable cache warm.
+
+  --compile_pairs pairs, each with a fresh cache, the warm run right after its cold one; the ratio is
+  the median of the per-pair ratios (the machine's speed drifts less within a pair).
+  """
+  pairs = []
+  for _ in range(FLAGS.compile_pairs):
+    cache = tempfile.mkdtemp(prefix="benchmark-cache-")
+    pairs.append((_first_step_seconds(design, precision, cache), _first_step_seconds(design, precision, cache)))
+  complete = [(cold, warm) for cold, warm in pairs if cold and warm]
+  if not complete:
+    return {"cold": None, "warm_cache": None, "pairs": pairs}
+  print("%s %-28s warm/cold s: %s" % (time.strftime("%H:%M:%S"), "compile %s %s" % (design, precision),
+                                      " ".join("%.1f/%.1f" % (warm, cold) for cold, warm in complete)),
+        flush=True)
+  return {"cold": statistics.median(cold for cold, _ in complete),
+          "warm_cache": statistics.median(warm for _, warm in complete),
+          "warm_over_cold": statistics.median(warm / cold for cold, warm in complete), "pairs": pairs}
 
 
 def _run_reference(design: str, precision: str, data_path: str):
@@ -291,21 +309,21 @@ def main(argv):
 def _print_table(results) -> None:
   print("\nbatch %d per replica, jit_compile %s, %d round(s)" % (
       results["batch_size"], results["jit_compile"], results["rounds"]))
-  print("%-6s %-7s %8s %8s %8s %8s %8s %8s %8s %8s %8s" % (
+  print("%-6s %-7s %8s %8s %8s %8s %8s %8s %8s %8s %8s %8s" % (
       "prec", "design", "train/s", "torch/s", "x torch", "x t-fp32", "infer/s", "GFLOP/s", "compile",
-      "cached", "peak MB"))
+      "cached", "cch/cld", "peak MB"))
   for precision, designs in results["precisions"].items():
     for design, row in designs.items():
       train, infer = row.get("train", {}), row.get("inference", {})
       compile_s = row.get("compile_seconds", {})
       train_flops = 3 * train.get("flops_per_sample_forward", 0)  # forward + two backward products
-      print("%-6s %-7s %8.0f %8s %8s %8s %8.0f %8.1f %8s %8s %8.0f" % (
+      print("%-6s %-7s %8.0f %8s %8s %8s %8.0f %8.1f %8s %8s %8s %8.0f" % (
           precision, design, train.get("samples_per_sec", 0),
           _fmt(row.get("reference", {}).get("samples_per_sec"), "%.0f"),
           _fmt(row.get("speedup_vs_reference"), "%.2f"), _fmt(row.get("speedup_vs_reference_fp32"), "%.2f"),
           infer.get("samples_per_sec", 0), train.get("samples_per_sec", 0) * train_flops / 1e9,
           _fmt(compile_s.get("cold"), "%.1f"), _fmt(compile_s.get("warm_cache"), "%.1f"),
-          max(train.get("peak_rss_mb", 0), infer.get("peak_rss_mb", 0))))
+          _fmt(compile_s.get("warm_over_cold"), "%.2f"), max(train.get("peak_rss_mb", 0), infer.get("peak_rss_mb", 0))))
   if "input" in results:
     fastest = max((row["train"]["samples_per_sec"] for designs in results["precisions"].values()
                    for design, row in designs.items() if design == "ontra4" and "train" in row), default=0)
