@@ -58,3 +58,12 @@ def test_reference_torch_model_has_the_reference_parameter_count(tmp_path):
                            "--window_steps=1"], check=True, capture_output=True, text=True, timeout=120)
   report = json.loads(result.stdout.strip().splitlines()[-1])
   assert report["params"] == 2988843 and report["samples_per_sec"] > 0
+
+
+def test_forms_benchmark_times_both_forms():
+  result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "benchmark_forms.py"), "--design=dev",
+                           "--precision=32.32", "--batch_size=8", "--rounds=2", "--steps=2"],
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "round 2/2" in result.stdout and "standard / application:" in result.stdout
+  assert result.stdout.count("ms/step") == 2

@@ -1,0 +1,90 @@
+"""A/B of the Neuron-Inverter training step in one process: the plain Keras form against the
+application's form, with timed windows alternating so that both see the machine in the same state.
+
+    python tools/benchmark_forms.py [--design=ontra4] [--precision=16.32] [--rounds=8] [--steps=10]
+
+- `standard`: the reference's layers as stock Keras builds them (Conv1D -> MaxPooling1D -> ReLU) and
+  Keras' default Adam (the TF >= 2.11 class): the application as it was before the fused blocks.
+- `application`: what `main.py` trains on this backend: `model.conv_layers.PooledConv1D` blocks with
+  the backend's convolution options, the fused legacy Adam, optimizer slots created before tracing.
+
+Both train on the same random batch (the input is not measured). Prints the median and 10th
+percentile of the step time of each and their ratio. Nothing in the test suite asserts a speed.
+"""
+
+import os
+import statistics
+import sys
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from absl import app  # noqa: E402  pylint: disable=wrong-import-position
+from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
+
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  flags.DEFINE_enum("design", "ontra4", ["ontra4", "dev"], "Neuron-Inverter design.")
+  flags.DEFINE_enum("precision", "16.32", ["32.32", "16.32"], "--precision of main.py.")
+  flags.DEFINE_integer("batch_size", 192, "Batch size.", lower_bound=1)
+  flags.DEFINE_integer("rounds", 8, "Alternating rounds (one window of each form per round).", lower_bound=1)
+  flags.DEFINE_integer("steps", 10, "Timed steps per window.", lower_bound=1)
+
+
+def _forms(config):
+  """{"standard": train_function, "application": train_function} and an iterator over one batch."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  import model  # pylint: disable=import-outside-toplevel
+  from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
+  from training import optimizers  # pylint: disable=import-outside-toplevel
+  backend = select_backend(config)
+  module = model.get_model_module("neuron_inverter")
+  standard = module.build(config, standard_layers=True)
+  standard.compile(tf.keras.optimizers.Adam(config.learning_rate), module.loss())
+  fast = module.build(config, **backend.model_options(module.build))
+  fast.compile(optimizers.make_optimizer("adam", config.learning_rate), module.loss())
+  optimizers.create_slots(fast.optimizer, fast.trainable_variables)
+  rng = np.random.default_rng(0)
+  batch = (rng.standard_normal((config.batch_size, 1600, 4), dtype=np.float32),
+           rng.standard_normal((config.batch_size, 15), dtype=np.float32))
+  batches = iter(tf.data.Dataset.from_tensors(batch).repeat())
+  return {"standard": standard.make_train_function(), "application": fast.make_train_function()}, batches
+
+
+def main(argv):
+  del argv
+  from run_config import RunConfig  # pylint: disable=import-outside-toplevel
+  from strategies import environment  # pylint: disable=import-outside-toplevel
+  config = RunConfig(model="neuron_inverter", design=FLAGS.design, backend="cpu", precision=FLAGS.precision,
+                     batch_size=FLAGS.batch_size)
+  environment.prepare(config)
+  steps, batches = _forms(config)
+  for step in steps.values():  # tracing and first allocations
+    for _ in range(3):
+      float(step(batches)["loss"])
+  times = {name: [] for name in steps}
+  for round_index in range(FLAGS.rounds):
+    for name, step in steps.items():
+      for _ in range(FLAGS.steps):
+        start = time.perf_counter()
+        float(step(batches)["loss"])
+        times[name].append(time.perf_counter() - start)
+    print("round %d/%d: %s" % (round_index + 1, FLAGS.rounds, ", ".join(
+        "%s %.1f ms" % (name, 1e3 * statistics.median(t[-FLAGS.steps:])) for name, t in times.items())),
+          flush=True)
+  for name, samples in times.items():
+    ordered = sorted(samples)
+    print("%-12s median %.1f ms/step, p10 %.1f ms (%s, %s, batch %d)" % (
+        name, 1e3 * statistics.median(samples), 1e3 * ordered[len(ordered) // 10], FLAGS.design,
+        FLAGS.precision, FLAGS.batch_size))
+  print("standard / application: %.2fx" % (statistics.median(times["standard"])
+                                           / statistics.median(times["application"])))
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)
