@@ -7,6 +7,7 @@ imported only when a run asks for it. A new model is one module here plus one en
 
 import dataclasses
 import importlib
+import inspect
 
 from errors import UserError
 
@@ -52,6 +53,13 @@ def get_model_info(name: str) -> ModelInfo:
     return MODELS[name]
   except KeyError:
     raise UserError("unknown model %r; valid models: %s" % (name, ", ".join(sorted(MODELS)))) from None
+
+
+def accepted_options(builder, **options) -> dict:
+  """The `options` that `builder` declares as keyword parameters: a builder names the options it
+  honours (the backend's convolution options, `standard_layers`); the others do not apply to it."""
+  parameters = inspect.signature(builder).parameters
+  return {name: value for name, value in options.items() if name in parameters}
 
 
 def get_model_module(name: str):

@@ -6,7 +6,6 @@ the tf.distribute behaviour (CPU and GPU); `strategies/ipu.py` overrides it for 
 """
 
 import dataclasses
-import inspect
 from typing import Optional
 
 import tensorflow as tf
@@ -70,12 +69,10 @@ class Backend:
     return BatchLayout(replicas=self.replicas, replica_rows=micro_batch * self.gradient_accumulation,
                        eval_replica_rows=micro_batch if self.gradient_accumulation > 1 else None)
 
-  def model_options(self, builder) -> dict:
-    """The hardware options among `builder`'s keyword parameters, for model_module.build(...)."""
-    options = {"channel_multiple": self.conv_channel_multiple,
-               "input_grad_by_forward_conv": self.conv_input_grad_by_forward_conv}
-    accepted = inspect.signature(builder).parameters
-    return {name: value for name, value in options.items() if name in accepted}
+  def model_options(self) -> dict:
+    """Hardware options for model builders (each takes those it declares: model.accepted_options)."""
+    return {"channel_multiple": self.conv_channel_multiple,
+            "input_grad_by_forward_conv": self.conv_input_grad_by_forward_conv}
 
   def prepare_model(self, model: tf.keras.Model, stage_boundaries=()) -> tf.keras.Model:
     """Called inside the strategy scope, before compile()."""

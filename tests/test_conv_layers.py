@@ -134,8 +134,10 @@ def test_checkpoint_of_the_standard_layers_restores_into_the_fast_blocks(tmp_pat
 def test_backend_passes_only_the_options_a_builder_declares():
   backend = Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",), conv_channel_multiple=32,
                     conv_input_grad_by_forward_conv=True)
-  assert backend.model_options(_builder()) == {"channel_multiple": 32, "input_grad_by_forward_conv": True}
-  assert backend.model_options(model.get_model_module("mnist").build) == {}
+  options = backend.model_options()
+  assert model.accepted_options(_builder(), **options) == {"channel_multiple": 32,
+                                                           "input_grad_by_forward_conv": True}
+  assert model.accepted_options(model.get_model_module("mnist").build, **options) == {}
 
 
 def test_cpu_pads_channels_only_for_16_bit_precision():

@@ -72,7 +72,8 @@ def flops_per_sample(net) -> int:
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   total = 0
   for layer in net.layers:
-    if len(getattr(layer, "kernel", tf.zeros(())).shape) == 3:  # Conv1D, or the fused PooledConv1D
+    kernel = getattr(layer, "kernel", None)
+    if kernel is not None and len(kernel.shape) == 3:  # Conv1D, or the fused PooledConv1D
       # The design's (width, in, out) kernel: padded channels are not counted as useful work.
       width, in_channels, out_channels = layer.kernel.shape
       length = layer.input_shape[1] - width + 1

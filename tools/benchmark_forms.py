@@ -45,7 +45,7 @@ def _forms(config):
   module = model.get_model_module("neuron_inverter")
   standard = module.build(config, standard_layers=True)
   standard.compile(tf.keras.optimizers.Adam(config.learning_rate), module.loss())
-  fast = module.build(config, **backend.model_options(module.build))
+  fast = module.build(config, **model.accepted_options(module.build, **backend.model_options()))
   fast.compile(optimizers.make_optimizer("adam", config.learning_rate), module.loss())
   optimizers.create_slots(fast.optimizer, fast.trainable_variables)
   rng = np.random.default_rng(0)

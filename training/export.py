@@ -13,7 +13,6 @@ parameter names travel with it as `loaded.par_names()` (and in `export_info.yaml
 The same folder also loads with `tf.keras.models.load_model` under Keras 2 (TF <= 2.15, or tf-keras).
 """
 
-import inspect
 import os
 
 import tensorflow as tf
@@ -34,8 +33,8 @@ def plain_copy(net: tf.keras.Model, config: RunConfig, input_shape, num_outputs)
   import model as model_registry  # pylint: disable=import-outside-toplevel
   with tf.distribute.get_strategy().scope():  # the default strategy: plain, single-device variables
     builder = model_registry.get_model_module(config.model).build
-    standard = {"standard_layers": True} if "standard_layers" in inspect.signature(builder).parameters else {}
-    plain = builder(config, tuple(input_shape), num_outputs, **standard)
+    plain = builder(config, tuple(input_shape), num_outputs,
+                    **model_registry.accepted_options(builder, standard_layers=True))
   plain.set_weights(net.get_weights())
   return plain
 

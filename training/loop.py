@@ -58,7 +58,7 @@ def build_and_compile(config: RunConfig, backend: Backend, model_module, splits,
   """
   with backend.strategy.scope():
     net = model_module.build(config, splits.input_shape, splits.num_outputs,
-                             **backend.model_options(model_module.build))
+                             **model.accepted_options(model_module.build, **backend.model_options()))
     net = backend.prepare_model(net, getattr(model_module, "STAGE_BOUNDARIES", ()))
     optimizer = make_optimizer(config.optimizer, config.learning_rate, backend.optimizer_factories(),
                                checkpoint_format, **backend.optimizer_kwargs())
