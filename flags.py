@@ -64,9 +64,15 @@ def _define_neuron_inverter_flags() -> None:
   flags.DEFINE_string("data_cache", DEFAULT_DATA_CACHE, "Folder for the built-in generated dataset.")
   flags.DEFINE_bool("in_memory", False, "Load each replica's block of the HDF5 file into RAM "
                     "(as the reference does) instead of streaming it.")
-  flags.DEFINE_integer("read_chunk", 512, "Rows per contiguous HDF5 read when streaming.", lower_bound=1)
+  flags.DEFINE_integer("read_chunk", 512, "Rows per chunk when streaming: chunks are visited in a "
+                       "shuffled order (rounded down to whole batches, at least one).", lower_bound=1)
   flags.DEFINE_integer("shuffle_buffer", 4096, "Rows shuffled together per replica when streaming.",
                        lower_bound=1)
+  flags.DEFINE_string("stage_dir", None, "Folder for a contiguous copy of HDF5 splits stored chunked or "
+                      "compressed (which cannot be memory-mapped); default: the system's temporary folder.")
+  flags.DEFINE_bool("synthetic_data", False, "Train on random batches made once and repeated, with no "
+                    "file reads (on IPUs generated on the device), to tell a host-bound run from a "
+                    "device-bound one.")
   flags.DEFINE_integer("warmup_epochs", None, "Linear learning-rate warm-up epochs (default: the model's).",
                        lower_bound=0)
   flags.DEFINE_float("lr_factor", 0.11, "Reduce-on-plateau factor.", lower_bound=0.0, upper_bound=1.0)
@@ -199,6 +205,8 @@ def to_config(values: flags.FlagValues) -> RunConfig:
       in_memory=values.in_memory,
       read_chunk=values.read_chunk,
       shuffle_buffer=values.shuffle_buffer,
+      stage_dir=values.stage_dir,
+      synthetic_data=values.synthetic_data,
       warmup_epochs=pick("warmup_epochs"),
       lr_factor=values.lr_factor,
       lr_patience=values.lr_patience,

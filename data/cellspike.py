@@ -1,16 +1,21 @@
-"""Neuron-Inverter input pipeline: cellSpike HDF5 -> sharded, shuffled, streamed tf.data batches.
+"""Neuron-Inverter input pipeline: cellSpike HDF5 -> sharded, shuffled tf.data batches, no Python per batch.
 
 Sharding follows the reference: every replica (of every process) owns one contiguous, equal block of a
 split, a whole number of local batches long; the tail that does not fill a batch on every shard is
-left out. Within its block a replica's samples are shuffled every epoch from a seed that depends only
-on (seed, shard, epoch), so a resumed run sees the same order as an uninterrupted one.
+left out. Each epoch's order within a block is computed by TensorFlow's stateless RNG from (seed, shard,
+epoch) only, so a resumed run sees the same order as an uninterrupted one, on any machine.
 
-Streaming mode reads each block in contiguous chunks (`read_chunk` rows) visited in a shuffled order,
-and shuffles rows inside a window of `shuffle_buffer` rows, so host memory is bounded by the window, not
-by the file (the real files are 15-144 GB). In-memory mode loads each block once, as the reference does,
-and shuffles the whole block every epoch.
+Streaming mode visits the block in chunks of `read_chunk` rows (rounded to whole batches) in a shuffled
+order and shuffles rows within each window of `shuffle_buffer` rows of that order; the batches are
+gathered straight from the memory-mapped file (`data/hdf5_native.py`), in parallel, in tf.data's own
+threads, so host memory holds a few batches per replica whatever the file's size (the real files are
+15-144 GB). In-memory mode copies each block into host memory once, as the reference does, and
+shuffles the whole block every epoch. Files whose datasets are chunked or compressed are staged into a
+contiguous copy first (`data/staging.py`). Batches keep the file's dtype (float16 frames cross to the
+device at half the bytes); the model casts them.
 """
 
+import dataclasses
 import os
 
 import h5py
@@ -18,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from data import cellspike_file
+from data import cellspike_file, hdf5_native, staging, synthetic
 from data.splits import BatchLayout, Split, Splits, count_steps, eval_layout
 from errors import UserError
 from run_config import RunConfig
@@ -41,154 +46,154 @@ def shard_blocks(num_samples: int, num_shards: int, batch_size: int, split: str)
   return [(i * per_shard, (i + 1) * per_shard) for i in range(num_shards)]
 
 
-def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
-  """An uninitialised array whose data start on an `alignment`-byte boundary.
+# Batches gathered in parallel per replica, and batches queued per replica ahead of the consumer.
+_PARALLEL_GATHERS = tf.data.experimental.AUTOTUNE
+_QUEUED_BATCHES = 2
 
-  TensorFlow takes over a numpy buffer without copying only if it is aligned for Eigen (64 bytes);
-  numpy's own allocations are 16-byte aligned, so every batch would otherwise be copied once more.
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+  """How one replica walks its block: every epoch's order is a function of (seed, shard, epoch).
+
+  Streaming visits the block's chunks of `chunk_rows` in a shuffled order and shuffles rows within each
+  window of `window_chunks` consecutive chunks of that order; in-memory mode (and the reference)
+  shuffles the whole block. Evaluation splits are read in order.
   """
-  dtype = np.dtype(dtype)
-  nbytes = int(np.prod(shape)) * dtype.itemsize
-  raw = np.empty(nbytes + alignment, np.uint8)
-  offset = -raw.ctypes.data % alignment
-  return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+  block: tuple          # [start, stop) rows of the split (file numbering)
+  batch_rows: int
+  batches: int          # batches per epoch (the first ones of the epoch's order)
+  chunk_rows: int
+  window_chunks: int
+  shuffle: bool
+  seed: int
+  shard: int
+  whole_block: bool     # in-memory mode: one window holding the whole block
 
 
-class BlockReader:
-  """Yields local batches of one contiguous block of one split, epoch after epoch."""
-
-  def __init__(self, path, split, block, batch_size, read_chunk, shuffle_buffer, seed, shard, shuffle,
-               in_memory):
-    self.path, self.split, (self.start, self.stop) = path, split, block
-    self.batch_size, self.read_chunk = batch_size, read_chunk
-    self.chunks_per_window = max(1, shuffle_buffer // read_chunk)
-    self.seed, self.shard, self.shuffle, self.in_memory = seed, shard, shuffle, in_memory
-    self._cache = None
-    self._buffers = None
-
-  def _rng(self, epoch):
-    return np.random.RandomState([self.seed % 2**32, self.shard, epoch])
-
-  def _datasets(self, f):
-    return f[cellspike_file.FRAMES_KEY % self.split], f[cellspike_file.TARGETS_KEY % self.split]
-
-  def _window_buffers(self, frames, targets, rows):
-    """One reusable pair of arrays per reader: windows are read into them, never concatenated."""
-    if self._buffers is None or len(self._buffers[0]) < rows:
-      self._buffers = (np.empty((rows,) + frames.shape[1:], frames.dtype),
-                       np.empty((rows,) + targets.shape[1:], targets.dtype))
-    return self._buffers
-
-  def _windows(self, f, rng):
-    """Yields (frames, targets) windows: several chunks, each read contiguously (chunk order shuffled)."""
-    frames, targets = self._datasets(f)
-    if self.in_memory:
-      if self._cache is None:
-        self._cache = frames[self.start:self.stop], targets[self.start:self.stop]
-      yield self._cache
-      return
-    chunks = list(range(self.start, self.stop, self.read_chunk))
-    if self.shuffle:
-      chunks = [chunks[i] for i in rng.permutation(len(chunks))]
-    window_x, window_y = self._window_buffers(frames, targets, self.chunks_per_window * self.read_chunk)
-    for i in range(0, len(chunks), self.chunks_per_window):
-      filled = 0
-      for start in chunks[i:i + self.chunks_per_window]:
-        stop = min(start + self.read_chunk, self.stop)
-        frames.read_direct(window_x, np.s_[start:stop], np.s_[filled:filled + stop - start])
-        targets.read_direct(window_y, np.s_[start:stop], np.s_[filled:filled + stop - start])
-        filled += stop - start
-      yield window_x[:filled], window_y[:filled]
-
-  def batches(self, epoch):
-    """One epoch of local batches; rows that do not fill a batch carry over into the next window."""
-    rng = self._rng(epoch)
-    carry = None  # (frames, targets) left over from the previous window: fewer rows than a batch
-    with h5py.File(self.path, "r") as f:
-      for x, y in self._windows(f, rng):
-        order = rng.permutation(len(x)) if self.shuffle else np.arange(len(x))
-        used = 0
-        while True:
-          needed = self.batch_size - (0 if carry is None else len(carry[0]))
-          if len(order) - used < needed:
-            break
-          yield self._gather(x, y, order[used:used + needed], carry)
-          used, carry = used + needed, None
-        rest = (np.take(x, order[used:], axis=0), np.take(y, order[used:], axis=0))
-        carry = rest if carry is None else (np.concatenate([carry[0], rest[0]]),
-                                            np.concatenate([carry[1], rest[1]]))
-
-  def _gather(self, x, y, rows, lead):
-    """One batch: the `lead` rows (if any), then rows `rows` of the window, in a new aligned array.
-
-    A new array per batch is safe to hand over (tf.data may hold it while the next one is filled), and
-    batch-sized blocks are recycled by malloc without page faults. Being 64-byte aligned, TensorFlow
-    wraps it as a tensor without copying it again.
-    """
-    out_x = aligned_empty((self.batch_size,) + x.shape[1:], x.dtype)
-    out_y = aligned_empty((self.batch_size,) + y.shape[1:], y.dtype)
-    start = 0
-    if lead is not None:
-      start = len(lead[0])
-      out_x[:start], out_y[:start] = lead
-    np.take(x, rows, axis=0, out=out_x[start:], mode="clip")  # "raise" would copy twice
-    np.take(y, rows, axis=0, out=out_y[start:], mode="clip")
-    return out_x, out_y
-
-  @property
-  def memory_rows(self):
-    """Rows this reader holds at most: its block in memory mode, one window (+ carry) when streaming."""
-    if self.in_memory:
-      return self.stop - self.start
-    return self.chunks_per_window * self.read_chunk + self.batch_size
+def _draw_seed(plan: ShardPlan, epoch, draw: int) -> tf.Tensor:
+  """A stateless RNG seed unique to (seed, shard, epoch, draw), the same on every machine."""
+  epoch = tf.cast(epoch, tf.int64)
+  return tf.stack([tf.constant(plan.seed % 2**62, tf.int64),
+                   (tf.constant(plan.shard, tf.int64) * 2**24 + epoch) * 4 + draw])
 
 
-def _step_elements(readers, first_epoch, element_per_replica):
-  """A generator factory: every call (a new pass of tf.data) yields one epoch of dataset elements."""
-  state = {"epoch": first_epoch}
+def epoch_rows(plan: ShardPlan, epoch) -> tf.Tensor:
+  """(batches, batch_rows) int64 rows of the block, relative to its start, for one epoch."""
+  n = plan.block[1] - plan.block[0]
+  rows = tf.range(n, dtype=tf.int64)
+  if plan.shuffle:
+    if plan.whole_block:
+      window = tf.zeros_like(rows)
+    else:
+      chunks = -(-n // plan.chunk_rows)
+      chunk_order = tf.argsort(tf.random.stateless_uniform([chunks], _draw_seed(plan, epoch, 0),
+                                                           maxval=2**31 - 1, dtype=tf.int64))
+      visit = tf.cast(tf.math.invert_permutation(chunk_order), tf.int64)  # visit rank of each chunk
+      window = tf.gather(visit, rows // plan.chunk_rows) // plan.window_chunks
+    noise = tf.random.stateless_uniform([n], _draw_seed(plan, epoch, 1), maxval=2**31 - 1,
+                                        dtype=tf.int64)
+    rows = tf.cast(tf.argsort(window * 2**31 + noise), tf.int64)  # windows in visit order, shuffled within
+  return tf.reshape(rows[:plan.batches * plan.batch_rows], (plan.batches, plan.batch_rows))
 
-  def generate():
-    epoch = state["epoch"]
-    state["epoch"] += 1
-    for parts in zip(*(reader.batches(epoch) for reader in readers)):
-      if element_per_replica:  # IPU infeeds: replica r takes the r-th element of each step
-        for part in parts:
-          yield part
-      else:  # tf.distribute splits a global batch in order: replica r gets slice r
-        yield np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
-  return generate
+@dataclasses.dataclass(frozen=True)
+class ShardSource:
+  """The two datasets of a split as the pipeline reads them; `first_row` is the file row of row 0."""
+  frames: hdf5_native.RowLayout
+  targets: hdf5_native.RowLayout
+  first_row: int = 0
+
+
+def _shard_stream(source: ShardSource, plan: ShardPlan, first_epoch: int) -> tf.data.Dataset:
+  """Endless (frames, targets) batches of one replica, epoch `first_epoch` onwards, in the stored dtype."""
+  block_start = plan.block[0] - source.first_row
+  indices = tf.data.Dataset.range(first_epoch, 2**62).flat_map(
+      lambda epoch: tf.data.Dataset.from_tensor_slices(epoch_rows(plan, epoch)))
+  mapped = tf.data.Dataset.zip((hdf5_native.mapped_units(source.frames),
+                                hdf5_native.mapped_units(source.targets)))
+  if plan.whole_block:  # gathered once into host memory; every batch is then gathered from there
+    block = tf.range(block_start, block_start + plan.block[1] - plan.block[0], dtype=tf.int64)
+    held = mapped.take(1).map(lambda ux, uy: (hdf5_native.gather_rows(source.frames, ux, block),
+                                              hdf5_native.gather_rows(source.targets, uy, block)))
+    batches = tf.data.Dataset.zip((indices, held.cache().repeat())).map(
+        lambda rows, xy: (tf.gather(xy[0], rows), tf.gather(xy[1], rows)),
+        num_parallel_calls=_PARALLEL_GATHERS, deterministic=True)
+  else:
+    batches = tf.data.Dataset.zip((indices, mapped)).map(
+        lambda rows, units: (hdf5_native.gather_rows(source.frames, units[0], rows + block_start),
+                             hdf5_native.gather_rows(source.targets, units[1], rows + block_start)),
+        num_parallel_calls=_PARALLEL_GATHERS, deterministic=True)
+  return batches.prefetch(_QUEUED_BATCHES)
+
+
+def _combine(streams: list, element_per_replica: bool) -> tf.data.Dataset:
+  """One element per step from the replicas' streams, laid out as the backend consumes them."""
+  if len(streams) == 1:
+    return streams[0]
+  if element_per_replica:  # IPU infeeds (and multi-worker input): replica r takes every r-th element
+    return tf.data.experimental.choose_from_datasets(
+        streams, tf.data.Dataset.range(len(streams)).repeat())
+  # tf.distribute splits a global batch in order: replica r gets slice r.
+  return tf.data.Dataset.zip(tuple(streams)).map(
+      lambda *parts: (tf.concat([p[0] for p in parts], 0), tf.concat([p[1] for p in parts], 0)),
+      num_parallel_calls=_PARALLEL_GATHERS, deterministic=True)
+
+
+def _contiguous_source(info, split: str, rows: tuple, stage_dir) -> ShardSource:
+  """The split's datasets, memory-mappable: the file itself, or a staged copy of rows [start, stop)."""
+  keys = (cellspike_file.FRAMES_KEY % split, cellspike_file.TARGETS_KEY % split)
+  with h5py.File(info.path, "r") as f:
+    if not any(hdf5_native.not_contiguous_reason(f[key]) for key in keys):
+      return ShardSource(*(hdf5_native.row_layout(info.path, f[key]) for key in keys))
+  staged = staging.stage_rows(info.path, keys, rows[0], rows[1], stage_dir)
+  with h5py.File(staged, "r") as f:
+    return ShardSource(*(hdf5_native.row_layout(staged, f[key]) for key in keys), first_row=rows[0])
+
+
+def chunk_rows_for(read_chunk: int, batch_rows: int) -> int:
+  """Streaming chunks are whole batches long (at least one), as close to `read_chunk` as that allows."""
+  return max(1, read_chunk // batch_rows) * batch_rows
 
 
 def make_split(info, split, config, layout: BatchLayout, first_epoch, shuffle, max_steps) -> Split:
   """The tf.data pipeline of one split, one contiguous block per replica."""
   num = info.splits[split].num_samples
   blocks = shard_blocks(num, layout.total_shards, layout.replica_rows, split)
-  # Each process reads only the blocks of the replicas it feeds (its own disjoint part of the file).
-  readers = [BlockReader(info.path, split, blocks[shard], layout.replica_rows, config.read_chunk,
-                         config.shuffle_buffer, config.seed, shard, shuffle, config.in_memory)
-             for shard in layout.shards]
+  mine = [blocks[shard] for shard in layout.shards]
   block_rows = blocks[0][1] - blocks[0][0]
   steps = count_steps(block_rows * layout.replicas, layout.step_rows, max_steps, split,
                       layout.steps_multiple)
+  source = _contiguous_source(info, split, (mine[0][0], mine[-1][1]), config.stage_dir)
+  chunk_rows = chunk_rows_for(config.read_chunk, layout.replica_rows)
+  plans = [ShardPlan(block=blocks[shard], batch_rows=layout.replica_rows, batches=steps,
+                     chunk_rows=chunk_rows, window_chunks=max(1, config.shuffle_buffer // chunk_rows),
+                     shuffle=shuffle, seed=config.seed, shard=shard, whole_block=config.in_memory)
+           for shard in layout.shards]
+
+  def stream(epoch: int) -> tf.data.Dataset:
+    combined = _combine([_shard_stream(source, plan, epoch) for plan in plans],
+                        layout.element_per_replica)
+    return combined.prefetch(_QUEUED_BATCHES * layout.elements_per_step)
+
   elements = steps * layout.elements_per_step
-  dtype = tf.as_dtype(info.splits[split].dtype)
-  dataset = tf.data.Dataset.from_generator(
-      _step_elements(readers, first_epoch, layout.element_per_replica),
-      output_signature=(tf.TensorSpec((layout.element_rows,) + info.input_shape, dtype),
-                        tf.TensorSpec((layout.element_rows, info.num_params), dtype)))
-  # fp16 files feed float32 to the model; the cast runs once per batch.
-  dataset = dataset.map(lambda x, y: (tf.cast(x, tf.float32), tf.cast(y, tf.float32)))
-  dataset = dataset.take(elements).apply(tf.data.experimental.assert_cardinality(elements))
-  dataset = dataset.prefetch(2 * layout.elements_per_step)
-  bytes_per_row = (np.prod(info.input_shape) + info.num_params) * info.splits[split].dtype.itemsize
-  held = sum(r.memory_rows for r in readers) * bytes_per_row
-  logging.info("%s split: %d samples, shards %d-%d of %d, %d rows each, %d steps of %d; %s holds %.1f MB "
-               "of host memory", split, num, layout.shards[0], layout.shards[-1], layout.total_shards,
-               block_rows, steps, layout.step_rows,
-               "in-memory mode" if config.in_memory else "streaming", held / 1e6)
-  return Split(dataset=dataset, steps=steps, samples=steps * layout.step_rows,
-               blocks=tuple(blocks[shard] for shard in layout.shards))
+  one_pass = stream(first_epoch).take(elements).apply(tf.data.experimental.assert_cardinality(elements))
+  _log_split(info, split, layout, source, plans, steps, config.in_memory)
+  return Split(dataset=one_pass, steps=steps, samples=steps * layout.step_rows, blocks=tuple(mine),
+               stream=stream)
+
+
+def _log_split(info, split, layout, source, plans, steps, in_memory) -> None:
+  row_bytes = source.frames.row_bytes + source.targets.row_bytes
+  if in_memory:
+    held = sum(p.block[1] - p.block[0] for p in plans) * row_bytes
+  else:  # queued + being gathered, per replica; the file itself is only mapped (page cache)
+    held = len(plans) * (2 * _QUEUED_BATCHES + (os.cpu_count() or 1)) * plans[0].batch_rows * row_bytes
+  logging.info("%s split: %d samples, shards %d-%d of %d, %d rows each, %d steps of %d; %s, about "
+               "%.0f MB of host memory; %d bytes per sample to the device (%s frames, %s targets)",
+               split, info.splits[split].num_samples, layout.shards[0], layout.shards[-1],
+               layout.total_shards, plans[0].block[1] - plans[0].block[0], steps, layout.step_rows,
+               "in-memory mode" if in_memory else "streaming", held / 1e6, row_bytes,
+               source.frames.dtype.name, source.targets.dtype.name)
 
 
 def mean_predictor_loss(path: str, split: str = "val") -> float:
@@ -224,8 +229,30 @@ def open_configured(config: RunConfig):
   return cellspike_file.open_cellspike(path, yaml_info)
 
 
+def _synthetic_splits(config: RunConfig, layout: BatchLayout) -> Splits:
+  """--synthetic_data: the configured file's shapes, dtype and sizes (the built-in one's without a
+  --data_path, which is then not generated), with random batches and no reads."""
+  if config.data_path:
+    info = open_configured(config)
+    shape, params, sizes = info.input_shape, info.num_params, info.splits
+    dtype = tf.as_dtype(info.splits["train"].dtype.newbyteorder("="))
+    sizes = {split: s.num_samples for split, s in info.splits.items()}
+  else:
+    shape, params, dtype, sizes = (1600, 4), 15, tf.float16, DEFAULT_SAMPLES
+  element = synthetic.regression_element(shape, params, dtype, config.seed)
+  def split(name, split_layout, max_steps):
+    return synthetic.make_split(element, split_layout, sizes[name], max_steps, name)
+  return Splits(train=split("train", layout, config.steps_per_epoch),
+                validation=split("val", eval_layout(layout), config.eval_steps),
+                test=split("test", eval_layout(layout), config.eval_steps),
+                source=synthetic.SOURCE, input_shape=tuple(shape), num_outputs=params,
+                summary_extras={"par_names": ["par%d" % i for i in range(params)]})
+
+
 def load(config: RunConfig, layout: BatchLayout, first_epoch: int = 0) -> Splits:
   """Train (shuffled), val and test splits of the configured cellSpike file."""
+  if config.synthetic_data:
+    return _synthetic_splits(config, layout)
   info = open_configured(config)
   logging.info("cellSpike file %s: %s; frames %s, %d parameters", info.path,
                ", ".join("%s %d (%s)" % (d, s.num_samples, s.dtype) for d, s in info.splits.items()),

@@ -116,7 +116,7 @@ def _dataset(f: h5py.File, path: str, key: str) -> h5py.Dataset:
   dataset = f[key]
   if not isinstance(dataset, h5py.Dataset):
     raise UserError("%s: '%s' is a group, expected a dataset" % (path, key))
-  if dataset.dtype not in _FLOAT_DTYPES:
+  if dataset.dtype.newbyteorder("=") not in _FLOAT_DTYPES:  # either byte order
     raise UserError("%s: '%s' has dtype %s, expected float16 or float32" % (path, key, dataset.dtype))
   return dataset
 

@@ -12,7 +12,7 @@ import os
 import numpy as np
 from absl import logging
 
-from data import idx
+from data import idx, synthetic
 from data.splits import Arrays, BatchLayout, Splits, eval_layout, make_split
 from errors import UserError
 from run_config import RunConfig
@@ -114,6 +114,12 @@ def _normalise(images, labels):
 def load(config: RunConfig, layout: BatchLayout, first_epoch: int = 0) -> Splits:
   """MNIST train and test splits as batched tf.data pipelines (no validation split, as in the check)."""
   del first_epoch  # tf.data's seeded reshuffle restarts with the process; MNIST runs do not resume.
+  if config.synthetic_data:
+    element = synthetic.classification_element((28, 28, 1), 10, config.seed)
+    return Splits(train=synthetic.make_split(element, layout, 60000, config.steps_per_epoch, "train"),
+                  validation=None,
+                  test=synthetic.make_split(element, eval_layout(layout), 10000, config.eval_steps, "test"),
+                  source=synthetic.SOURCE, input_shape=(28, 28, 1), num_outputs=10)
   arrays, where = load_arrays(config)
   return Splits(
       train=make_split(arrays["train"], layout, _normalise, shuffle=True, seed=config.seed,

@@ -57,11 +57,27 @@ def eval_layout(layout: BatchLayout) -> BatchLayout:
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-  """One batched pipeline and its size in global batches."""
+  """One batched pipeline and its size in global batches.
+
+  `dataset` is one pass. Training consumes `epochs_from(epoch)` instead: one endless stream of the
+  passes of that epoch and the following ones, which Keras reads through a single iterator for the
+  whole fit (given `steps_per_epoch`), so nothing is torn down and refilled between epochs.
+  """
   dataset: tf.data.Dataset
   steps: int                 # steps per pass (each step: one element per replica, or one global batch)
   samples: int               # samples per pass
   blocks: tuple = ()         # [start, stop) rows of the file read by this process, per shard
+  stream: Optional[Callable[[int], tf.data.Dataset]] = None   # epoch -> endless passes from it
+
+  @property
+  def elements_per_step(self) -> int:
+    elements = int(self.dataset.cardinality())
+    return elements // self.steps if elements > 0 and self.steps else 1
+
+  def epochs_from(self, epoch: int, skip_steps: int = 0) -> tf.data.Dataset:
+    """The passes of `epoch` onwards, endless, without the first `skip_steps` steps of `epoch`."""
+    dataset = self.stream(epoch) if self.stream is not None else self.dataset.repeat()
+    return dataset.skip(skip_steps * self.elements_per_step) if skip_steps else dataset
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,9 +50,9 @@ class Backend:
     """Where this process writes TensorBoard events, checkpoints and summary.yaml."""
     return logdir
 
-  def fit_input(self, split):
-    """(x, steps) for Keras fit/evaluate: the dataset itself, Keras counting its batches."""
-    return split.dataset, None
+  def fit_input(self, dataset: tf.data.Dataset, steps: int):
+    """(x, steps) for Keras fit/evaluate/predict: the dataset itself."""
+    return dataset, steps
 
   @property
   def label(self) -> str:

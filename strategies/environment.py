@@ -52,6 +52,12 @@ def _make_dir(path: str, flag: str) -> str:
 def _ipu_variables(config: RunConfig) -> None:
   if config.ipu_model:
     _add_flag("TF_POPLAR_FLAGS", "--use_ipu_model")
+  if config.synthetic_data:
+    # Poplar then makes the infeed data on the device (no host transfer at all); "random" fills it
+    # with random values. Both flags: PoplarXlaFlags (graphcore/tensorflow, compiler/plugin/poplar/
+    # driver/tools/flags.h); the same pair as examples' vision/cnns/tensorflow2 --synthetic_data=ipu.
+    _add_flag("TF_POPLAR_FLAGS", "--use_synthetic_data")
+    _add_flag("TF_POPLAR_FLAGS", "--synthetic_data_initializer=random")
   # Under poprun, --executable-cache-path arrives as POPDIST_EXECUTABLE_CACHE_PATH, which TensorFlow
   # uses when --executable_cache_path is absent: let poprun's choice win.
   if config.cache_dir and not os.environ.get("POPDIST_EXECUTABLE_CACHE_PATH"):

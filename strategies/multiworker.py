@@ -76,16 +76,13 @@ class MultiWorkerBackend(Backend):
                        eval_replica_rows=micro_batch if self.gradient_accumulation > 1 else None,
                        first_shard=self.rank * self.local_replicas, num_shards=self.replicas)
 
-  def fit_input(self, split):
+  def fit_input(self, dataset: tf.data.Dataset, steps: int):
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    # Keras keeps one iterator of a DatasetCreator for all the epochs of a fit (it never re-creates
-    # it, unlike a tf.data.Dataset's): without repeat() the input runs out after the first epoch and
-    # Keras ends the fit there, "successfully", with the remaining epochs untrained. Each repetition
-    # is a new pass of the split's generator, i.e. the next epoch's order; evaluation makes a new
-    # iterator per call and takes its `steps` from it.
-    dataset = split.dataset.repeat().with_options(options)
-    return tf.keras.utils.experimental.DatasetCreator(lambda input_context: dataset), split.steps
+    # Keras keeps one iterator of a DatasetCreator for all the epochs of a fit and every call of
+    # evaluate: a finite pass (test, prediction) must repeat, or a second pass would find it empty.
+    dataset = dataset.repeat().with_options(options)
+    return tf.keras.utils.experimental.DatasetCreator(lambda input_context: dataset), steps
 
   def output_dir(self, logdir: str) -> str:
     if self.is_chief:

@@ -8,6 +8,9 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+
 from tests.cellspike_files import write_cellspike
 from tests.helpers import REPO_ROOT
 
@@ -39,15 +42,21 @@ def test_benchmark_produces_every_figure(tmp_path):
   assert {"streaming", "in_memory", "raw_h5py"} <= set(results["input"])
 
 
-def test_input_benchmark_reports_memory(tmp_path):
-  data = write_cellspike(str(tmp_path / "d.h5"), sizes={"train": 256, "val": 32, "test": 32})
+def test_input_benchmark_reports_what_sizes_a_host(tmp_path):
+  data = write_cellspike(str(tmp_path / "d.h5"), sizes={"train": 256, "val": 32, "test": 32},
+                         dtype=np.float16)
   out = str(tmp_path / "input.json")
-  subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "benchmark_input.py"),
-                  "--data_path=" + data, "--replicas=2", "--batch_size=16", "--json=" + out],
-                 check=True, capture_output=True, timeout=300)
+  run = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "benchmark_input.py"),
+                        "--data_path=" + data, "--replicas=2", "--batch_size=16", "--passes=2",
+                        "--json=" + out], check=True, capture_output=True, text=True, timeout=300)
   result = json.load(open(out))
-  assert result["pipeline"]["samples"] == 256 and result["pipeline"]["peak_rss_mb"] > 0
-  assert result["raw_h5py"]["gb_per_sec"] > 0
+  pipeline = result["pipeline"]
+  assert pipeline["epoch_samples"] == 256 and pipeline["samples"] == 512   # 2 timed passes
+  assert pipeline["bytes_per_sample"] == 2 * (1600 * 4 + 15)              # float16, as stored
+  assert pipeline["peak_rss_mb"] > 0 and pipeline["cpu_seconds_per_1000"] > 0
+  assert pipeline["samples_per_sec"] == pytest.approx(512 / pipeline["seconds"])
+  assert result["raw_h5py"]["gb_per_sec"] > 0 and result["raw_h5py_parallel"]["processes"] == 2
+  assert "feeds 2 device(s) at" in run.stdout and "A100 GPUs" in run.stdout
 
 
 def test_reference_torch_model_has_the_reference_parameter_count(tmp_path):

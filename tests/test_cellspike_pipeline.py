@@ -18,10 +18,10 @@ def _config(path, **kwargs):
   return RunConfig(**base)
 
 
-def _epoch_rows(split, replicas, batch_size):
+def _epoch_rows(split, replicas, batch_size, dataset=None):
   """Row ids per replica for one pass, split the way tf.distribute splits global batches."""
   per_replica = [[] for _ in range(replicas)]
-  for frames, targets in split.dataset:
+  for frames, targets in (split.dataset if dataset is None else dataset):
     rows = frames.numpy()[:, 0, 0].astype(int)
     np.testing.assert_array_equal(rows, targets.numpy()[:, 0].astype(int))  # frames stay with targets
     for r in range(replicas):
@@ -34,7 +34,7 @@ def test_shards_are_contiguous_disjoint_equal_and_shuffled_within(tmp_path, in_m
   path = write_row_marked(str(tmp_path / "rows.h5"), n_train=103)
   splits = cellspike.load(_config(path, in_memory=in_memory), BatchLayout(3, 4))
   assert splits.train.steps == 8                   # 103 // 3 // 4 * 4 = 32 rows per shard, 8 batches
-  first, second = _epoch_rows(splits.train, 3, 4), _epoch_rows(splits.train, 3, 4)
+  first, second = _two_epochs(splits.train, 3, 4)
   for r in range(3):
     assert sorted(first[r]) == list(range(32 * r, 32 * (r + 1)))   # its own contiguous block, all of it
     assert sorted(second[r]) == sorted(first[r])
@@ -42,11 +42,18 @@ def test_shards_are_contiguous_disjoint_equal_and_shuffled_within(tmp_path, in_m
     assert first[r] != second[r]                                   # ... differently every epoch
 
 
+def _two_epochs(split, replicas, batch_size):
+  """The first two passes of the split's endless stream (what one Keras iterator reads)."""
+  stream = split.epochs_from(0).take(2 * split.steps)
+  rows = _epoch_rows(split, replicas, batch_size, stream)
+  per_epoch = split.steps * batch_size
+  return [r[:per_epoch] for r in rows], [r[per_epoch:] for r in rows]
+
+
 def test_order_depends_only_on_seed_and_epoch(tmp_path):
   path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64)
   run_a = cellspike.load(_config(path), BatchLayout(2, 4))
-  _epoch_rows(run_a.train, 2, 4)
-  second_epoch = _epoch_rows(run_a.train, 2, 4)
+  _, second_epoch = _two_epochs(run_a.train, 2, 4)
   resumed = cellspike.load(_config(path), BatchLayout(2, 4), first_epoch=1)
   assert _epoch_rows(resumed.train, 2, 4) == second_epoch
   first_epoch = _epoch_rows(cellspike.load(_config(path), BatchLayout(2, 4)).train, 2, 4)
@@ -62,12 +69,27 @@ def test_validation_is_not_shuffled_and_batches_are_static(tmp_path):
   assert tf.data.experimental.cardinality(splits.train.dataset).numpy() == splits.train.steps
 
 
-def test_fp16_file_feeds_float32(tmp_path):
+def test_fp16_file_stays_float16_on_the_host(tmp_path):
   path = write_cellspike(str(tmp_path / "c.h5"), dtype=np.float16)
   splits = cellspike.load(_config(path), BatchLayout(1, 4))
   frames, targets = next(iter(splits.train.dataset))
-  assert frames.dtype == tf.float32 and targets.dtype == tf.float32 and frames.shape == (4, 1600, 4)
+  assert frames.dtype == tf.float16 and targets.dtype == tf.float16 and frames.shape == (4, 1600, 4)
   assert splits.summary_extras["mean_predictor_val_loss"] == pytest.approx(1 / 3, rel=0.3)
+
+
+@pytest.mark.parametrize("storage", [dict(chunks=(5, 16, 4), compression="gzip", shuffle=True),
+                                     dict(dtype=">f4")])
+def test_chunked_compressed_and_big_endian_files_read_the_same_batches(tmp_path, storage):
+  """A contiguous file is memory-mapped; a chunked/compressed one is staged; both give equal batches."""
+  plain = write_row_marked(str(tmp_path / "plain.h5"), n_train=64)
+  other = write_row_marked(str(tmp_path / "other.h5"), n_train=64, **storage)
+  layout = BatchLayout(2, 4, first_shard=2, num_shards=4)   # a second process: staging its rows only
+  for split in ("train", "validation"):
+    batches = [getattr(cellspike.load(_config(p, stage_dir=str(tmp_path / "stage")), layout), split)
+               for p in (plain, other)]
+    for (x_a, y_a), (x_b, y_b) in zip(*(b.epochs_from(1).take(6) for b in batches)):
+      np.testing.assert_array_equal(x_a.numpy(), x_b.numpy())
+      np.testing.assert_array_equal(y_a.numpy(), y_b.numpy())
 
 
 def test_steps_per_epoch_caps_the_split(tmp_path):
@@ -83,11 +105,32 @@ def test_too_few_samples_for_the_shards(tmp_path):
     cellspike.load(_config(path), BatchLayout(7, 4))
 
 
-def test_streaming_memory_is_bounded_by_the_window():
-  reader = cellspike.BlockReader("x.h5", "train", (0, 1_000_000), 192, 512, 4096, 0, 0, True, False)
-  assert reader.memory_rows == 4096 + 192
-  in_memory = cellspike.BlockReader("x.h5", "train", (0, 1_000_000), 192, 512, 4096, 0, 0, True, True)
-  assert in_memory.memory_rows == 1_000_000
+def _plan(**kwargs):
+  base = dict(block=(1000, 1000 + 60 * 8), batch_rows=8, batches=60, chunk_rows=16, window_chunks=3,
+              shuffle=True, seed=3, shard=1, whole_block=False)
+  base.update(kwargs)
+  return cellspike.ShardPlan(**base)
+
+
+def test_streaming_order_visits_shuffled_chunks_and_shuffles_within_windows():
+  plan = _plan()
+  order = cellspike.epoch_rows(plan, 5).numpy().reshape(-1)
+  assert sorted(order) == list(range(480))                      # every row once, relative to the block
+  windows = [order[i:i + 48] for i in range(0, 480, 48)]         # 3 chunks of 16 rows
+  assert all(len(set(w // 16)) == 3 for w in windows)            # each window: rows of 3 whole chunks
+  assert [w.min() // 16 for w in windows] != sorted(w.min() // 16 for w in windows)   # chunks shuffled
+  assert any(list(w) != sorted(w) for w in windows)              # rows shuffled within the window
+  np.testing.assert_array_equal(order, cellspike.epoch_rows(plan, 5).numpy().reshape(-1))
+  assert list(order) != list(cellspike.epoch_rows(plan, 6).numpy().reshape(-1))
+  assert list(order) != list(cellspike.epoch_rows(_plan(shard=2), 5).numpy().reshape(-1))
+
+
+def test_in_memory_order_shuffles_the_whole_block_and_evaluation_keeps_file_order():
+  order = cellspike.epoch_rows(_plan(whole_block=True), 0).numpy().reshape(-1)
+  assert sorted(order) == list(range(480)) and len(set(order[:48] // 16)) > 3
+  np.testing.assert_array_equal(cellspike.epoch_rows(_plan(shuffle=False), 0).numpy().reshape(-1),
+                                np.arange(480))
+  assert cellspike.chunk_rows_for(512, 192) == 384 and cellspike.chunk_rows_for(100, 192) == 192
 
 
 def test_ipu_layout_feeds_replicas_in_turn_and_trims_to_whole_optimizer_steps(tmp_path):

@@ -7,6 +7,7 @@ masks are not, so losses are close, not equal). In-process tests cover the skip 
 consumed batches, the atomic save and the failed-save paths.
 """
 
+import dataclasses
 import errno
 import json
 import os
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -30,6 +32,7 @@ from tests.helpers import REPO_ROOT
 from tests.test_checkpoints import toy_checkpoints
 from training import checkpoints as checkpoints_lib
 from training import interrupt as interrupt_lib
+from training import loop
 from training.checkpoints import read_index
 
 EPOCHS = 10
@@ -346,15 +349,13 @@ def test_resumed_epoch_skips_exactly_the_trained_batches(tmp_path):
   config = RunConfig(model="neuron_inverter", data_path=path, batch_size=4, read_chunk=8,
                      shuffle_buffer=16, seed=1)
 
+  backend = types.SimpleNamespace(fit_input=lambda dataset, steps: (dataset, steps), is_chief=False)
+
   def batches(first_epoch, first_step):
-    splits = cellspike.load(config, BatchLayout(1, 4), first_epoch)
+    splits = dataclasses.replace(cellspike.load(config, BatchLayout(1, 4), first_epoch), validation=None)
     net = _RowRecorder()
     net.compile(optimizer="sgd", run_eagerly=True)
-    if first_step:  # as training.loop._fit does
-      net.fit(interrupt_lib.skip_steps(splits.train, first_step).dataset, epochs=first_epoch + 1,
-              initial_epoch=first_epoch, verbose=0)
-      first_epoch += 1
-    net.fit(splits.train.dataset, epochs=3, initial_epoch=first_epoch, verbose=0)
+    loop._fit(net, dataclasses.replace(config, epochs=3), backend, splits, first_epoch, first_step, [])
     return net.rows
 
   uninterrupted = batches(0, 0)

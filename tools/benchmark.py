@@ -158,7 +158,8 @@ def child_input(config, design) -> dict:
   from tools import benchmark_input  # pylint: disable=import-outside-toplevel
   results = {mode: benchmark_input.time_pipeline(dataclasses.replace(config, in_memory=in_memory), 1)
              for mode, in_memory in (("streaming", False), ("in_memory", True))}
-  results["raw_h5py"] = benchmark_input.time_raw_read(config.data_path, results["streaming"]["samples"])
+  results["raw_h5py"] = benchmark_input.time_raw_read(config.data_path,
+                                                      results["streaming"]["epoch_samples"])
   return results
 
 

@@ -22,6 +22,11 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
   `compile_seconds` and left out of the throughput. Each epoch's window ends at its last training
   batch, so validation time does not dilute the figure. The per-epoch rate is added to the epoch logs
   as `samples_per_sec`, which TensorBoard and History record.
+
+  `epoch_wall_seconds` is the clock from the previous epoch's end (the start of training for the
+  first) to this one's: training, validation, the previous epoch's checkpoint and whatever else ran in
+  between. Beside `epoch_seconds` (this epoch's training alone) it shows any time the run spends
+  waiting outside its epochs.
   """
 
   def __init__(self, global_batch_size: int, replicas: int, cache_dir=None):
@@ -37,6 +42,7 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
   def on_train_begin(self, logs=None):
     self._cached_before = _cache_entries(self.cache_dir)
     self._train_start = time.perf_counter()
+    self._previous_epoch_end = self._train_start
     logging.info("Compiling the training step (first step includes tracing and compilation)...")
 
   def on_epoch_begin(self, epoch, logs=None):
@@ -56,8 +62,11 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
     self._last_batch_time = now
 
   def on_epoch_end(self, epoch, logs=None):
+    now = time.perf_counter()
     if logs is not None:
-      logs["epoch_seconds"] = time.perf_counter() - self._epoch_start
+      logs["epoch_seconds"] = now - self._epoch_start
+      logs["epoch_wall_seconds"] = now - self._previous_epoch_end
+    self._previous_epoch_end = now
     steps = self._steps_done - self._window_first_step
     if steps <= 0 or self._last_batch_time is None:
       return  # A one-step first epoch has only the compile step; nothing steady to time.
@@ -90,7 +99,9 @@ class EpochLogger(tf.keras.callbacks.Callback):
 
   def on_epoch_end(self, epoch, logs=None):
     logs = logs or {}
-    parts = ["Epoch %d took %.1f s" % (epoch + 1, logs.get("epoch_seconds", float("nan")))]
+    parts = ["Epoch %d took %.1f s (wall %.1f s since the previous epoch)"
+             % (epoch + 1, logs.get("epoch_seconds", float("nan")),
+                logs.get("epoch_wall_seconds", float("nan")))]
     if "lr" in logs:
       parts.append("LR=%.3g" % logs["lr"])
     losses = "Loss: train=%.4f" % logs.get("loss", float("nan"))

@@ -229,7 +229,7 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
   logging.info("Evaluating %s (epoch %s) on the %s split of %s: %d samples", checkpoint,
                state.get("epoch", "?"), split, info.path, data_split.samples)
   started = time.perf_counter()
-  x, steps = backend.fit_input(data_split)
+  x, steps = backend.fit_input(data_split.dataset, data_split.steps)
   truth, prediction = collect_predictions(net, x, steps)
   seconds = time.perf_counter() - started
 

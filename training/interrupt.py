@@ -15,7 +15,7 @@ Design:
   weights and optimizer state are those after a whole step). Mid-epoch it saves `checkpoints/last`
   with the epoch, the steps done in it and their running training metrics, then raises
   `TrainingInterrupted`; `--resume` restores it and trains the rest of that epoch on the same data
-  order with the consumed batches skipped (`skip_steps`), then the remaining epochs, so an
+  order with the consumed batches skipped (`Split.epochs_from`), then the remaining epochs, so an
   interrupted-and-resumed run trains exactly the batches of an uninterrupted one. When the signal
   comes after the epoch's last step (during validation or saving), the epoch finishes, its normal
   checkpoint is written, and the run stops at the epoch end.
@@ -94,16 +94,6 @@ class InterruptFlag:
   @property
   def requested(self) -> bool:
     return self.signum is not None
-
-
-def skip_steps(split, steps: int):
-  """`split` without its first `steps` steps (the batches an interrupted epoch already trained on)."""
-  import dataclasses  # pylint: disable=import-outside-toplevel
-  elements = int(split.dataset.cardinality())
-  per_step = elements // split.steps if elements > 0 and split.steps else 1
-  rows_per_step = split.samples // split.steps if split.steps else 0
-  return dataclasses.replace(split, dataset=split.dataset.skip(steps * per_step),
-                             steps=split.steps - steps, samples=split.samples - steps * rows_per_step)
 
 
 def _finite(logs: dict) -> bool:

@@ -6,7 +6,6 @@ Backend specifics stay behind `backend.strategy`.
 """
 
 import dataclasses
-import gc
 import hashlib
 import math
 import os
@@ -173,15 +172,22 @@ def _merge_histories(*histories) -> dict:
 def _fit(net, config, backend, splits, first_epoch, first_step, callbacks) -> dict:
   """Keras fit from `first_epoch`; a run resumed mid-epoch first trains the rest of that epoch.
 
-  Keras' steps_per_epoch applies to every epoch, so the partial epoch is a fit of its own on the train
-  dataset without the `first_step` batches already trained on (the data order of the epoch is the
-  same: the pipeline orders each epoch by (seed, shard, epoch)); the remaining epochs follow.
+  Training and validation input are endless streams with explicit step counts, so Keras keeps one
+  iterator of each for the whole fit: nothing is torn down or refilled between epochs, and the
+  pipeline keeps reading ahead across the epoch boundary while validation runs. Keras' steps_per_epoch
+  applies to every epoch, so the rest of an interrupted epoch is a fit of its own, on that epoch's
+  stream without its first `first_step` steps (the order of an epoch depends only on seed, shard and
+  epoch); the remaining epochs follow.
   """
-  val_x, val_steps = backend.fit_input(splits.validation) if splits.validation else (None, None)
+  val_x, val_steps = (None, None)
+  if splits.validation:
+    val_x, val_steps = backend.fit_input(splits.validation.epochs_from(0), splits.validation.steps)
   histories = []
   verbose = 1 if backend.is_chief else 2
+  steps = splits.train.steps
   if first_step:
-    part_x, part_steps = backend.fit_input(interrupt_lib.skip_steps(splits.train, first_step))
+    part_x, part_steps = backend.fit_input(splits.train.epochs_from(first_epoch, first_step),
+                                           steps - first_step)
     histories.append(net.fit(part_x, epochs=first_epoch + 1, initial_epoch=first_epoch,
                              steps_per_epoch=part_steps, validation_data=val_x,
                              validation_steps=val_steps, callbacks=callbacks, verbose=verbose).history)
@@ -189,7 +195,7 @@ def _fit(net, config, backend, splits, first_epoch, first_step, callbacks) -> di
     if any(not np.isfinite(v) for v in histories[0].get("loss", [])):
       return histories[0]
   if first_epoch < config.epochs or not histories:
-    train_x, train_steps = backend.fit_input(splits.train)
+    train_x, train_steps = backend.fit_input(splits.train.epochs_from(first_epoch), steps)
     histories.append(net.fit(train_x, epochs=config.epochs, initial_epoch=first_epoch,
                              steps_per_epoch=train_steps, validation_data=val_x,
                              validation_steps=val_steps, callbacks=callbacks, verbose=verbose).history)
@@ -206,8 +212,8 @@ def _close_writers(callbacks) -> None:
         logging.warning("Could not close the TensorBoard writers: %s", error)
 
 
-def _epoch_time_stats(history: dict):
-  seconds = history.get("epoch_seconds", [])[1:]  # the first epoch carries the compilation
+def _epoch_time_stats(history: dict, key: str = "epoch_seconds"):
+  seconds = history.get(key, [])[1:]  # the first epoch carries the compilation
   if not seconds:
     return None
   return [float(np.mean(seconds)), float(np.std(seconds))]
@@ -255,7 +261,6 @@ def run(config: RunConfig, backend: Backend) -> dict:
       # Still inside `with flag`: a further signal is only noted while the run winds down, and the
       # flag ignores signals (instead of restoring the default action) once this raise leaves it.
       _close_writers(callbacks)
-      gc.collect()  # finalise the input pipeline's generators while Python can still run them
       interrupt_lib.log_interrupted(interrupted, config.logdir)
       raise interrupted
   if config.compile_only:
@@ -271,7 +276,7 @@ def run(config: RunConfig, backend: Backend) -> dict:
   if splits.test:
     test_epoch = _use_best_weights(checkpointing, len(history.get("loss", [])) + resume_state["epoch"])
     print("\nEvaluation", flush=True)
-    test_x, test_steps = backend.fit_input(splits.test)
+    test_x, test_steps = backend.fit_input(splits.test.dataset, splits.test.steps)
     test_results = net.evaluate(test_x, steps=test_steps, return_dict=True, verbose=1)
     write_test_scalars(outdir, test_results, step=config.epochs)
 
@@ -296,6 +301,7 @@ def run(config: RunConfig, backend: Backend) -> dict:
       "executable_from_cache": throughput.from_cache,
       "wall_seconds": time.perf_counter() - started,
       "seconds_per_epoch": _epoch_time_stats(history),
+      "wall_seconds_per_epoch": _epoch_time_stats(history, "epoch_wall_seconds"),
       "best_val_loss": None if math.isinf(checkpointing.best_val_loss) else checkpointing.best_val_loss,
       "best_val_epoch": checkpointing.best_epoch,
       "final_lr": _last(history, "lr"),

@@ -1,0 +1,99 @@
+"""Rows of contiguous HDF5 datasets gathered by TensorFlow ops from a memory map: no Python per batch.
+
+An HDF5 dataset stored contiguously and uncompressed (h5py's default layout, and that of the
+reference's cellSpike files) is one run of bytes in its file: row i starts at `offset + i * row_bytes`
+(h5py: `dataset.id.get_offset()`). TensorFlow's `ImmutableConst` op memory-maps a whole file as one
+read-only tensor without reading it; a `tf.gather` of the wanted rows out of that tensor is then the
+only copy a batch costs (the page cache -> the batch), the same single copy as an h5py read.
+
+Why not h5py behind `tf.data.Dataset.from_generator` (the old pipeline): one Python generator caps the
+host at one Python thread, and an iterator destroyed while the generator thread waits for the GIL
+blocks the thread that destroys it (a hang at a graceful stop, minutes of idling between epochs).
+Everything here runs in tf.data's C++ threads. Why not `tf.data.FixedLengthRecordDataset` with
+`header_bytes`: it skips the header by reading it, so a read at offset X costs X bytes.
+
+Gathering works on "units" of `g = gcd(offset, row_bytes)` bytes: the file is viewed as a
+(file_size // g, g) byte matrix, and row i is units (offset + i * row_bytes) / g ... + row_bytes / g.
+The bytes are then bitcast to the stored dtype (byte-swapped first for a big-endian file). Nothing is
+converted: float16 stays float16 until the model casts it on the device.
+
+Datasets stored any other way (chunked, compressed, external, virtual) have no single offset; the
+caller stages their rows into a contiguous file first (`data/staging.py`).
+"""
+
+import dataclasses
+import math
+import os
+from typing import Optional
+
+import h5py
+import numpy as np
+import tensorflow as tf
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+  """Where the rows of one contiguous dataset are in its file, and how to decode them."""
+  path: str
+  offset: int            # byte offset of row 0
+  row_shape: tuple       # one row, e.g. (1600, 4)
+  dtype: np.dtype        # with its byte order, as stored
+  file_size: int
+
+  @property
+  def row_bytes(self) -> int:
+    return int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+
+  @property
+  def unit(self) -> int:
+    """Bytes per gathered unit: the largest size that divides both the offset and the row."""
+    return math.gcd(self.offset, self.row_bytes)
+
+  @property
+  def tf_dtype(self) -> tf.DType:
+    return tf.as_dtype(self.dtype.newbyteorder("="))
+
+
+def not_contiguous_reason(dataset: h5py.Dataset) -> Optional[str]:
+  """Why `dataset` cannot be memory-mapped (None if it can)."""
+  if dataset.is_virtual:
+    return "a virtual dataset"
+  if dataset.chunks is not None:
+    return "chunked%s" % (" and compressed (%s)" % dataset.compression if dataset.compression else "")
+  if dataset.external:
+    return "stored in external files"
+  if dataset.id.get_offset() is None:
+    return "not allocated in the file"
+  return None
+
+
+def row_layout(path: str, dataset: h5py.Dataset) -> RowLayout:
+  """The layout of a contiguous dataset (check `not_contiguous_reason` first)."""
+  return RowLayout(path=os.path.abspath(path), offset=int(dataset.id.get_offset()),
+                   row_shape=tuple(int(d) for d in dataset.shape[1:]), dtype=np.dtype(dataset.dtype),
+                   file_size=os.path.getsize(path))
+
+
+def mapped_units(layout: RowLayout) -> tf.data.Dataset:
+  """An endless dataset repeating one tensor: the file, memory-mapped as (units, unit bytes) uint8.
+
+  The map runs inside the pipeline (nothing is embedded in the graph) and `cache()` keeps the one
+  mapping for the iterator's life, so each page of the file is faulted in once, not once per batch.
+  """
+  shape = [layout.file_size // layout.unit, layout.unit]
+  return (tf.data.Dataset.from_tensors(tf.constant(0))
+          .map(lambda _: tf.raw_ops.ImmutableConst(dtype=tf.uint8, shape=shape,
+                                                   memory_region_name=layout.path))
+          .cache().repeat())
+
+
+def gather_rows(layout: RowLayout, units: tf.Tensor, rows: tf.Tensor) -> tf.Tensor:
+  """Rows `rows` (int64 indices into the dataset) as a (len(rows),) + row_shape tensor of its dtype."""
+  per_row = layout.row_bytes // layout.unit
+  first = (layout.offset + rows * layout.row_bytes) // layout.unit
+  index = first[:, None] + tf.range(per_row, dtype=tf.int64)[None, :]
+  raw = tf.reshape(tf.gather(units, index), (-1, layout.row_bytes // layout.dtype.itemsize,
+                                             layout.dtype.itemsize))
+  if layout.dtype.byteorder == ">":
+    raw = tf.reverse(raw, axis=[-1])
+  return tf.reshape(tf.bitcast(raw, layout.tf_dtype), (-1,) + layout.row_shape)
