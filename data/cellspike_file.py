@@ -35,6 +35,7 @@ META_KEYS = ("h5nameTemplate", "numFeature", "parName", "numPar")
 FULL_SCAN_BYTES = 256 * 2**20   # datasets up to this size are checked for NaN/Inf completely
 SCAN_CHUNK_BYTES = 16 * 2**20   # bytes read at a time by the complete scan
 SAMPLED_ROWS = 64               # rows read at each end and the middle of a larger dataset
+MAX_ROW_BYTES = 2**20           # per sample; the reference's is 25,600 (1600 x 4 float32)
 _FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -159,6 +160,11 @@ def _check_split(path: str, f: h5py.File, dom: str) -> tuple:
                     "probe and one parameter" % (path, FRAMES_KEY % dom, frames.shape, TARGETS_KEY % dom,
                                                  targets.shape))
   for dataset in (frames, targets):
+    row_bytes = dataset.dtype.itemsize * int(np.prod(dataset.shape[1:], dtype=np.int64))
+    if row_bytes > MAX_ROW_BYTES:  # e.g. a damaged header: reading even a few rows would exhaust memory
+      raise UserError("%s: '%s' has shape %s: %d bytes per sample, more than the %d a cellSpike sample "
+                      "can plausibly have (a damaged file?)" % (path, dataset.name.lstrip("/"),
+                                                                 dataset.shape, row_bytes, MAX_ROW_BYTES))
     row = _first_non_finite_row(dataset)
     if row is not None:
       raise UserError("%s: '%s' contains NaN or Inf values (row %d)"

@@ -94,3 +94,14 @@ def test_meta_yaml_problems(tmp_path):
   path, info = cellspike_file.resolve(str(tmp_path), "cellA", "excite_4prB8kHz")
   with pytest.raises(UserError, match="numFeature=3 but the frames have 4 probes"):
     cellspike_file.open_cellspike(path, info)
+
+
+def test_implausibly_large_samples_are_refused_before_any_read(tmp_path):
+  """A damaged header can claim terabyte rows; the NaN scan must not try to read them."""
+  path = str(tmp_path / "huge_rows.h5")
+  with h5py.File(path, "w") as f:
+    for dom in ("train", "val", "test"):
+      f.create_dataset(dom + "_frames", shape=(4, 10**6, 4), dtype=np.float32)   # never written
+      f.create_dataset(dom + "_unitStar_par", data=np.zeros((4, 15), np.float32))
+  with pytest.raises(UserError, match=r"train_frames' has shape \(4, 1000000, 4\): 16000000 bytes per sample"):
+    cellspike_file.open_cellspike(path)
