@@ -109,19 +109,18 @@ def _shard_stream(source: ShardSource, plan: ShardPlan, first_epoch: int) -> tf.
   block_start = plan.block[0] - source.first_row
   indices = tf.data.Dataset.range(first_epoch, 2**62).flat_map(
       lambda epoch: tf.data.Dataset.from_tensor_slices(epoch_rows(plan, epoch)))
-  mapped = tf.data.Dataset.zip((hdf5_native.mapped_units(source.frames),
-                                hdf5_native.mapped_units(source.targets)))
+  mapped = hdf5_native.mapped_file(source.frames.path, source.frames.file_size)
   if plan.whole_block:  # gathered once into host memory; every batch is then gathered from there
     block = tf.range(block_start, block_start + plan.block[1] - plan.block[0], dtype=tf.int64)
-    held = mapped.take(1).map(lambda ux, uy: (hdf5_native.gather_rows(source.frames, ux, block),
-                                              hdf5_native.gather_rows(source.targets, uy, block)))
+    held = mapped.take(1).map(lambda data: (hdf5_native.gather_rows(source.frames, data, block),
+                                            hdf5_native.gather_rows(source.targets, data, block)))
     batches = tf.data.Dataset.zip((indices, held.cache().repeat())).map(
         lambda rows, xy: (tf.gather(xy[0], rows), tf.gather(xy[1], rows)),
         num_parallel_calls=_PARALLEL_GATHERS, deterministic=True)
   else:
     batches = tf.data.Dataset.zip((indices, mapped)).map(
-        lambda rows, units: (hdf5_native.gather_rows(source.frames, units[0], rows + block_start),
-                             hdf5_native.gather_rows(source.targets, units[1], rows + block_start)),
+        lambda rows, data: (hdf5_native.gather_rows(source.frames, data, rows + block_start),
+                            hdf5_native.gather_rows(source.targets, data, rows + block_start)),
         num_parallel_calls=_PARALLEL_GATHERS, deterministic=True)
   return batches.prefetch(_QUEUED_BATCHES)
 

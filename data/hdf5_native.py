@@ -74,23 +74,26 @@ def row_layout(path: str, dataset: h5py.Dataset) -> RowLayout:
                    file_size=os.path.getsize(path))
 
 
-def mapped_units(layout: RowLayout) -> tf.data.Dataset:
-  """An endless dataset repeating one tensor: the file, memory-mapped as (units, unit bytes) uint8.
+def mapped_file(path: str, file_size: int) -> tf.data.Dataset:
+  """An endless dataset repeating one tensor: the whole file, memory-mapped as uint8 bytes.
 
   The map runs inside the pipeline (nothing is embedded in the graph) and `cache()` keeps the one
   mapping for the iterator's life, so each page of the file is faulted in once, not once per batch.
+  Frames and targets of a file share the mapping.
   """
-  shape = [layout.file_size // layout.unit, layout.unit]
   return (tf.data.Dataset.from_tensors(tf.constant(0))
-          .map(lambda _: tf.raw_ops.ImmutableConst(dtype=tf.uint8, shape=shape,
-                                                   memory_region_name=layout.path))
+          .map(lambda _: tf.raw_ops.ImmutableConst(dtype=tf.uint8, shape=[file_size],
+                                                   memory_region_name=path))
           .cache().repeat())
 
 
-def gather_rows(layout: RowLayout, units: tf.Tensor, rows: tf.Tensor) -> tf.Tensor:
+def gather_rows(layout: RowLayout, file_bytes: tf.Tensor, rows: tf.Tensor) -> tf.Tensor:
   """Rows `rows` (int64 indices into the dataset) as a (len(rows),) + row_shape tensor of its dtype."""
-  per_row = layout.row_bytes // layout.unit
-  first = (layout.offset + rows * layout.row_bytes) // layout.unit
+  unit = layout.unit
+  # A slice from byte 0 and a reshape share the mapped buffer: nothing is copied before the gather.
+  units = tf.reshape(file_bytes[:layout.file_size // unit * unit], (-1, unit))
+  per_row = layout.row_bytes // unit
+  first = (layout.offset + rows * layout.row_bytes) // unit
   index = first[:, None] + tf.range(per_row, dtype=tf.int64)[None, :]
   raw = tf.reshape(tf.gather(units, index), (-1, layout.row_bytes // layout.dtype.itemsize,
                                              layout.dtype.itemsize))
