@@ -19,6 +19,12 @@ converted: float16 stays float16 until the model casts it on the device.
 
 Datasets stored any other way (chunked, compressed, external, virtual) have no single offset; the
 caller stages their rows into a contiguous file first (`data/staging.py`).
+
+Known cost: when a pipeline function holding `ImmutableConst` is instantiated, TensorFlow's classic
+graph optimizer constant-folds the op: it evaluates it and deep-copies its output (the whole file)
+before discarding the result as too large (stack: FunctionLibraryRuntimeImpl::CreateItem ->
+GraphOptimizer::Optimize -> ConstantFold -> GraphRunner::Run -> tensor::DeepCopy). So each iterator's
+start briefly needs the file's size in free memory; `check_transient_copy` warns when it is short.
 """
 
 import dataclasses
@@ -100,3 +106,25 @@ def gather_rows(layout: RowLayout, file_bytes: tf.Tensor, rows: tf.Tensor) -> tf
   if layout.dtype.byteorder == ">":
     raw = tf.reverse(raw, axis=[-1])
   return tf.reshape(tf.bitcast(raw, layout.tf_dtype), (-1,) + layout.row_shape)
+
+
+def available_memory_bytes() -> Optional[int]:
+  """MemAvailable from /proc/meminfo (Linux), or None."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except (OSError, ValueError, IndexError):
+    pass
+  return None
+
+
+def check_transient_copy(path: str, file_size: int) -> Optional[str]:
+  """A warning if the transient copy at iterator start (module docstring) may not fit in memory."""
+  available = available_memory_bytes()
+  if available is None or file_size < available // 2:
+    return None
+  return ("%s is %.1f GB and %.1f GB of memory is available: TensorFlow copies a memory-mapped file "
+          "once, briefly, when the input pipeline starts (data/hdf5_native.py); if that fails, use a "
+          "host with more free memory" % (path, file_size / 1e9, available / 1e9))

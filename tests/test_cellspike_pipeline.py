@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from data import cellspike
+from data import cellspike, hdf5_native
 from data.splits import BatchLayout
 from errors import UserError
 from run_config import RunConfig
@@ -159,3 +159,11 @@ def test_processes_read_disjoint_shards_of_the_same_file(tmp_path):
     rows.append(_epoch_rows(cellspike.load(_config(path), layout).train, 2, 4))
   assert [sorted(r) for r in rows[0]] == [list(range(0, 16)), list(range(16, 32))]
   assert [sorted(r) for r in rows[1]] == [list(range(32, 48)), list(range(48, 64))]
+
+
+def test_a_file_near_the_free_memory_is_warned_about(monkeypatch):
+  """Mapping costs one transient copy of the file (hdf5_native's docstring): warn when memory is short."""
+  monkeypatch.setattr(hdf5_native, "available_memory_bytes", lambda: 30 * 10**9)
+  assert hdf5_native.check_transient_copy("/d/big.h5", 10 * 10**9) is None
+  warning = hdf5_native.check_transient_copy("/d/big.h5", 20 * 10**9)
+  assert "/d/big.h5 is 20.0 GB and 30.0 GB of memory is available" in warning
