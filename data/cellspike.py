@@ -25,6 +25,7 @@ import tensorflow as tf
 from absl import logging
 
 from data import cellspike_file, hdf5_native, staging, synthetic
+from data import splits as splits_lib
 from data.splits import BatchLayout, Split, Splits, count_steps, eval_layout
 from errors import UserError
 from run_config import RunConfig
@@ -47,8 +48,9 @@ def shard_blocks(num_samples: int, num_shards: int, batch_size: int, split: str)
   return [(i * per_shard, (i + 1) * per_shard) for i in range(num_shards)]
 
 
-# Batches gathered in parallel per replica, and batches queued per replica ahead of the consumer.
-_PARALLEL_GATHERS = tf.data.experimental.AUTOTUNE
+# Batches gathered in parallel per replica, and batches queued per replica ahead of the consumer. Fixed,
+# not AUTOTUNE: see `data.splits.without_autotune`.
+_PARALLEL_GATHERS = max(2, min(8, os.cpu_count() or 1))
 _QUEUED_BATCHES = 2
 
 
@@ -181,7 +183,7 @@ def make_split(info, split, config, layout: BatchLayout, first_epoch, shuffle, m
   def stream(epoch: int) -> tf.data.Dataset:
     combined = _combine([_shard_stream(source, plan, epoch) for plan in plans],
                         layout.element_per_replica)
-    return combined.prefetch(_QUEUED_BATCHES * layout.elements_per_step)
+    return splits_lib.without_autotune(combined.prefetch(_QUEUED_BATCHES * layout.elements_per_step))
 
   elements = steps * layout.elements_per_step
   one_pass = stream(first_epoch).take(elements).apply(tf.data.experimental.assert_cardinality(elements))

@@ -91,6 +91,22 @@ class Splits:
   summary_extras: dict = dataclasses.field(default_factory=dict)  # dataset entries for summary.yaml
 
 
+def without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
+  """`dataset` with tf.data's autotuning off.
+
+  The autotuning thread sleeps between optimisation rounds for up to a minute, and destroying an
+  iterator (tf.distribute's MultiDeviceIterator at the end of every fit, or at a graceful stop) waited
+  for it: a gdb stack showed the main thread in ~LogicalThreadWrapper under ~RootDataset::Iterator for
+  1-60 s while the model thread slept in Model::OptimizeLoop.
+  """
+  options = tf.data.Options()
+  if hasattr(options, "autotune"):          # TF >= 2.6 spells it options.autotune.enabled
+    options.autotune.enabled = False
+  else:
+    options.experimental_optimization.autotune = False
+  return dataset.with_options(options)
+
+
 def count_steps(num_samples: int, step_rows: int, max_steps: int, name: str, multiple: int = 1) -> int:
   """Whole steps in a split (optionally capped, and trimmed to a multiple); a UserError if none."""
   steps = num_samples // step_rows
@@ -122,6 +138,6 @@ def make_split(arrays: Arrays, layout: BatchLayout, transform: Callable, shuffle
     # A full-size buffer is a true shuffle; it reshuffles every epoch from the seeded start.
     dataset = dataset.shuffle(len(arrays.x), seed=seed, reshuffle_each_iteration=True)
   dataset = dataset.batch(layout.element_rows, drop_remainder=True)
-  dataset = dataset.map(transform, num_parallel_calls=tf.data.experimental.AUTOTUNE)
-  dataset = dataset.take(steps * layout.elements_per_step).prefetch(tf.data.experimental.AUTOTUNE)
+  dataset = dataset.map(transform, num_parallel_calls=2)
+  dataset = without_autotune(dataset.take(steps * layout.elements_per_step).prefetch(2))
   return Split(dataset=dataset, steps=steps, samples=steps * layout.step_rows)

@@ -11,7 +11,7 @@ from typing import Callable
 
 import tensorflow as tf
 
-from data.splits import BatchLayout, Split, count_steps
+from data.splits import BatchLayout, Split, count_steps, without_autotune
 
 SOURCE = "synthetic (random batches made once, no file reads)"
 
@@ -25,8 +25,8 @@ def make_split(make_element: Callable, layout: BatchLayout, num_samples: int, ma
   per_shard = num_samples // layout.total_shards
   steps = count_steps(per_shard * layout.replicas, layout.step_rows, max_steps, name,
                       layout.steps_multiple)
-  element = (tf.data.Dataset.from_tensors(tf.constant(layout.element_rows))
-             .map(make_element).cache().repeat())
+  element = without_autotune(tf.data.Dataset.from_tensors(tf.constant(layout.element_rows))
+                             .map(make_element).cache().repeat())
   elements = steps * layout.elements_per_step
   one_pass = element.take(elements).apply(tf.data.experimental.assert_cardinality(elements))
   return Split(dataset=one_pass, steps=steps, samples=steps * layout.step_rows,
