@@ -63,7 +63,7 @@ def test_sigterm_in_epoch_two_with_four_replicas_exits_within_seconds(tmp_path, 
     time.sleep(1.0)   # well inside epoch 2 (32 steps of a 3M-parameter network on 4 replicas)
     signalled = time.monotonic()
     process.send_signal(signal.SIGTERM)
-    status = process.wait(timeout=60)
+    status = process.wait(timeout=150)
     seconds = time.monotonic() - signalled
   finally:
     if process.poll() is None:
@@ -72,7 +72,7 @@ def test_sigterm_in_epoch_two_with_four_replicas_exits_within_seconds(tmp_path, 
   output = _output(logdir)
   assert status == 143, output[-3000:]
   assert "Training interrupted by SIGTERM in epoch 2" in output, output[-3000:]
-  # Observed: 0.2-60 s (docs/PERFORMANCE.md); the old pipeline never exited. The bound catches a hang.
+  # Observed: 0.2-60 s (docs/PERFORMANCE.md); the old pipeline never exited: the bound catches a hang.
   assert seconds < 120, "took %.1f s from the signal to the exit" % seconds
   assert any(name.startswith("ckpt-2-step") or name.startswith("ckpt-1")
              for name in os.listdir(os.path.join(logdir, "checkpoints", "last")))
