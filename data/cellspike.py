@@ -197,7 +197,7 @@ def _log_split(info, split, layout, source, plans, steps, in_memory) -> None:
   if in_memory:
     held = sum(p.block[1] - p.block[0] for p in plans) * row_bytes
   else:  # queued + being gathered, per replica; the file itself is only mapped (page cache)
-    held = len(plans) * (2 * _QUEUED_BATCHES + (os.cpu_count() or 1)) * plans[0].batch_rows * row_bytes
+    held = len(plans) * (2 * _QUEUED_BATCHES + _PARALLEL_GATHERS) * plans[0].batch_rows * row_bytes
   logging.info("%s split: %d samples, shards %d-%d of %d, %d rows each, %d steps of %d; %s, about "
                "%.0f MB of host memory; %d bytes per sample to the device (%s frames, %s targets)",
                split, info.splits[split].num_samples, layout.shards[0], layout.shards[-1],

@@ -47,9 +47,13 @@ def stage_rows(path: str, keys: tuple, start: int, stop: int, stage_dir: str = N
                       % (path, ", ".join(keys), needed / 1e9, folder))
     logging.info("%s: %s not contiguous; staging rows %d-%d (%.1f MB) into %s", path, "/".join(keys),
                  start, stop, needed / 1e6, staged_dir)
-    with h5py.File(staged, "w") as target:
-      for key in keys:
-        _copy_rows(source[key], target, key, start, stop)
+    try:
+      with h5py.File(staged, "w") as target:
+        for key in keys:
+          _copy_rows(source[key], target, key, start, stop)
+    except (OSError, RuntimeError, ValueError) as error:  # damaged chunks, a full disk
+      raise UserError("%s: staging %s into %s failed (%s)" % (path, "/".join(keys), staged_dir,
+                                                             " ".join(str(error).split()))) from None
   return staged
 
 
