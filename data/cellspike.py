@@ -244,7 +244,7 @@ def _synthetic_splits(config: RunConfig, layout: BatchLayout) -> Splits:
   --data_path, which is then not generated), with random batches and no reads."""
   if config.data_path:
     info = open_configured(config)
-    shape, params, sizes = info.input_shape, info.num_params, info.splits
+    shape, params = info.input_shape, info.num_params
     dtype = tf.as_dtype(info.splits["train"].dtype.newbyteorder("="))
     sizes = {split: s.num_samples for split, s in info.splits.items()}
   else:

@@ -100,7 +100,7 @@ def without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
   1-60 s while the model thread slept in Model::OptimizeLoop.
   """
   options = tf.data.Options()
-  if hasattr(options, "autotune"):          # TF >= 2.6 spells it options.autotune.enabled
+  if hasattr(options, "autotune"):          # TF >= 2.7; TF 2.6 has the experimental spelling
     options.autotune.enabled = False
   else:
     options.experimental_optimization.autotune = False

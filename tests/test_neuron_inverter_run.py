@@ -93,3 +93,13 @@ def test_resume_with_another_learning_rate_is_refused(tmp_path, fp16_file):
   assert _run(fp16_file, logdir, "--epochs=1").returncode == 0
   assert_one_line_error(_run(fp16_file, logdir, "--epochs=2", "--resume", "--learning_rate=0.5"),
                         "learning_rate=0.001", "learning_rate=0.5")
+
+
+def test_synthetic_data_trains_without_reading_the_file(tmp_path, fp16_file):
+  """--synthetic_data: the file's shapes and step counts, random batches, named as such in summary.yaml."""
+  logdir = str(tmp_path / "run")
+  result = _run(fp16_file, logdir, "--replicas=2", "--epochs=1", "--synthetic_data")
+  assert result.returncode == 0, result.stderr[-3000:]
+  summary = _summary(logdir)
+  assert summary["data_source"].startswith("synthetic") and summary["steps_per_epoch"] == 8
+  assert np.isfinite(summary["train_loss"]) and summary["samples_per_sec_per_replica"] > 0
