@@ -16,7 +16,6 @@ device at half the bytes); the model casts them.
 """
 
 import dataclasses
-import functools
 import os
 
 import h5py
@@ -146,18 +145,10 @@ def _contiguous_source(info, split: str, rows: tuple, stage_dir) -> ShardSource:
   keys = (cellspike_file.FRAMES_KEY % split, cellspike_file.TARGETS_KEY % split)
   with h5py.File(info.path, "r") as f:
     if not any(hdf5_native.not_contiguous_reason(f[key]) for key in keys):
-      source = ShardSource(*(hdf5_native.row_layout(info.path, f[key]) for key in keys))
-      _warn_once(hdf5_native.check_transient_copy(info.path, source.frames.file_size))
-      return source
+      return ShardSource(*(hdf5_native.row_layout(info.path, f[key]) for key in keys))
   staged = staging.stage_rows(info.path, keys, rows[0], rows[1], stage_dir)
   with h5py.File(staged, "r") as f:
     return ShardSource(*(hdf5_native.row_layout(staged, f[key]) for key in keys), first_row=rows[0])
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_once(message) -> None:
-  if message:
-    logging.warning(message)
 
 
 def chunk_rows_for(read_chunk: int, batch_rows: int) -> int:

@@ -20,11 +20,15 @@ converted: float16 stays float16 until the model casts it on the device.
 Datasets stored any other way (chunked, compressed, external, virtual) have no single offset; the
 caller stages their rows into a contiguous file first (`data/staging.py`).
 
-Known cost: when a pipeline function holding `ImmutableConst` is instantiated, TensorFlow's classic
-graph optimizer constant-folds the op: it evaluates it and deep-copies its output (the whole file)
-before discarding the result as too large (stack: FunctionLibraryRuntimeImpl::CreateItem ->
-GraphOptimizer::Optimize -> ConstantFold -> GraphRunner::Run -> tensor::DeepCopy). So each iterator's
-start briefly needs the file's size in free memory; `check_transient_copy` warns when it is short.
+Why the mapping op carries a `_scoped_allocator` attribute: when a tf.data function is instantiated,
+TensorFlow's classic graph optimizer constant-folds every foldable node whose output feeds the rest
+of the function. `ImmutableConst` has no inputs and is not stateful, so it would be evaluated at
+instantiation and its output (the whole file) deep-copied, then thrown away as too large for a
+constant (gdb: FunctionLibraryRuntimeImpl::CreateItem -> GraphOptimizer::Optimize -> ConstantFold ->
+GraphRunner::Run -> tensor::DeepCopy). Every iterator start would touch every page of the file and
+need its size in free memory, once per shard. `IsConstantFoldable` (tensorflow/core/common_runtime/
+constant_folding.cc, TF 2.6 to 2.21) skips any node that has the attribute; an empty list assigns
+no output to a scoped allocator, so the kernel runs as before.
 """
 
 import dataclasses
@@ -35,6 +39,10 @@ from typing import Optional
 import h5py
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
+
+# Module docstring: keeps the mapping out of constant folding, which would copy the whole file.
+_NOT_FOLDABLE_ATTR = "_scoped_allocator"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +95,12 @@ def mapped_file(path: str, file_size: int) -> tf.data.Dataset:
   mapping for the iterator's life, so each page of the file is faulted in once, not once per batch.
   Frames and targets of a file share the mapping.
   """
-  return (tf.data.Dataset.from_tensors(tf.constant(0))
-          .map(lambda _: tf.raw_ops.ImmutableConst(dtype=tf.uint8, shape=[file_size],
-                                                   memory_region_name=path))
-          .cache().repeat())
+  def map_file(_):
+    mapped = tf.raw_ops.ImmutableConst(dtype=tf.uint8, shape=[file_size], memory_region_name=path)
+    mapped.op._set_attr(_NOT_FOLDABLE_ATTR, attr_value_pb2.AttrValue(  # pylint: disable=protected-access
+        list=attr_value_pb2.AttrValue.ListValue()))
+    return mapped
+  return tf.data.Dataset.from_tensors(tf.constant(0)).map(map_file).cache().repeat()
 
 
 def gather_rows(layout: RowLayout, file_bytes: tf.Tensor, rows: tf.Tensor) -> tf.Tensor:
@@ -106,25 +116,3 @@ def gather_rows(layout: RowLayout, file_bytes: tf.Tensor, rows: tf.Tensor) -> tf
   if layout.dtype.byteorder == ">":
     raw = tf.reverse(raw, axis=[-1])
   return tf.reshape(tf.bitcast(raw, layout.tf_dtype), (-1,) + layout.row_shape)
-
-
-def available_memory_bytes() -> Optional[int]:
-  """MemAvailable from /proc/meminfo (Linux), or None."""
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except (OSError, ValueError, IndexError):
-    pass
-  return None
-
-
-def check_transient_copy(path: str, file_size: int) -> Optional[str]:
-  """A warning if the transient copy at iterator start (module docstring) may not fit in memory."""
-  available = available_memory_bytes()
-  if available is None or file_size < available // 2:
-    return None
-  return ("%s is %.1f GB and %.1f GB of memory is available: TensorFlow copies a memory-mapped file "
-          "once, briefly, when the input pipeline starts (data/hdf5_native.py); if that fails, use a "
-          "host with more free memory" % (path, file_size / 1e9, available / 1e9))
