@@ -7,7 +7,7 @@ from absl import logging
 
 from errors import UserError
 from run_config import RunConfig
-from strategies import cpu, environment, gpu, ipu, multiworker
+from strategies import cpu, device_pipelines, environment, gpu, ipu, multiworker
 from strategies.backend import Backend
 
 _CREATORS = {"cpu": cpu.create, "gpu": gpu.create, "ipu": ipu.create}
@@ -69,6 +69,8 @@ def select_backend(config: RunConfig) -> Backend:
   if kind not in _CREATORS:
     raise UserError("unknown backend %r; valid backends: auto, %s" % (kind, ", ".join(_CREATORS)))
   source = multiworker.cluster_source() if kind in ("cpu", "gpu") else None
+  if kind in ("cpu", "gpu"):
+    device_pipelines.apply()
   backend = multiworker.create(config, kind, source) if source else _CREATORS[kind](config)
   precision = resolve_precision(config.precision, kind)
   hardware = {}

@@ -90,10 +90,16 @@ def test_epochs_follow_each_other_without_idle_time(tmp_path, fp16_file):
     log.close()
   assert status == 0, _output(logdir)[-3000:]
   with open(os.path.join(logdir, "summary.yaml")) as f:
-    history = yaml.safe_load(f)["history"]
+    summary = yaml.safe_load(f)
+  history = summary["history"]
   assert "wall" in _output(logdir)
   # Epoch 1 carries the compilation; after it, the wall time between epoch ends (validation and the
   # checkpoint included) stays within a small factor of the training time itself.
   ratios = [wall / train for wall, train in zip(history["epoch_wall_seconds"][1:],
                                                 history["epoch_seconds"][1:])]
   assert max(ratios) < 2.0, list(zip(history["epoch_wall_seconds"], history["epoch_seconds"]))
+  # The end of the fit: the data iterators are torn down before fit returns. An autotuned per-device
+  # pipeline of tf.distribute made that wait up to a minute (strategies/device_pipelines.py).
+  epochs_wall = sum(history["epoch_wall_seconds"])
+  assert summary["fit_seconds"] - epochs_wall < max(2.0, 0.2 * epochs_wall / len(ratios)), (
+      summary["fit_seconds"], history["epoch_wall_seconds"])

@@ -31,6 +31,19 @@ def test_two_cpu_replicas_use_mirrored_strategy_over_logical_devices():
   assert sorted(int(t) for t in backend.strategy.experimental_local_results(ids)) == [0, 1]
 
 
+def test_replica_input_pipelines_are_not_autotuned():
+  """An autotuned per-device pipeline stalls the end of every fit (strategies/device_pipelines.py)."""
+  backend = select.select_backend(RunConfig(model="mnist", backend="cpu", replicas=2))
+  iterator = iter(backend.strategy.experimental_distribute_dataset(tf.data.Dataset.range(8).batch(4)))
+  device_iterators = iterator._iterators[0]._iterator._device_iterators  # pylint: disable=protected-access
+  assert len(device_iterators) == 2
+  for device_iterator in device_iterators:
+    options = device_iterator._dataset.options()  # pylint: disable=protected-access
+    autotune = options.autotune.enabled if hasattr(options, "autotune") else \
+        options.experimental_optimization.autotune
+    assert autotune is False
+
+
 def test_too_many_cpu_replicas_after_start_is_a_clear_error():
   with pytest.raises(UserError, match="--replicas=8 needs 8 logical CPU devices"):
     select.select_backend(RunConfig(model="mnist", backend="cpu", replicas=8))

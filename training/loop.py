@@ -252,6 +252,7 @@ def run(config: RunConfig, backend: Backend) -> dict:
   print("\nTraining", flush=True)
   interrupted = None
   with flag:
+    fit_started = time.perf_counter()
     try:
       history = _fit(net, config, backend, splits, resume_state["epoch"], resume_state.get("step", 0),
                      callbacks)
@@ -263,6 +264,9 @@ def run(config: RunConfig, backend: Backend) -> dict:
       _close_writers(callbacks)
       interrupt_lib.log_interrupted(interrupted, config.logdir)
       raise interrupted
+  # Training alone, from the first step to the return of the last fit (its input torn down): beside
+  # the epochs' own wall times it shows any wait that no epoch accounts for.
+  fit_seconds = time.perf_counter() - fit_started
   if config.compile_only:
     logging.info("--compile_only: compiled in %.1f s; exiting before training",
                  throughput.compile_seconds or 0.0)
@@ -302,6 +306,7 @@ def run(config: RunConfig, backend: Backend) -> dict:
       "wall_seconds": time.perf_counter() - started,
       "seconds_per_epoch": _epoch_time_stats(history),
       "wall_seconds_per_epoch": _epoch_time_stats(history, "epoch_wall_seconds"),
+      "fit_seconds": fit_seconds,
       "best_val_loss": None if math.isinf(checkpointing.best_val_loss) else checkpointing.best_val_loss,
       "best_val_epoch": checkpointing.best_epoch,
       "final_lr": _last(history, "lr"),
