@@ -9,7 +9,7 @@ RUN_ARGS ?=
 REFERENCE_VENV ?= .venv-torch
 PYTHON38 ?= $(shell for p in $$HOME/.pyenv/versions/3.8*/bin/python python3.8; do $$p -c "import sys; assert sys.version_info[:2] == (3, 8)" 2>/dev/null && { echo $$p; break; }; done)
 
-.PHONY: install run test test-tf26 bench bench-reference print-python38 clean
+.PHONY: install run test test-tf26 bench bench-reference parity print-python38 clean
 
 install: $(VENV)/.installed-$(BACKEND)
 
@@ -36,6 +36,11 @@ $(REFERENCE_VENV)/.installed: requirements-reference.txt
 # Training, inference, input and compile figures beside the reference (docs/PERFORMANCE.md).
 bench: install bench-reference
 	$(PY) tools/benchmark.py --reference_python=$(REFERENCE_VENV)/bin/python $(BENCH_ARGS)
+
+# Learning parity with the reference PyTorch code: both trained on one slice of the data, 3 seeds
+# (tools/parity.py; the report goes to parity/parity.md and parity/parity.png).
+parity: install bench-reference
+	$(PY) tools/parity.py --reference_python=$(REFERENCE_VENV)/bin/python $(PARITY_ARGS)
 
 test-tf26:
 	@test -n "$(PYTHON38)" || { echo "test-tf26 needs Python 3.8 (pyenv install 3.8)"; exit 1; }

@@ -28,6 +28,8 @@ Weights keep the names and shapes of a Keras Conv1D (`kernel`, `bias`), so check
 
 import tensorflow as tf
 
+from model import initializers
+
 
 @tf.custom_gradient
 def _conv1d_input_grad_by_forward_conv(x, kernel):
@@ -81,8 +83,9 @@ class PooledConv1D(tf.keras.layers.Layer):
       raise ValueError("%s expects at least %d input channels, got %d" % (self.name, self.in_channels,
                                                                          incoming))
     self.kernel = self.add_weight("kernel", (self.kernel_size, self.in_channels, self.filters),
-                                  initializer="glorot_uniform")
-    self.bias = self.add_weight("bias", (self.filters,), initializer="zeros")
+                                  initializer=initializers.kernel())
+    self.bias = self.add_weight("bias", (self.filters,),
+                                initializer=initializers.bias(self.kernel_size * self.in_channels))
     self._input_padding = incoming - self.in_channels  # the previous block's zero channels
     self._output_padding = padded_channels(self.filters, self.channel_multiple) - self.filters
     super().build(input_shape)

@@ -4,7 +4,8 @@ Faithful to the reference PyTorch model, including its input quirk: the (1600 ti
 sample is *reshaped* row-major to (4, 1600) and used as 4 channels of 1600 positions, so each "channel"
 holds 400 consecutive time bins with the probes interleaved. Keras' channels-last Conv1D then needs the
 transpose back to (1600, 4). Each conv block is Conv1D(valid) -> MaxPool -> ReLU; one BatchNormalization
-on the flattened features; Dense+ReLU+Dropout layers; a linear output.
+on the flattened features; Dense+ReLU+Dropout layers; a linear output. Weights start as PyTorch's
+defaults would (`model.initializers`).
 
 Pipeline stages: the CNN block and the fully connected head (`STAGE_BOUNDARIES` names the first layer
 of each later stage). Where they run is the backend's business.
@@ -17,6 +18,7 @@ plain Keras form of the reference (Conv1D, MaxPooling1D, ReLU layers), which the
 import tensorflow as tf
 
 from errors import UserError
+from model import initializers
 from model.conv_layers import LeadingChannels, PooledConv1D
 from model.designs import DESIGNS
 from run_config import RunConfig
@@ -26,7 +28,9 @@ STAGE_BOUNDARIES = ("flatten",)
 
 def _standard_conv_block(x, index, filters, kernel, pool):
   layers = tf.keras.layers
-  x = layers.Conv1D(filters, kernel, padding="valid", name="conv%d" % index)(x)
+  x = layers.Conv1D(filters, kernel, padding="valid", name="conv%d" % index,
+                    kernel_initializer=initializers.kernel(),
+                    bias_initializer=initializers.bias(kernel * int(x.shape[-1])))(x)
   x = layers.MaxPooling1D(pool, name="pool%d" % index)(x)
   return layers.ReLU(name="relu%d" % index)(x)
 
@@ -73,10 +77,13 @@ def build(config: RunConfig, input_shape=(1600, 4), num_outputs=15, channel_mult
   # PyTorch BatchNorm1d defaults: momentum 0.1 (Keras 0.9), eps 1e-5.
   x = layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name="batch_norm")(x)
   for i, dim in enumerate(design["fc_dims"], start=1):
-    x = layers.Dense(dim, activation="relu", name="fc%d" % i)(x)
+    x = layers.Dense(dim, activation="relu", name="fc%d" % i, kernel_initializer=initializers.kernel(),
+                     bias_initializer=initializers.bias(int(x.shape[-1])))(x)
     x = layers.Dropout(design["dropout"], name="dropout%d" % i)(x)
   # Linear (u* is unbounded); float32 under mixed precision so the loss is computed at full precision.
-  outputs = layers.Dense(num_outputs, dtype="float32", name="conductances")(x)
+  outputs = layers.Dense(num_outputs, dtype="float32", name="conductances",
+                         kernel_initializer=initializers.kernel(),
+                         bias_initializer=initializers.bias(int(x.shape[-1])))(x)
   return tf.keras.Model(inputs, outputs, name="neuron_inverter_" + config.design)
 
 

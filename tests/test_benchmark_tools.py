@@ -76,3 +76,36 @@ def test_forms_benchmark_times_both_forms():
   assert result.returncode == 0, result.stderr[-3000:]
   assert "round 2/2" in result.stdout and "standard / application:" in result.stdout
   assert result.stdout.count("ms/step") == 2
+
+
+def test_reference_trainer_follows_the_reference_schedule(tmp_path):
+  """tools/reference_train.py: epochs of the reference's loop, warm-up then plateau, losses per epoch."""
+  data = write_cellspike(str(tmp_path / "d.h5"), sizes={"train": 64, "val": 32, "test": 16})
+  result = subprocess.run([TORCH_PYTHON, os.path.join(REPO_ROOT, "tools", "reference_train.py"),
+                           "--data_path=" + data, "--design=dev", "--batch_size=16", "--epochs=4",
+                           "--warmup_epochs=2", "--learning_rate=0.01", "--lr_patience=0", "--lr_cooldown=0"],
+                          check=True, capture_output=True, text=True, timeout=120)
+  history = json.loads(result.stdout.strip().splitlines()[-1])["history"]
+  assert history["lr"][:3] == pytest.approx([0.005, 0.01, 0.01])
+  assert len(history["loss"]) == len(history["val_loss"]) == len(history["epoch_seconds"]) == 4
+  assert all(np.isfinite(history["loss"])) and all(s > 0 for s in history["epoch_seconds"])
+
+
+def test_parity_report_and_time_to_quality(tmp_path):
+  from tools import parity  # pylint: disable=import-outside-toplevel
+  source = write_cellspike(str(tmp_path / "d.h5"), sizes={"train": 64, "val": 32, "test": 16})
+  sliced = parity.write_slice(source, str(tmp_path / "slice.h5"), train=48, val=16)
+  import h5py  # pylint: disable=import-outside-toplevel
+  with h5py.File(sliced, "r") as f, h5py.File(source, "r") as g:
+    assert f["train_frames"].shape[0] == 48 and f["val_unitStar_par"].shape[0] == 16
+    np.testing.assert_array_equal(f["train_frames"][:], g["train_frames"][:48])
+  with pytest.raises(SystemExit, match="has 64 train samples"):
+    parity.write_slice(source, str(tmp_path / "big.h5"), train=128, val=16)
+  reference = {"loss": [0.5, 0.4], "val_loss": [0.45, 0.30], "seconds": [10.0, 10.0]}
+  ours = {"loss": [0.4, 0.3], "val_loss": [0.29, 0.28], "seconds": [6.0, 6.0]}
+  assert parity.seconds_to(reference, 0.30) == 20.0 and parity.seconds_to(ours, 0.30) == 6.0
+  assert parity.seconds_to(ours, 0.1) is None
+  args = parity.parse_args(["--epochs=2", "--seeds=0"])
+  text = parity.report(args, {"reference": [reference], "ours 32.32": [ours]})
+  assert "| ours 32.32 | 0.2800 | 0.2800 | 0.933 | 6 (1/1 seeds) | 6.0 |" in text
+  assert "| 2 | 0.4000 / 0.3000 | 0.3000 / 0.2800 |" in text

@@ -101,3 +101,21 @@ def test_resume_builds_the_optimizer_family_its_checkpoint_was_written_with(tmp_
   with pytest.raises(UserError, match="holds optimizer_2.11 optimizer state, but this run built a "
                      "optimizer_v2 optimizer"):
     checkpoints_lib.RunCheckpoints(str(tmp_path), fused, {"model": "toy"}).restore_last()
+
+
+def test_adam_steps_exactly_as_pytorchs_adam():
+  """The reference trains with torch.optim.Adam: epsilon 1e-8, added after the bias correction."""
+  rng = np.random.default_rng(0)
+  start = rng.normal(size=50)
+  # gradients from 1e-7 to 1: epsilon's placement matters most for the smallest
+  gradients = [rng.normal(size=50) * 10.0 ** rng.uniform(-7, 0, size=50) for _ in range(30)]
+  variable = tf.Variable(start.astype(np.float32))
+  optimizer = optimizers.make_optimizer("adam", 1e-3)
+  for gradient in gradients:
+    optimizer.apply_gradients([(tf.constant(gradient.astype(np.float32)), variable)])
+  expected, m, v = start.copy(), np.zeros(50), np.zeros(50)   # torch.optim.Adam's rule, in float64
+  for t, gradient in enumerate(gradients, start=1):
+    m, v = 0.9 * m + 0.1 * gradient, 0.999 * v + 0.001 * gradient**2
+    expected -= 1e-3 * (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-8)
+  moved = np.abs(expected - start).max()
+  assert np.abs(variable.numpy() - expected).max() < 1e-3 * moved

@@ -59,3 +59,23 @@ def test_neuron_inverter_refuses_frames_too_short_for_its_conv_blocks(design):
   with pytest.raises(UserError, match="--design=%s needs frames of at least %d time bins; the data has %d"
                      % (design, shortest, shortest - 1)):
     module.build(config, (shortest - 1, 4))
+
+
+@pytest.mark.parametrize("standard_layers", [False, True])
+def test_neuron_inverter_starts_from_pytorchs_default_initialisation(standard_layers):
+  """Every kernel and bias is U(+-1/sqrt(fan_in)), as the reference's PyTorch layers start (issue 22)."""
+  tf.random.set_seed(3)
+  net = model.get_model_module("neuron_inverter").build(RunConfig(model="neuron_inverter", design="ontra4"),
+                                                      standard_layers=standard_layers)
+  checked = 0
+  for layer in net.layers:
+    if not hasattr(layer, "kernel") or not hasattr(layer, "bias"):
+      continue
+    kernel, bias = layer.kernel.numpy(), layer.bias.numpy()
+    bound = 1.0 / np.sqrt(np.prod(kernel.shape[:-1]))   # fan_in: kernel x input channels, or width
+    for values in (kernel, bias):
+      assert np.abs(values).max() <= bound * (1 + 1e-6)   # float32 rounding of the bound
+      # uniform over [-bound, bound]: standard deviation bound / sqrt(3), not Glorot's, not zero
+      assert abs(values.std() / (bound / np.sqrt(3)) - 1) < (0.1 if values.size > 1000 else 0.4), layer.name
+    checked += 1
+  assert checked == 9   # 3 conv blocks, 5 hidden dense layers, the output layer

@@ -20,6 +20,7 @@ def _adamw(learning_rate, **kwargs):
 
 
 LEGACY, KERAS_2_11 = "optimizer_v2", "optimizer_2.11"
+TORCH_ADAM_EPSILON = 1e-8  # torch.optim.Adam's default
 FORMATS = (LEGACY, KERAS_2_11)
 
 
@@ -28,15 +29,36 @@ def optimizer_format(optimizer) -> str:
   return LEGACY if hasattr(optimizer, "get_slot_names") else KERAS_2_11
 
 
+def _legacy_adam_class():
+  legacy = getattr(tf.keras.optimizers, "legacy", None)  # On TF < 2.11, tf.keras.optimizers.Adam is it.
+  return legacy.Adam if legacy is not None else tf.keras.optimizers.Adam
+
+
+class _TorchEpsilon:
+  """Mixin for the legacy Adam: epsilon added where PyTorch's Adam (the reference's) adds it.
+
+  Keras adds epsilon to sqrt(v) before the bias correction ("epsilon hat"); PyTorch adds it to the
+  bias-corrected sqrt(v / (1 - beta_2^t)). Scaling it by sqrt(1 - beta_2^t) gives PyTorch's update
+  exactly, so with PyTorch's default 1e-8 the steps are those of torch.optim.Adam. Keras' own 1e-7,
+  uncorrected, was 3e-6 in PyTorch's terms at the first step: it damped the small-gradient weights
+  (batch-norm scales) for the first epochs. Variables, slots and checkpoints are those of Adam.
+  """
+
+  def _prepare_local(self, var_device, var_dtype, apply_state):
+    super()._prepare_local(var_device, var_dtype, apply_state)  # pylint: disable=no-member
+    coefficients = apply_state[(var_device, var_dtype)]
+    coefficients["epsilon"] = coefficients["epsilon"] * tf.sqrt(1 - coefficients["beta_2_power"])
+
+
 def _adam(learning_rate, checkpoint_format=None, **kwargs):
   # Keras' optimizer of TF >= 2.11 updates each variable with about ten element-wise ops (fused only
   # under XLA, which it uses on GPUs alone); the legacy class runs one fused ResourceApplyAdam kernel
-  # per variable, the same update rule. On TF < 2.11, tf.keras.optimizers.Adam is that class.
-  legacy = getattr(tf.keras.optimizers, "legacy", None)
+  # per variable, the same update rule.
   if checkpoint_format == KERAS_2_11:  # a run started before the switch resumes with its own class
     return tf.keras.optimizers.Adam(learning_rate=learning_rate, **kwargs)
-  factory = legacy.Adam if legacy is not None else tf.keras.optimizers.Adam
-  return factory(learning_rate=learning_rate, **kwargs)
+  kwargs.setdefault("epsilon", TORCH_ADAM_EPSILON)
+  torch_adam = type("Adam", (_TorchEpsilon, _legacy_adam_class()), {})
+  return torch_adam(learning_rate=learning_rate, **kwargs)
 
 
 OPTIMIZERS = {

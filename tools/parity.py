@@ -1,0 +1,191 @@
+"""Learning parity with the reference: the PyTorch reference and this application, trained side by side.
+
+    python tools/parity.py [--data_path=FILE.h5] [--epochs=6] [--seeds=0,1,2] [--precisions=32.32]
+        [--train_samples=16384] [--val_samples=2048] [--out=parity]
+        [--reference_python=.venv-torch/bin/python]   (`make parity` runs it with its defaults)
+
+Both train ontra4 on the same slice of the same cellSpike file (written once into OUT), on one
+process, with the same batch size, Adam learning rate, warm-up and reduce-on-plateau settings:
+the reference through `tools/reference_train.py` (its Trainer's loop in PyTorch), this application
+through `main.py --replicas=1 --in_memory` (in-memory mode shuffles the whole block each epoch, as the
+reference's DataLoader does). One run at a time, so that their wall times can be compared.
+
+Writes OUT/parity.md (per seed: best validation loss and the ratio to the reference; per epoch:
+mean training and validation loss; the time to reach the target validation loss, MLPerf HPC's
+time-to-quality metric, by default the reference's mean best), OUT/parity.png (loss per epoch, and
+validation loss against wall time) and OUT/parity.json. Times count each side's epochs (training
+and validation) from its first step: ours include the tracing of the first step, neither includes
+process start-up or reading the file.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--data_path", default=None, help="cellSpike .h5 file (default: the built-in "
+                      "generated dataset, made on first use)")
+  parser.add_argument("--out", default="parity", help="folder for the slice, the runs and the report")
+  parser.add_argument("--epochs", type=int, default=6)
+  parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, one run of each side each")
+  parser.add_argument("--precisions", default="32.32", help="comma-separated --precision values for ours "
+                      "(the reference runs float32)")
+  parser.add_argument("--train_samples", type=int, default=16384)
+  parser.add_argument("--val_samples", type=int, default=2048)
+  parser.add_argument("--batch_size", type=int, default=192)
+  parser.add_argument("--learning_rate", type=float, default=1e-3)
+  parser.add_argument("--warmup_epochs", type=int, default=2)
+  parser.add_argument("--target", type=float, default=None, help="validation loss for the time to "
+                      "quality (default: the reference's mean best)")
+  parser.add_argument("--reference_python", default=os.path.join(REPO, ".venv-torch", "bin", "python"))
+  args = parser.parse_args(argv)
+  args.seeds = [int(s) for s in args.seeds.split(",")]
+  args.precisions = args.precisions.split(",")
+  return args
+
+
+def write_slice(source: str, destination: str, train: int, val: int) -> str:
+  """The first `train` / `val` rows (and `val` test rows) of `source`, contiguous, same dtypes."""
+  with h5py.File(source, "r") as src:
+    available = {split: len(src[split + "_frames"]) for split in ("train", "val", "test")}
+    wanted = {"train": train, "val": val, "test": min(val, available["test"])}
+    for split in ("train", "val"):
+      if available[split] < wanted[split]:
+        raise SystemExit("error: %s has %d %s samples; --%s_samples=%d" % (
+            source, available[split], split, split, wanted[split]))
+    with h5py.File(destination + ".tmp", "w") as dst:
+      for split, rows in wanted.items():
+        for key in (split + "_frames", split + "_unitStar_par"):
+          dst.create_dataset(key, data=src[key][:rows])
+  os.replace(destination + ".tmp", destination)
+  return destination
+
+
+def run_reference(args, data: str, seed: int) -> dict:
+  command = [args.reference_python, os.path.join(REPO, "tools", "reference_train.py"), "--data_path=" + data,
+             "--epochs=%d" % args.epochs, "--seed=%d" % seed, "--batch_size=%d" % args.batch_size,
+             "--learning_rate=%g" % args.learning_rate, "--warmup_epochs=%d" % args.warmup_epochs]
+  done = subprocess.run(command, capture_output=True, text=True, check=False)
+  if done.returncode != 0:
+    raise SystemExit("error: the reference failed (%s):\n%s" % (" ".join(command), done.stderr[-2000:]))
+  history = json.loads(done.stdout.strip().splitlines()[-1])["history"]
+  return {"loss": history["loss"], "val_loss": history["val_loss"], "seconds": history["epoch_seconds"]}
+
+
+def run_ours(args, data: str, seed: int, precision: str) -> dict:
+  logdir = os.path.join(args.out, "ours-%s-seed%d" % (precision, seed))
+  command = [sys.executable, os.path.join(REPO, "main.py"), "--model=neuron_inverter", "--replicas=1",
+             "--in_memory", "--data_path=" + data, "--logdir=" + logdir, "--precision=" + precision,
+             "--epochs=%d" % args.epochs, "--seed=%d" % seed, "--batch_size=%d" % args.batch_size,
+             "--learning_rate=%g" % args.learning_rate, "--warmup_epochs=%d" % args.warmup_epochs]
+  done = subprocess.run(command, capture_output=True, text=True, check=False)
+  if done.returncode != 0:
+    raise SystemExit("error: main.py failed (%s):\n%s" % (" ".join(command), done.stderr[-2000:]))
+  with open(os.path.join(logdir, "summary.yaml")) as f:
+    summary = yaml.safe_load(f)
+  history = summary["history"]
+  return {"loss": history["loss"], "val_loss": history["val_loss"],
+          "seconds": history["epoch_wall_seconds"], "precision": summary["precision"]}
+
+
+def seconds_to(run: dict, target: float):
+  """Wall seconds from the first step to the end of the first epoch whose validation loss <= target."""
+  elapsed = np.cumsum(run["seconds"])
+  reached = [i for i, loss in enumerate(run["val_loss"]) if loss <= target]
+  return float(elapsed[reached[0]]) if reached else None
+
+
+def report(args, runs: dict) -> str:
+  """The markdown report; `runs` maps a side ("reference", "ours 32.32", ...) to one run per seed."""
+  best = {side: [min(r["val_loss"]) for r in side_runs] for side, side_runs in runs.items()}
+  target = args.target if args.target is not None else float(np.mean(best["reference"]))
+  reference_mean = float(np.mean(best["reference"]))
+  lines = ["# Learning parity: %d epochs, seeds %s, %d / %d train / validation samples, batch %d, Adam %g, "
+           "%d warm-up epochs" % (args.epochs, ",".join(map(str, args.seeds)), args.train_samples,
+                                  args.val_samples, args.batch_size, args.learning_rate, args.warmup_epochs),
+           "", "| side | " + " | ".join("seed %d best val" % s for s in args.seeds) +
+           " | mean | ratio to reference | seconds to val <= %.4f (mean) | seconds per epoch |" % target,
+           "|---|" + "---|" * (len(args.seeds) + 4)]
+  for side, side_runs in runs.items():
+    times = [seconds_to(r, target) for r in side_runs]
+    reached = [t for t in times if t is not None]
+    time_text = "%.0f (%d/%d seeds)" % (np.mean(reached), len(reached), len(times)) if reached else "never"
+    lines.append("| %s | %s | %.4f | %.3f | %s | %.1f |" % (
+        side, " | ".join("%.4f" % b for b in best[side]), np.mean(best[side]),
+        np.mean(best[side]) / reference_mean, time_text,
+        np.mean([np.mean(r["seconds"]) for r in side_runs])))
+  lines += ["", "Mean loss per epoch (training / validation):", "",
+            "| epoch | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs)]
+  for epoch in range(args.epochs):
+    cells = ["%.4f / %.4f" % (np.mean([r["loss"][epoch] for r in side_runs]),
+                              np.mean([r["val_loss"][epoch] for r in side_runs]))
+             for side_runs in runs.values()]
+    lines.append("| %d | %s |" % (epoch + 1, " | ".join(cells)))
+  return "\n".join(lines) + "\n"
+
+
+def plot(runs: dict, path: str) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  figure, (by_epoch, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+  for color, (side, side_runs) in zip(("black", "tab:blue", "tab:orange", "tab:green"), runs.items()):
+    for i, run in enumerate(side_runs):
+      epochs = np.arange(1, len(run["loss"]) + 1)
+      label = side if i == 0 else None
+      by_epoch.plot(epochs, run["loss"], "--", color=color, alpha=0.6)
+      by_epoch.plot(epochs, run["val_loss"], "-", color=color, alpha=0.8, label=label)
+      by_time.plot(np.cumsum(run["seconds"]), run["val_loss"], "o-", color=color, alpha=0.8, label=label)
+  by_epoch.set(xlabel="epoch", ylabel="MSE loss (dashed: training, solid: validation)")
+  by_time.set(xlabel="wall seconds from the first step", ylabel="validation loss")
+  for axes in (by_epoch, by_time):
+    axes.legend()
+    axes.grid(alpha=0.3)
+  figure.tight_layout()
+  figure.savefig(path, dpi=110)
+  plt.close(figure)
+
+
+def _builtin_dataset() -> str:
+  """The application's built-in dataset (generated on first use), as `main.py` finds it."""
+  from data.cellspike import default_data_path  # pylint: disable=import-outside-toplevel
+  from run_config import RunConfig  # pylint: disable=import-outside-toplevel
+  return default_data_path(RunConfig(model="neuron_inverter"))
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  source = args.data_path or _builtin_dataset()
+  data = write_slice(source, os.path.join(os.path.abspath(args.out), "slice.h5"), args.train_samples,
+                     args.val_samples)
+  runs = {"reference": []}
+  for seed in args.seeds:
+    print("reference, seed %d ..." % seed, flush=True)
+    runs["reference"].append(run_reference(args, data, seed))
+    for precision in args.precisions:
+      print("ours --precision=%s, seed %d ..." % (precision, seed), flush=True)
+      run = run_ours(args, data, seed, precision)
+      runs.setdefault("ours %s (%s)" % (precision, run["precision"]), []).append(run)
+  text = report(args, runs)
+  with open(os.path.join(args.out, "parity.md"), "w") as f:
+    f.write(text)
+  with open(os.path.join(args.out, "parity.json"), "w") as f:
+    json.dump({"args": {k: v for k, v in vars(args).items()}, "runs": runs}, f, indent=1)
+  plot(runs, os.path.join(args.out, "parity.png"))
+  print(text + "\nWrote %s/parity.md, parity.png and parity.json" % args.out)
+
+
+if __name__ == "__main__":
+  main()
