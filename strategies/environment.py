@@ -41,6 +41,23 @@ def _add_flag(variable: str, flag: str, replace_prefix: str = None) -> None:
     os.environ[variable] = " ".join(current + [flag])
 
 
+def _merge_json_options(variable: str, defaults: dict, required: dict) -> None:
+  """Sets a JSON-object variable to `defaults`, then the user's own options, then `required`.
+
+  A user's POPLAR_ENGINE_OPTIONS (e.g. "target.hostSyncTimeout") must survive --profile_dir; only the
+  report folder is ours to decide.
+  """
+  raw = os.environ.get(variable, "").strip()
+  try:
+    current = json.loads(raw) if raw else {}
+  except ValueError:
+    current = None
+  if not isinstance(current, dict):
+    raise UserError("%s=%s is not a JSON object; --profile_dir adds its options to it (unset it or fix "
+                    "it)" % (variable, raw))
+  os.environ[variable] = json.dumps({**defaults, **current, **required})
+
+
 def _make_dir(path: str, flag: str) -> str:
   try:
     os.makedirs(path, exist_ok=True)
@@ -68,10 +85,10 @@ def _ipu_variables(config: RunConfig) -> None:
     path = _make_dir(config.profile_dir, "--profile_dir")
     # PopVision Graph Analyser (autoReport) and System Analyser (PVTI). Engine options are part of
     # the executable cache key, so a profiled run compiles afresh.
-    os.environ["POPLAR_ENGINE_OPTIONS"] = json.dumps({
-        "autoReport.all": "true", "autoReport.directory": path,
-        "autoReport.outputSerializedGraph": "false", "debug.allowOutOfMemory": "true"})
-    os.environ["PVTI_OPTIONS"] = json.dumps({"enable": "true", "directory": path})
+    _merge_json_options("POPLAR_ENGINE_OPTIONS", {
+        "autoReport.all": "true", "autoReport.outputSerializedGraph": "false",
+        "debug.allowOutOfMemory": "true"}, {"autoReport.directory": path})
+    _merge_json_options("PVTI_OPTIONS", {"enable": "true"}, {"directory": path})
 
 
 def _xla_cache_variables(config: RunConfig) -> None:

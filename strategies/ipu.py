@@ -66,7 +66,12 @@ def popdist_module():
     popdist = importlib.import_module("popdist")
   except ImportError:
     return None
-  return popdist if popdist.isPopdistEnvSet() else None
+  if not popdist.isPopdistEnvSet():
+    return None
+  # A submodule of its own (every Graphcore caller imports it: examples' vision/cnns/tensorflow2/
+  # ipu_config.py, keras' keras/ipu/distributed_test.py); `import popdist` alone does not bind it.
+  importlib.import_module("popdist.tensorflow")
+  return popdist
 
 
 def check_pipeline_settings(config: RunConfig) -> None:
@@ -92,10 +97,15 @@ def make_ipu_config(ipu, config: RunConfig, popdist=None):
     cfg.auto_select_ipus = config.replicas * config.ipus_per_replica
   connection = getattr(ipu.config.DeviceConnectionType, CONNECTIONS[config.ipu_connection])
   cfg.device_connection.type = connection
+  if config.ipu_connection != "always":
+    # The executable's hash includes SupportsRemoteBuffers() (driver/poplar_executor.cc), which without
+    # an attached device reads this option: a pre-compiled executable is found again by a later
+    # on_demand run only if both set it. IPUConfig's docstring asks for it whenever the connection
+    # type is not ALWAYS; examples' vision/cnns/tensorflow2 sets it the same way.
+    cfg.device_connection.enable_remote_buffers = True
   if config.ipu_connection == "pre_compile":
     # Compile into the executable cache without IPUs; version is required for PRE_COMPILE [1.4, 5.2].
     cfg.device_connection.version = "ipu2"
-    cfg.device_connection.enable_remote_buffers = True
   if config.available_memory_proportion:
     value = str(config.available_memory_proportion)  # Poplar option values must be strings [1.1]
     cfg.matmuls.poplar_options = {"availableMemoryProportion": value}
@@ -178,7 +188,10 @@ def swap_ipu_layers(model: tf.keras.Model) -> tf.keras.Model:
 
   def clone(layer):
     if type(layer) is tf.keras.layers.Dropout:  # pylint: disable=unidiomatic-typecheck
-      return ipu_layers.Dropout(layer.rate, seed=layer.seed, name=layer.name)
+      # IPU Dropout takes a pair of int32 seeds (ipu_tensorflow_addons keras/layers/dropout.py ->
+      # tensorflow/python/ipu/ops/rand_ops.py dropout); Keras' is one int.
+      seed = None if layer.seed is None else [layer.seed, 0]
+      return ipu_layers.Dropout(layer.rate, noise_shape=layer.noise_shape, seed=seed, name=layer.name)
     return layer.__class__.from_config(layer.get_config())
 
   swapped = tf.keras.models.clone_model(model, clone_function=clone)

@@ -8,6 +8,8 @@ call is recorded in `CALLS` so tests can assert on what the application asked fo
 """
 
 import enum
+import importlib.abc
+import importlib.util
 import sys
 import types
 
@@ -208,12 +210,18 @@ def build_modules(sdk="3.x"):
 
 
 def build_popdist(total_replicas=4, instances=2, index=0):
-  """A stand-in `popdist` as poprun sets it up [4.2]."""
+  """A stand-in `popdist` as poprun sets it up [4.2].
+
+  `popdist.tensorflow` is a submodule that `import popdist` does not bind (popdist's package
+  __init__; every Graphcore caller imports it explicitly: examples' vision/cnns/tensorflow2/
+  ipu_config.py, keras' keras/ipu/distributed_test.py): `install` makes it importable, and only
+  importing it sets the attribute, as Python's import system does for a real package.
+  """
   set_ipu_config = lambda config, ipus_per_replica=1, configure_device=True: _record(  # noqa: E731
       "popdist.set_ipu_config", config, ipus_per_replica=ipus_per_replica,
       configure_device=configure_device)
   tensorflow = _module("popdist.tensorflow", set_ipu_config=set_ipu_config)
-  popdist = _module("popdist", tensorflow=tensorflow, isPopdistEnvSet=lambda: True,
+  popdist = _module("popdist", __path__=[], isPopdistEnvSet=lambda: True,
                     getNumTotalReplicas=lambda: total_replicas, getNumInstances=lambda: instances,
                     getInstanceIndex=lambda: index,
                     getNumLocalReplicas=lambda: total_replicas // instances)
@@ -233,21 +241,66 @@ class SGDIpuOptimizer:
             **kwargs)
 
 
+def _ipu_dropout_class():
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+  class Dropout(tf.keras.layers.Layer):
+    """ipu_tensorflow_addons keras/layers/dropout.py: (rate, noise_shape=None, seed=None); the seed
+    goes to tensorflow/python/ipu/ops/rand_ops.py `dropout`, which takes a pair of 32-bit ints."""
+
+    def __init__(self, rate, noise_shape=None, seed=None, **kwargs):
+      if seed is not None and len(seed) != 2:
+        raise ValueError("seed must be a two-element tensor-like object, got %r" % (seed,))
+      _record("ipu_layers.Dropout", rate, noise_shape=noise_shape, seed=seed, layer_name=kwargs.get("name"))
+      self.rate, self.noise_shape, self.seed = rate, noise_shape, seed
+      super().__init__(**kwargs)
+
+    def call(self, inputs, training=None):
+      return tf.nn.dropout(inputs, self.rate, noise_shape=self.noise_shape) if training else inputs
+
+  return Dropout
+
+
 def build_addons():
-  """A stand-in `ipu_tensorflow_addons` (optimizers only; layers are exercised by real Keras) [7]."""
+  """A stand-in `ipu_tensorflow_addons`: its optimizers and its Dropout layer [7]."""
   optimizers = _module("ipu_tensorflow_addons.keras.optimizers", AdamIpuOptimizer=AdamIpuOptimizer,
                        SGDIpuOptimizer=SGDIpuOptimizer)
-  keras = _module("ipu_tensorflow_addons.keras", optimizers=optimizers)
+  layers = _module("ipu_tensorflow_addons.keras.layers", Dropout=_ipu_dropout_class())
+  keras = _module("ipu_tensorflow_addons.keras", optimizers=optimizers, layers=layers)
   return {"ipu_tensorflow_addons": _module("ipu_tensorflow_addons", keras=keras),
-          "ipu_tensorflow_addons.keras": keras, "ipu_tensorflow_addons.keras.optimizers": optimizers}
+          "ipu_tensorflow_addons.keras": keras, "ipu_tensorflow_addons.keras.optimizers": optimizers,
+          "ipu_tensorflow_addons.keras.layers": layers}
+
+
+class _SubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+  """Makes prepared submodules importable; the import system then binds them to their parent."""
+
+  def __init__(self, modules):
+    self.modules = modules
+
+  def find_spec(self, fullname, path=None, target=None):
+    del path, target
+    return importlib.util.spec_from_loader(fullname, self) if fullname in self.modules else None
+
+  def create_module(self, spec):
+    return self.modules[spec.name]
+
+  def exec_module(self, module):
+    pass
 
 
 def install(monkeypatch, sdk="3.x", popdist=None):
   """Puts the stand-in into sys.modules for one test; returns the `ipu` module."""
   CALLS.clear()
   modules = build_modules(sdk)
+  submodules = {}
   if popdist:
+    submodules["popdist.tensorflow"] = popdist.pop("popdist.tensorflow")
     modules.update(popdist)
   for name, module in modules.items():
     monkeypatch.setitem(sys.modules, name, module)
+  for name in submodules:   # absent now, and removed again after the test (importing adds it)
+    monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.delitem(sys.modules, name)
+  monkeypatch.setattr(sys, "meta_path", [_SubmoduleFinder(submodules)] + sys.meta_path)
   return modules["tensorflow.python.ipu"]

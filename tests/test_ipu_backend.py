@@ -52,6 +52,27 @@ def test_pre_compile_sets_the_required_version(monkeypatch):
   assert cfg.device_connection.version == "ipu2" and cfg.device_connection.enable_remote_buffers
 
 
+@pytest.mark.parametrize("connection", ["on_demand", "pre_compile"])
+def test_connections_without_a_device_support_remote_buffers(monkeypatch, connection):
+  """So that a pre-compiled executable's hash matches a later on_demand run's (poplar_executor.cc)."""
+  fake_ipu.install(monkeypatch)
+  ipu_backend.create(_config(ipu_connection=connection))
+  (_, (cfg,), _), = _calls("configure_ipu_system")
+  assert cfg.device_connection.enable_remote_buffers
+
+
+def test_ipu_dropout_gets_a_seed_pair_and_the_noise_shape(monkeypatch):
+  fake_ipu.install(monkeypatch)
+  for name, module in fake_ipu.build_addons().items():
+    monkeypatch.setitem(sys.modules, name, module)
+  inputs = tf.keras.Input((6,))
+  outputs = tf.keras.layers.Dropout(0.25, noise_shape=(None, 1), seed=11, name="drop")(inputs)
+  swapped = ipu_backend.swap_ipu_layers(tf.keras.Model(inputs, outputs))
+  (_, (rate,), kwargs), = _calls("ipu_layers.Dropout")
+  assert rate == 0.25 and kwargs == {"noise_shape": (None, 1), "seed": [11, 0], "layer_name": "drop"}
+  assert swapped(tf.ones((2, 6)), training=False).shape == (2, 6)
+
+
 def test_no_ipu_attached_is_one_clear_line(monkeypatch):
   fake_ipu.install(monkeypatch)
   monkeypatch.setattr(fake_ipu, "FAIL_CONFIGURE", "Target configuration failed: model disabled and no "
@@ -157,11 +178,11 @@ def test_unpipelined_accumulation_uses_the_ga_options(monkeypatch):
 def _environment_after_prepare(*flags_and_env):
   """Runs strategies.environment.prepare in a fresh process, before TensorFlow, as main.py does."""
   args, env = [a for a in flags_and_env if isinstance(a, str)], dict(os.environ)
+  for variable in ("TF_POPLAR_FLAGS", "TF_XLA_FLAGS", "POPLAR_ENGINE_OPTIONS", "PVTI_OPTIONS"):
+    env.pop(variable, None)
   for extra in flags_and_env:
     if isinstance(extra, dict):
       env.update(extra)
-  for variable in ("TF_POPLAR_FLAGS", "TF_XLA_FLAGS", "POPLAR_ENGINE_OPTIONS", "PVTI_OPTIONS"):
-    env.pop(variable, None)
   code = ("import json, os, sys; from run_config import RunConfig; from strategies import environment; "
           "environment.prepare(RunConfig(model='mnist', %s)); "
           "assert 'tensorflow' not in sys.modules; print(json.dumps(dict(os.environ)))" % ", ".join(args))
@@ -179,6 +200,15 @@ def test_environment_for_ipu_cache_model_and_profiles(tmp_path):
   assert json.loads(env["POPLAR_ENGINE_OPTIONS"])["autoReport.directory"] == str(tmp_path / "p")
   assert json.loads(env["PVTI_OPTIONS"])["enable"] == "true"
   assert env["TF_USE_LEGACY_KERAS"] == "1" and "TF_XLA_FLAGS" not in env
+
+
+def test_profile_options_keep_the_users_own(tmp_path):
+  env = _environment_after_prepare("backend='ipu'", "profile_dir=%r" % str(tmp_path / "p"),
+                                   {"POPLAR_ENGINE_OPTIONS": '{"target.hostSyncTimeout": "60", '
+                                                             '"autoReport.all": "false"}'})
+  options = json.loads(env["POPLAR_ENGINE_OPTIONS"])
+  assert options["target.hostSyncTimeout"] == "60" and options["autoReport.all"] == "false"
+  assert options["autoReport.directory"] == str(tmp_path / "p")
 
 
 def test_poprun_cache_path_wins(tmp_path):
