@@ -10,8 +10,11 @@ semantics traps it handles:
 - Replication factor = IPUs / IPUs per replica, rounded to powers of two [2.2]: counts must be powers
   of two.
 - Pipelining needs gradient accumulation (Grouped: a multiple of 2 x stages; Interleaved: of stages) [3.1].
-- Metrics with replication come from the last replica on SDK 2.6/3.0 [2.2]: the loss logged per step is
-  one replica's; validation and test losses are computed over all data.
+- Keras' steps for fit/evaluate/predict count elements over all local replicas: it runs steps // R per
+  replica (keras/ipu/extensions/data_adapter.py `_infer_steps`); `fit_input` multiplies accordingly.
+- Metrics with replication are the last replica's running means (keras/ipu/extensions: SDK 2.6/3.0
+  `_get_last_batch_results`; SDK 3.1+ defaults to ReplicatedMetricReductionMethod.NONE): training,
+  validation and test losses logged here cover one replica's share of the data (issue 14, point 3).
 """
 
 import dataclasses
@@ -217,6 +220,13 @@ class IPUBackend(Backend):
     return BatchLayout(replicas=local, replica_rows=micro_batch, element_per_replica=True,
                        steps_multiple=self.gradient_accumulation,
                        first_shard=self.instance_index * local, num_shards=self.replicas)
+
+  def fit_input(self, dataset, steps: int):
+    # IPU Keras divides the steps given to fit/evaluate/predict among this process's replicas
+    # (keras/ipu/extensions/data_adapter.py, IPUDataHandler._infer_steps: steps // replication
+    # factor); examples' vision/cnns/tensorflow2/train.py passes micro-batches over all replicas.
+    # Our `steps` count optimizer steps, each one element per local replica.
+    return dataset, steps * (self.local_replicas or self.replicas)
 
   def prepare_model(self, model, stage_boundaries=()):
     model = swap_ipu_layers(model)

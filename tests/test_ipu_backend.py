@@ -111,6 +111,15 @@ def test_poprun_instances_read_their_own_shards(monkeypatch):
   assert layout.replicas == 2 and list(layout.shards) == [2, 3] and layout.total_shards == 4
 
 
+def test_keras_steps_count_the_elements_of_all_local_replicas(monkeypatch):
+  """IPU Keras runs steps // replicas per replica (keras/ipu/extensions/data_adapter.py _infer_steps)."""
+  fake_ipu.install(monkeypatch)
+  dataset = tf.data.Dataset.range(4)
+  assert ipu_backend.create(_config(replicas=2)).fit_input(dataset, 10) == (dataset, 20)
+  fake_ipu.install(monkeypatch, popdist=fake_ipu.build_popdist(total_replicas=4, instances=2))
+  assert ipu_backend.create(_config(replicas=4)).fit_input(dataset, 10) == (dataset, 20)
+
+
 def test_poprun_replica_mismatch_is_refused(monkeypatch):
   fake_ipu.install(monkeypatch, popdist=fake_ipu.build_popdist(total_replicas=4))
   with pytest.raises(UserError, match="--replicas=2 disagrees with poprun's --num-replicas=4"):
