@@ -284,6 +284,9 @@ def create(config: RunConfig) -> IPUBackend:
                config.ipus_per_replica, config.ipu_connection,
                ", poprun instance %d of %d" % (popdist.getInstanceIndex(), popdist.getNumInstances())
                if popdist else "")
+  if replicas > 1:
+    logging.info("IPU Keras reports one replica's metrics: training, validation and test losses are "
+                 "computed on that replica's 1/%d of the data (strategies/ipu.py)", replicas)
   return IPUBackend(
       kind="ipu", strategy=strategy, devices=("/device:IPU:0",), replicas=replicas,
       gradient_accumulation=config.gradient_accumulation, pipeline_stages=config.pipeline_stages,
