@@ -26,7 +26,8 @@ def test_benchmark_produces_every_figure(tmp_path):
   subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "benchmark.py"), "--designs=dev",
                   "--batch_size=16", "--windows=1", "--window_steps=2", "--data_path=" + data,
                   "--precisions=" + ",".join(precisions), "--rounds=1", "--reference_python=" + TORCH_PYTHON,
-                  "--skip=compile", "--json=" + out], check=True, capture_output=True, timeout=300)
+                  # the input part has a test of its own (tools/benchmark_input.py, below)
+                  "--skip=compile,input", "--json=" + out], check=True, capture_output=True, timeout=300)
   results = json.load(open(out))
   row = results["precisions"]["32.32"]["dev"]
   train = row["train"]
@@ -39,7 +40,6 @@ def test_benchmark_produces_every_figure(tmp_path):
     assert results["precisions"]["16.32"]["dev"]["reference"]["bf16"]
   assert row["speedup_vs_reference"] == train["samples_per_sec"] / row["reference"]["samples_per_sec"]
   assert results["precisions"]["32.32"]["dev"]["inference"]["samples_per_sec"] > 0
-  assert {"streaming", "in_memory", "raw_h5py"} <= set(results["input"])
 
 
 def test_input_benchmark_reports_what_sizes_a_host(tmp_path):

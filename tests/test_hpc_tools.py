@@ -56,11 +56,12 @@ def test_container_launcher_forwards_everything(tmp_path):
 
 def test_poprun_script_maps_to_our_flags(tmp_path):
   record = _stand_in(tmp_path, "poprun")
-  env = dict(os.environ, PATH="%s:%s" % (tmp_path / "bin", os.environ["PATH"]), CACHE_DIR="/cache")
+  env = dict(os.environ, PATH="%s:%s" % (tmp_path / "bin", os.environ["PATH"]), CACHE_DIR="/cache",
+             POPRUN_ARGS="--vipu-partition=slurm_7 --vipu-server-host=10.1.3.101")
   subprocess.run([os.path.join(TOOLS, "slurm", "poprun.sh"), "2", "4", "2", "--pipeline_stages=2"],
                  env=env, check=True)
   assert record.read_text().split("\n")[:-1] == [
-      "--num-instances=2", "--num-replicas=4", "--ipus-per-replica=2", "--executable-cache-path=/cache",
+      "--vipu-partition=slurm_7", "--vipu-server-host=10.1.3.101", "--num-instances=2", "--num-replicas=4", "--ipus-per-replica=2", "--executable-cache-path=/cache",
       "python3", "main.py", "--model=neuron_inverter", "--backend=ipu", "--replicas=4",
       "--ipus_per_replica=2", "--pipeline_stages=2"]
 
