@@ -6,6 +6,8 @@ of TF >= 2.11 (state under `optimizer/_variables`). `FORMATS` names them; a resu
 family its checkpoint was written with, or the optimizer state would silently start from zero.
 """
 
+import functools
+
 import tensorflow as tf
 
 from errors import UserError
@@ -50,6 +52,12 @@ class _TorchEpsilon:
     coefficients["epsilon"] = coefficients["epsilon"] * tf.sqrt(1 - coefficients["beta_2_power"])
 
 
+@functools.lru_cache(maxsize=None)
+def _torch_adam_class():
+  """The legacy Adam with PyTorch's epsilon placement (one class per process, made on first use)."""
+  return type("Adam", (_TorchEpsilon, _legacy_adam_class()), {})
+
+
 def _adam(learning_rate, checkpoint_format=None, **kwargs):
   # Keras' optimizer of TF >= 2.11 updates each variable with about ten element-wise ops (fused only
   # under XLA, which it uses on GPUs alone); the legacy class runs one fused ResourceApplyAdam kernel
@@ -57,8 +65,7 @@ def _adam(learning_rate, checkpoint_format=None, **kwargs):
   if checkpoint_format == KERAS_2_11:  # a run started before the switch resumes with its own class
     return tf.keras.optimizers.Adam(learning_rate=learning_rate, **kwargs)
   kwargs.setdefault("epsilon", TORCH_ADAM_EPSILON)
-  torch_adam = type("Adam", (_TorchEpsilon, _legacy_adam_class()), {})
-  return torch_adam(learning_rate=learning_rate, **kwargs)
+  return _torch_adam_class()(learning_rate=learning_rate, **kwargs)
 
 
 OPTIMIZERS = {
