@@ -86,8 +86,10 @@ class Backend:
     """Replacements for optimizers of the registry (name -> factory(learning_rate, **kwargs))."""
     return {}
 
-  def compile_kwargs(self, train_steps: int) -> dict:
-    del train_steps
+  def compile_kwargs(self, train_steps, eval_steps=()) -> dict:
+    """compile() options; `train_steps` (None for inference alone) and `eval_steps` are the splits'
+    per-replica steps, for backends whose steps_per_execution must fit them."""
+    del train_steps, eval_steps
     kwargs = {"steps_per_execution": self.steps_per_execution}
     if self.jit_compile:
       kwargs["jit_compile"] = True

@@ -5,8 +5,9 @@ semantics traps it handles:
 - IPUStrategy reports `num_replicas_in_sync == 1` and SUMS gradients over replicas [2.2]: gradients are
   divided by the replica count so learning rates mean the same as on CPU/GPU (PopDistStrategy already
   averages over its `getNumTotalReplicas()`).
-- `steps_per_execution` is per replica [2.1]: it must divide the per-replica steps of every dataset and be
-  a multiple of the gradient-accumulation count; datasets are trimmed to whole optimizer steps.
+- `steps_per_execution` is per replica [2.1]: every dataset's per-replica steps must be a multiple of it
+  (or fewer: Keras truncates), for fit and for each evaluation; in fit it is also a multiple of the
+  gradient-accumulation count; training is trimmed to whole optimizer steps.
 - Replication factor = IPUs / IPUs per replica, rounded to powers of two [2.2]: counts must be powers
   of two.
 - Pipelining needs gradient accumulation (Grouped: a multiple of 2 x stages; Interleaved: of stages) [3.1].
@@ -149,15 +150,41 @@ def make_strategy(ipu, popdist):
   return module.PopDistStrategy()
 
 
-def derive_steps_per_execution(per_replica_steps: int, accumulation: int, requested: int) -> int:
-  """steps_per_execution for IPU Keras [2.1]: divides the per-replica steps, multiple of G."""
+def _runs_whole(steps_per_execution: int, steps: int) -> bool:
+  """Whether IPU Keras accepts it for a dataset of `steps` per-replica steps: it truncates a larger
+  value to the steps and otherwise needs a divisor (keras/ipu/extensions/data_adapter.py,
+  IPUDataHandler: "steps_per_execution (X) must be a divisor of the number of batches (Y)")."""
+  return steps_per_execution >= steps or steps % steps_per_execution == 0
+
+
+def derive_steps_per_execution(train_steps, accumulation: int, requested: int, eval_steps=()) -> int:
+  """steps_per_execution for IPU Keras [2.1]: one value for fit and for every evaluation split.
+
+  Every split's per-replica steps must accept it (`_runs_whole`); in fit it must also be a multiple
+  of the accumulation count (keras/ipu/extensions/extensions_base.py
+  `_verify_and_get_gradient_accumulation_steps_per_replica`), a rule that inference does not have.
+  `train_steps` is None for inference alone. Without a request: the largest value that fits, so an
+  epoch takes as few host round trips as possible.
+  """
+  splits = ([("training", train_steps)] if train_steps else []) + [("evaluation", n) for n in eval_steps]
   if requested:
-    if per_replica_steps % requested or requested % accumulation:
-      raise UserError("--steps_per_execution=%d must divide the %d steps per replica per epoch and be a "
-                      "multiple of --gradient_accumulation=%d" % (requested, per_replica_steps,
-                                                                  accumulation))
+    for name, steps in splits:
+      if not _runs_whole(requested, steps):
+        raise UserError("--steps_per_execution=%d must divide the %d %s steps per replica (or be at "
+                        "least that many)" % (requested, steps, name))
+    if train_steps and min(requested, train_steps) % accumulation:
+      raise UserError("--steps_per_execution=%d must be a multiple of --gradient_accumulation=%d"
+                      % (requested, accumulation))
     return requested
-  return per_replica_steps  # one execution per epoch: the fewest host round trips
+  largest = train_steps or max(eval_steps)
+  multiple = accumulation if train_steps else 1
+  for candidate in range(largest, 0, -1):
+    if largest % candidate == 0 and candidate % multiple == 0 and \
+        all(_runs_whole(candidate, steps) for _, steps in splits):
+      return candidate
+  raise UserError("no --steps_per_execution fits the training (%s) and evaluation (%s) steps per replica "
+                  "with --gradient_accumulation=%d: change --batch_size or the split sizes"
+                  % (train_steps, ", ".join(map(str, eval_steps)), accumulation))
 
 
 def assign_stages(model, stage_boundaries, stages: int, schedule: str, ipus_per_replica: int,
@@ -258,9 +285,9 @@ class IPUBackend(Backend):
         "sgd": lambda **kw: addons.SGDIpuOptimizer(momentum_accum_dtype=tf.float32, **kw),
     }
 
-  def compile_kwargs(self, train_steps: int) -> dict:
+  def compile_kwargs(self, train_steps, eval_steps=()) -> dict:
     steps = derive_steps_per_execution(train_steps, self.gradient_accumulation,
-                                       self.requested_steps_per_execution)
+                                       self.requested_steps_per_execution, tuple(eval_steps))
     return {"steps_per_execution": steps}
 
 

@@ -137,10 +137,24 @@ def test_gradients_are_averaged_over_ipu_strategy_replicas(monkeypatch):
 def test_steps_per_execution_rules():
   assert ipu_backend.derive_steps_per_execution(120, 4, 0) == 120
   assert ipu_backend.derive_steps_per_execution(120, 4, 40) == 40
-  with pytest.raises(UserError, match="must divide the 120 steps"):
+  with pytest.raises(UserError, match="must divide the 120 training steps"):
     ipu_backend.derive_steps_per_execution(120, 4, 50)
   with pytest.raises(UserError, match="multiple of --gradient_accumulation=4"):
     ipu_backend.derive_steps_per_execution(120, 4, 30)
+
+
+def test_steps_per_execution_fits_every_evaluation_split():
+  """IPU Keras needs it to divide each evaluate's steps too, or truncates it (data_adapter.py)."""
+  with pytest.raises(UserError, match="must divide the 50 evaluation steps"):
+    ipu_backend.derive_steps_per_execution(120, 4, 40, eval_steps=(50,))
+  assert ipu_backend.derive_steps_per_execution(120, 4, 40, eval_steps=(30, 80)) == 40  # 30: truncated
+  # derived: one execution per epoch (120) would not divide 180 evaluation steps; 60 does
+  assert ipu_backend.derive_steps_per_execution(120, 4, 0, eval_steps=(180,)) == 60
+  with pytest.raises(UserError, match="no --steps_per_execution fits"):   # 150 has no factor 4
+    ipu_backend.derive_steps_per_execution(120, 4, 0, eval_steps=(150,))
+  # inference alone: no accumulation rule
+  assert ipu_backend.derive_steps_per_execution(None, 4, 0, eval_steps=(30,)) == 30
+  assert ipu_backend.derive_steps_per_execution(None, 4, 15, eval_steps=(30,)) == 15
 
 
 def test_layout_feeds_micro_batches_per_replica_and_whole_optimizer_steps(monkeypatch):

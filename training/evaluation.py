@@ -225,7 +225,7 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
   restore_weights(net, checkpoint, info.input_shape, info.num_params)
   with backend.strategy.scope():
     net.compile(loss=model_registry.get_model_module(config.model).loss(),
-                **backend.compile_kwargs(data_split.steps))
+                **backend.compile_kwargs(None, [data_split.steps]))
   logging.info("Evaluating %s (epoch %s) on the %s split of %s: %d samples", checkpoint,
                state.get("epoch", "?"), split, info.path, data_split.samples)
   started = time.perf_counter()

@@ -62,7 +62,8 @@ def build_and_compile(config: RunConfig, backend: Backend, model_module, splits,
     optimizer = make_optimizer(config.optimizer, config.learning_rate, backend.optimizer_factories(),
                                checkpoint_format, **backend.optimizer_kwargs())
     net.compile(optimizer=optimizer, loss=model_module.loss(), metrics=model_module.metrics(),
-                **backend.compile_kwargs(splits.train.steps))
+                **backend.compile_kwargs(splits.train.steps,
+                                         [split.steps for split in (splits.validation, splits.test) if split]))
     create_slots(net.optimizer, net.trainable_variables)
   return net
 
