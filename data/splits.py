@@ -92,12 +92,12 @@ class Splits:
 
 
 def without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
-  """`dataset` with tf.data's autotuning off.
+  """`dataset` with tf.data's autotuning off: our pipelines set their parallelism themselves.
 
-  The autotuning thread sleeps between optimisation rounds for up to a minute, and destroying an
-  iterator (tf.distribute's MultiDeviceIterator at the end of every fit, or at a graceful stop) waited
-  for it: a gdb stack showed the main thread in ~LogicalThreadWrapper under ~RootDataset::Iterator for
-  1-60 s while the model thread slept in Model::OptimizeLoop.
+  An autotuned iterator keeps a model thread that sleeps up to a minute between rounds, and
+  destroying the iterator (the end of every fit, a graceful stop) waits for it (gdb: the main thread
+  in ~LogicalThreadWrapper under ~RootDataset::Iterator). tf.distribute's own per-device datasets
+  get the same option in `strategies/device_pipelines.py`.
   """
   options = tf.data.Options()
   if hasattr(options, "autotune"):          # TF >= 2.7; TF 2.6 has the experimental spelling

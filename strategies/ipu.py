@@ -179,8 +179,7 @@ def derive_steps_per_execution(train_steps, accumulation: int, requested: int, e
   largest = train_steps or max(eval_steps)
   multiple = accumulation if train_steps else 1
   for candidate in range(largest, 0, -1):
-    if largest % candidate == 0 and candidate % multiple == 0 and \
-        all(_runs_whole(candidate, steps) for _, steps in splits):
+    if candidate % multiple == 0 and all(_runs_whole(candidate, steps) for _, steps in splits):
       return candidate
   raise UserError("no --steps_per_execution fits the training (%s) and evaluation (%s) steps per replica "
                   "with --gradient_accumulation=%d: change --batch_size or the split sizes"

@@ -169,9 +169,10 @@ def test_processes_read_disjoint_shards_of_the_same_file(tmp_path):
 
 _PEAK_RSS_CHILD = """
 import resource, sys
+import numpy as np
 import tensorflow as tf
 from data import hdf5_native
-layout = hdf5_native.RowLayout(path=sys.argv[1], offset=0, row_shape=(1024,), dtype=__import__("numpy").dtype("uint8"),
+layout = hdf5_native.RowLayout(path=sys.argv[1], offset=0, row_shape=(1024,), dtype=np.dtype("uint8"),
                                file_size=int(sys.argv[2]))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 rows = tf.data.Dataset.from_tensors(tf.constant([0, 5, 9], tf.int64)).repeat(3)

@@ -61,9 +61,9 @@ def build_and_compile(config: RunConfig, backend: Backend, model_module, splits,
     net = backend.prepare_model(net, getattr(model_module, "STAGE_BOUNDARIES", ()))
     optimizer = make_optimizer(config.optimizer, config.learning_rate, backend.optimizer_factories(),
                                checkpoint_format, **backend.optimizer_kwargs())
+    eval_steps = [split.steps for split in (splits.validation, splits.test) if split]
     net.compile(optimizer=optimizer, loss=model_module.loss(), metrics=model_module.metrics(),
-                **backend.compile_kwargs(splits.train.steps,
-                                         [split.steps for split in (splits.validation, splits.test) if split]))
+                **backend.compile_kwargs(splits.train.steps, eval_steps))
     create_slots(net.optimizer, net.trainable_variables)
   return net
 
