@@ -7,7 +7,7 @@ monotonic), so the result is the same bit for bit, while the bias add, its gradi
 step in bfloat16, because oneDNN does not fuse a bias into a Conv1D (Keras runs it as a Conv2D between
 an ExpandDims and a Squeeze).
 
-Two further options change how the same function is computed; the backend chooses them, because
+Further options change how the same function is computed; the backend chooses them, because
 which is faster depends on the processor's kernels:
 - `channel_multiple`: the kernel is zero-padded so that the block's output channel count is a multiple
   of it (and its input count matches the padded block before it; the network's 4 input probes are not
@@ -21,6 +21,19 @@ which is faster depends on the processor's kernels:
   convolution of the zero-padded output gradient with the flipped, transposed kernel (the textbook
   identity), because oneDNN's backward-data convolution ran 3-4x slower than its forward convolution
   at these shapes.
+
+- `pooling`: how the maximum over each pool window is taken.
+  - "max_pool": TensorFlow's MaxPool and, in training, MaxPoolGrad.
+  - "maximum": the conv output reshaped to (positions, pool, channels) and reduced by a tree of
+    elementwise maxima, whose gradient is a few selects. On an AVX2 EPYC, MaxPoolGrad alone cost a
+    sixth of a float32 step.
+  - "phases": as "maximum", but each pool phase (conv positions i, i + pool, ...) is computed by its
+    own stride-`pool` convolution, so the full-resolution conv output never exists. It pays off where
+    that output is much larger than the work that makes it: the first block, whose 4 input probes
+    give a 1597 x 30 output per sample from 16 multiply-adds per value (the model builder's
+    `phases_max_in_channels` picks such blocks).
+  On ties every form routes the gradient to the first maximum of the window, as MaxPoolGrad does (the
+  traces have flat stretches, where the conv values of a window are equal).
 
 Weights keep the names and shapes of a Keras Conv1D (`kernel`, `bias`), so checkpoints and
 `set_weights` move freely between this block and the standard layers.
@@ -51,6 +64,39 @@ def _conv1d_input_grad_by_forward_conv(x, kernel):
   return outputs, grad
 
 
+POOLINGS = ("max_pool", "maximum", "phases")
+
+
+def _first_maximum(tensors):
+  """Elementwise maximum of `tensors`, as a balanced tree that keeps the earlier operand on ties.
+
+  tf.maximum's gradient goes to its first operand where the two are equal, so the whole tree sends it
+  to the earliest maximal tensor, as MaxPoolGrad sends it to the first maximum of a window.
+  """
+  while len(tensors) > 1:
+    pairs = [tf.maximum(tensors[i], tensors[i + 1]) for i in range(0, len(tensors) - 1, 2)]
+    tensors = pairs + tensors[len(pairs) * 2:]
+  return tensors[0]
+
+
+def _pool_by_maximum(x, pool):
+  """max_pool1d(x, pool, pool, VALID) as a tree of elementwise maxima over the window positions."""
+  positions, channels = x.shape[1] // pool, x.shape[2]
+  if x.shape[1] != positions * pool:
+    x = x[:, :positions * pool]
+  windows = tf.reshape(x, [-1, positions, pool, channels])
+  return _first_maximum(tf.unstack(windows, axis=2))
+
+
+def _conv_pool_by_phases(x, kernel, pool):
+  """max_pool1d(conv1d(x, kernel, VALID), pool, pool, VALID), one strided conv per pool phase."""
+  width = kernel.shape[0]
+  positions = (x.shape[1] - width + 1) // pool
+  span = pool * (positions - 1) + width  # the input one phase reads
+  phases = [tf.nn.conv1d(x[:, i:i + span], kernel, stride=pool, padding="VALID") for i in range(pool)]
+  return _first_maximum(phases)
+
+
 MAX_PADDING = 0.25  # extra channels, as a share of the real ones, worth the fast kernels
 
 
@@ -68,7 +114,7 @@ class PooledConv1D(tf.keras.layers.Layer):
   """
 
   def __init__(self, filters, kernel_size, pool_size, in_channels, channel_multiple=1,
-               input_grad_by_forward_conv=False, **kwargs):
+               input_grad_by_forward_conv=False, pooling="max_pool", **kwargs):
     super().__init__(**kwargs)
     self.filters = filters
     self.kernel_size = kernel_size
@@ -76,6 +122,9 @@ class PooledConv1D(tf.keras.layers.Layer):
     self.in_channels = in_channels
     self.channel_multiple = channel_multiple
     self.input_grad_by_forward_conv = input_grad_by_forward_conv
+    if pooling not in POOLINGS:
+      raise ValueError("pooling=%r is not one of %s" % (pooling, ", ".join(POOLINGS)))
+    self.pooling = pooling
 
   def build(self, input_shape):
     incoming = int(input_shape[-1])
@@ -101,18 +150,24 @@ class PooledConv1D(tf.keras.layers.Layer):
     if self._input_padding or self._output_padding:
       kernel = tf.pad(kernel, [[0, 0], [0, self._input_padding], [0, self._output_padding]])
       bias = tf.pad(bias, [[0, self._output_padding]])
-    if self.input_grad_by_forward_conv:
-      x = _conv1d_input_grad_by_forward_conv(inputs, kernel)
+    if self.pooling == "phases":
+      x = _conv_pool_by_phases(inputs, kernel, self.pool_size)
     else:
-      x = tf.nn.conv1d(inputs, kernel, stride=1, padding="VALID")
-    x = tf.nn.max_pool1d(x, self.pool_size, self.pool_size, padding="VALID")
+      if self.input_grad_by_forward_conv:
+        x = _conv1d_input_grad_by_forward_conv(inputs, kernel)
+      else:
+        x = tf.nn.conv1d(inputs, kernel, stride=1, padding="VALID")
+      if self.pooling == "maximum":
+        x = _pool_by_maximum(x, self.pool_size)
+      else:
+        x = tf.nn.max_pool1d(x, self.pool_size, self.pool_size, padding="VALID")
     return tf.nn.relu(tf.nn.bias_add(x, bias))
 
   def get_config(self):
     config = super().get_config()
     config.update(filters=self.filters, kernel_size=self.kernel_size, pool_size=self.pool_size,
                   in_channels=self.in_channels, channel_multiple=self.channel_multiple,
-                  input_grad_by_forward_conv=self.input_grad_by_forward_conv)
+                  input_grad_by_forward_conv=self.input_grad_by_forward_conv, pooling=self.pooling)
     return config
 
 

@@ -35,14 +35,16 @@ def _standard_conv_block(x, index, filters, kernel, pool):
   return layers.ReLU(name="relu%d" % index)(x)
 
 
-def _conv_blocks(x, design, standard_layers, **conv_options):
+def _conv_blocks(x, design, standard_layers, pooling, phases_max_in_channels, **conv_options):
   blocks = list(zip(design["conv_filters"], design["conv_kernels"], design["conv_pools"]))
   in_channels = int(x.shape[-1])
   for index, (filters, kernel, pool) in enumerate(blocks, start=1):
     if standard_layers:
       x = _standard_conv_block(x, index, filters, kernel, pool)
     else:
-      x = PooledConv1D(filters, kernel, pool, in_channels, name="conv%d" % index, **conv_options)(x)
+      block_pooling = "phases" if in_channels <= phases_max_in_channels else pooling
+      x = PooledConv1D(filters, kernel, pool, in_channels, name="conv%d" % index, pooling=block_pooling,
+                       **conv_options)(x)
     in_channels = filters
   return x if standard_layers else LeadingChannels(in_channels, name="conv_channels")(x)
 
@@ -56,11 +58,14 @@ def min_time_bins(design: dict) -> int:
 
 
 def build(config: RunConfig, input_shape=(1600, 4), num_outputs=15, channel_multiple=1,
-          input_grad_by_forward_conv=False, standard_layers=False) -> tf.keras.Model:
+          input_grad_by_forward_conv=False, pooling="max_pool", phases_max_in_channels=0,
+          standard_layers=False) -> tf.keras.Model:
   """Builds the (uncompiled) model of design `config.design` for samples of `input_shape`.
 
-  `channel_multiple` and `input_grad_by_forward_conv` are the backend's convolution options (see
-  `model.conv_layers`); `standard_layers` builds the plain Keras layers instead, without options.
+  `channel_multiple`, `input_grad_by_forward_conv`, `pooling` and `phases_max_in_channels` are the
+  backend's convolution options (see `model.conv_layers`: blocks with at most `phases_max_in_channels`
+  real input channels pool by phases, the others by `pooling`); `standard_layers` builds the plain
+  Keras layers instead, without options.
   """
   design = DESIGNS[config.design]
   layers = tf.keras.layers
@@ -71,8 +76,8 @@ def build(config: RunConfig, input_shape=(1600, 4), num_outputs=15, channel_mult
   inputs = layers.Input(shape=input_shape, name="frames")
   x = layers.Reshape((probes, time_bins), name="reference_reshape")(inputs)  # reshape, not transpose
   x = layers.Permute((2, 1), name="channels_last")(x)
-  x = _conv_blocks(x, design, standard_layers, channel_multiple=channel_multiple,
-                   input_grad_by_forward_conv=input_grad_by_forward_conv)
+  x = _conv_blocks(x, design, standard_layers, pooling, phases_max_in_channels,
+                   channel_multiple=channel_multiple, input_grad_by_forward_conv=input_grad_by_forward_conv)
   x = layers.Flatten(name="flatten")(x)
   # PyTorch BatchNorm1d defaults: momentum 0.1 (Keras 0.9), eps 1e-5.
   x = layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name="batch_norm")(x)

@@ -34,9 +34,12 @@ class Backend:
   cache_dir: Optional[str] = None          # executable cache in effect (IPU or XLA), for reporting
   precision: str = "32.32"                 # resolved --precision (never "auto")
   # How this hardware's convolutions run fastest (the model computes the same function either way;
-  # see model/conv_layers.py): channel counts padded to a multiple, input gradient as a forward conv.
+  # see model/conv_layers.py): channel counts padded to a multiple, input gradient as a forward conv,
+  # how windows are pooled, and up to how many input channels a block pools by phases.
   conv_channel_multiple: int = 1
   conv_input_grad_by_forward_conv: bool = False
+  conv_pooling: str = "max_pool"
+  conv_phases_max_in_channels: int = 0
 
   rank = 0                                 # this process among all workers
   world_size = 1
@@ -72,7 +75,8 @@ class Backend:
   def model_options(self) -> dict:
     """Hardware options for model builders (each takes those it declares: model.accepted_options)."""
     return {"channel_multiple": self.conv_channel_multiple,
-            "input_grad_by_forward_conv": self.conv_input_grad_by_forward_conv}
+            "input_grad_by_forward_conv": self.conv_input_grad_by_forward_conv,
+            "pooling": self.conv_pooling, "phases_max_in_channels": self.conv_phases_max_in_channels}
 
   def prepare_model(self, model: tf.keras.Model, stage_boundaries=()) -> tf.keras.Model:
     """Called inside the strategy scope, before compile()."""

@@ -11,13 +11,18 @@ from run_config import RunConfig
 from strategies.backend import Backend, options_from_config
 
 
-def has_bfloat16_units() -> bool:
-  """Whether this CPU does bfloat16 arithmetic natively (AMX or AVX-512 BF16), from /proc/cpuinfo."""
+def _cpu_flags() -> set:
+  """The feature flags of /proc/cpuinfo (empty where there is none: not Linux)."""
   try:
     with open("/proc/cpuinfo") as cpuinfo:
-      flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+      return set(next((line for line in cpuinfo if line.startswith("flags")), "").split())
   except OSError:
-    return False  # not Linux: no way to tell, stay with float32
+    return set()
+
+
+def has_bfloat16_units() -> bool:
+  """Whether this CPU does bfloat16 arithmetic natively (AMX or AVX-512 BF16), from /proc/cpuinfo."""
+  flags = _cpu_flags()
   return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
@@ -38,15 +43,25 @@ def check_precision(precision: str) -> None:
                     "TensorFlow %s: use --precision=32.32" % (precision, tf.__version__))
 
 
-def conv_options(precision: str) -> dict:
-  """Backend fields for oneDNN's convolutions, as measured on a Sapphire Rapids CPU (PERFORMANCE.md).
+def conv_options(precision: str, cpu_flags=None) -> dict:
+  """Backend fields for oneDNN's convolutions on this CPU, each chosen by a measurement
+  (docs/PERFORMANCE.md; `cpu_flags` defaults to this machine's).
 
-  Its backward-data convolution ran 3-4x slower than the forward one at the Neuron-Inverter's shapes,
-  in float32 and bfloat16 alike; its AMX bfloat16 kernels take their fast path only for channel
-  counts that are multiples of 32 (float32 gained nothing from padding).
+  - On a Sapphire Rapids (AVX-512, AMX) oneDNN's backward-data convolution ran 3-4x slower than its
+    forward one at the Neuron-Inverter's shapes, in float32 and bfloat16 alike, so the input gradient
+    is a forward conv there; on an AVX2 EPYC the backward-data kernel was the faster one.
+  - AMX bfloat16 kernels take their fast path only for channel counts that are multiples of 32
+    (float32 gained nothing from padding).
+  - In float32 on an AVX2 EPYC, pooling by elementwise maxima, and by phases in the first block,
+    made the training step 1.2x faster (MaxPoolGrad is memory-bound, which no vector unit changes).
+    bfloat16 keeps MaxPool, as measured on AMX.
   """
-  return {"conv_channel_multiple": 32 if precision != "32.32" else 1,
-          "conv_input_grad_by_forward_conv": True}
+  flags = _cpu_flags() if cpu_flags is None else set(cpu_flags)
+  sixteen_bit = precision != "32.32"
+  return {"conv_channel_multiple": 32 if sixteen_bit else 1,
+          "conv_input_grad_by_forward_conv": "avx512f" in flags,
+          "conv_pooling": "max_pool" if sixteen_bit else "maximum",
+          "conv_phases_max_in_channels": 0 if sixteen_bit else 8}
 
 
 def _ensure_logical_cpus(count: int) -> list:

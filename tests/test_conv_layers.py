@@ -14,7 +14,14 @@ from strategies import cpu
 from strategies.backend import Backend
 
 OPTIONS = [{"channel_multiple": multiple, "input_grad_by_forward_conv": by_forward}
-           for multiple, by_forward in itertools.product((1, 8, 32), (False, True))]
+           for multiple, by_forward in itertools.product((1, 8, 32), (False, True))] + [
+               {"pooling": "maximum", "phases_max_in_channels": 8},  # the float32 choice
+               {"pooling": "maximum", "channel_multiple": 32, "input_grad_by_forward_conv": True},
+               {"phases_max_in_channels": 1000}]  # every block by phases
+
+
+def _option_id(options):
+  return "-".join("%s=%s" % item for item in sorted(options.items()))
 
 
 def _builder():
@@ -43,7 +50,7 @@ def _loss_and_gradients(net, x, y):
 
 
 @pytest.mark.parametrize("design", ["ontra4", "dev"])
-@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "x%(channel_multiple)d-%(input_grad_by_forward_conv)s" % o)
+@pytest.mark.parametrize("options", OPTIONS, ids=_option_id)
 def test_fast_blocks_match_the_standard_layers_in_float32(design, options):
   standard, fast = _pair(design, **options)
   assert [(w.name, w.shape) for w in fast.weights] == [(w.name, w.shape) for w in standard.weights]
@@ -135,12 +142,48 @@ def test_backend_passes_only_the_options_a_builder_declares():
   backend = Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",), conv_channel_multiple=32,
                     conv_input_grad_by_forward_conv=True)
   options = backend.model_options()
-  assert model.accepted_options(_builder(), **options) == {"channel_multiple": 32,
-                                                           "input_grad_by_forward_conv": True}
+  assert model.accepted_options(_builder(), **options) == {
+      "channel_multiple": 32, "input_grad_by_forward_conv": True, "pooling": "max_pool",
+      "phases_max_in_channels": 0}
   assert model.accepted_options(model.get_model_module("mnist").build, **options) == {}
 
 
 def test_cpu_pads_channels_only_for_16_bit_precision():
   assert cpu.conv_options("32.32")["conv_channel_multiple"] == 1
   assert cpu.conv_options("16.32")["conv_channel_multiple"] == 32
-  assert all(cpu.conv_options(p)["conv_input_grad_by_forward_conv"] for p in ("32.32", "16.32"))
+
+
+def test_cpu_options_follow_the_measurements_per_cpu():
+  avx2, amx = {"avx2", "fma"}, {"avx2", "avx512f", "amx_bf16"}
+  assert not cpu.conv_options("32.32", avx2)["conv_input_grad_by_forward_conv"]
+  assert all(cpu.conv_options(p, amx)["conv_input_grad_by_forward_conv"] for p in ("32.32", "16.32"))
+  assert cpu.conv_options("32.32", avx2)["conv_pooling"] == "maximum"
+  assert cpu.conv_options("32.32", avx2)["conv_phases_max_in_channels"] >= 4  # the 4-probe block
+  assert cpu.conv_options("16.32", amx)["conv_pooling"] == "max_pool"
+
+
+@pytest.mark.parametrize("pooling,phases", [("maximum", 0), ("max_pool", 1000), ("maximum", 1000)])
+def test_pooling_forms_send_the_gradient_to_the_first_maximum_on_ties(pooling, phases):
+  """Flat stretches of a trace make the conv values of a window equal: each form must route the
+  window's gradient once, to its first position, as MaxPoolGrad does (not once per tied position).
+  Small integers keep every sum exact, so the ties are exact in every form."""
+  rng = np.random.default_rng(3)
+  flat = np.repeat(rng.integers(-3, 4, (2, 1600 // 40, 4)), 40, axis=1)  # constant for 40 bins
+  x = tf.constant(flat, tf.float32)
+  block = conv_layers.PooledConv1D(6, 4, 4, 4, pooling="phases" if phases else pooling)
+  reference = conv_layers.PooledConv1D(6, 4, 4, 4)
+  block.build(x.shape)
+  reference.build(x.shape)
+  block.set_weights([rng.integers(-3, 4, w.shape).astype(np.float32) for w in block.get_weights()])
+  reference.set_weights(block.get_weights())
+  results = []
+  for layer in (reference, block):
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      out = layer(x)
+      loss = tf.reduce_sum(out * tf.range(1.0, 1.0 + out.shape[-1]))
+    results.append((out.numpy(), [g.numpy() for g in tape.gradient(loss, [x] + layer.trainable_variables)]))
+  (expected_out, expected_grads), (out, grads) = results
+  np.testing.assert_array_equal(out, expected_out)
+  for expected, got in zip(expected_grads, grads):
+    np.testing.assert_array_equal(got, expected)
