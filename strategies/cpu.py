@@ -86,8 +86,10 @@ def create(config: RunConfig) -> Backend:
   except RuntimeError:
     pass
   if replicas == 1:
-    return Backend("cpu", tf.distribute.OneDeviceStrategy("/cpu:0"), ("/cpu:0",),
-                   **options_from_config(config))
+    # The default strategy, not OneDeviceStrategy: on a 2-core AMD EPYC, Keras' fit ran the same
+    # ontra4 step 1.35x slower under OneDeviceStrategy (and under a one-device MirroredStrategy), every
+    # kernel stretched alike (docs/PERFORMANCE.md); one CPU has nothing to distribute.
+    return Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",), **options_from_config(config))
   devices = _ensure_logical_cpus(replicas)
   # NCCL does not exist on CPU; reducing through one device is the CPU all-reduce.
   strategy = tf.distribute.MirroredStrategy(

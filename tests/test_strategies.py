@@ -16,9 +16,9 @@ def test_auto_picks_cpu_here():
   assert select.resolve_kind("auto") == "cpu"
 
 
-def test_one_cpu_replica_uses_one_device_strategy():
+def test_one_cpu_replica_uses_the_default_strategy():
   backend = select.select_backend(RunConfig(model="mnist", backend="cpu", replicas=1))
-  assert isinstance(backend.strategy, tf.distribute.OneDeviceStrategy)
+  assert backend.strategy is tf.distribute.get_strategy() and not tf.distribute.has_strategy()
   assert backend.replicas == 1 and backend.label == "CPU"
 
 
