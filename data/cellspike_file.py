@@ -61,10 +61,27 @@ class CellSpikeFile:
     return (self.time_bins, self.num_probes)
 
 
+MAX_META_BYTES = 1 << 20  # a real meta yaml is a few kB
+
+
+class _NoAliasLoader(yaml.SafeLoader):  # pylint: disable=too-many-ancestors
+  """safe_load without aliases: a few hundred bytes of nested aliases expand to gigabytes."""
+
+  def compose_node(self, parent, index):
+    if self.check_event(yaml.AliasEvent):
+      event = self.peek_event()
+      raise yaml.composer.ComposerError(None, None, "aliases (*%s) are not allowed" % event.anchor,
+                                        event.start_mark)
+    return super().compose_node(parent, index)
+
+
 def _read_yaml(path: str) -> dict:
   try:
+    if os.path.getsize(path) > MAX_META_BYTES:
+      raise UserError("%s: %d bytes, more than a meta yaml's limit of %d"
+                      % (path, os.path.getsize(path), MAX_META_BYTES))
     with open(path, encoding="utf-8") as f:
-      content = yaml.safe_load(f)
+      content = yaml.load(f, Loader=_NoAliasLoader)  # nosec: a SafeLoader
   except OSError as error:
     raise UserError("%s: cannot read the meta yaml (%s)" % (path, error.strerror)) from None
   except (yaml.YAMLError, UnicodeDecodeError) as error:
@@ -82,10 +99,15 @@ def _read_yaml(path: str) -> dict:
     value = info.get(key)
     if key in info and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
       raise UserError("%s: dataInfo.%s is %r, expected a positive integer" % (path, key, value))
-  if not isinstance(info["parName"], list):
-    raise UserError("%s: dataInfo.parName is %r, expected a list of parameter names"
+  if not isinstance(info["parName"], list) or not all(isinstance(n, str) for n in info["parName"]):
+    raise UserError("%s: dataInfo.parName is %r, expected a list of parameter names (strings)"
                     % (path, info["parName"]))
   return info
+
+
+def _inside(path: str, folder: str) -> bool:
+  path, folder = os.path.realpath(path), os.path.realpath(folder)
+  return os.path.commonpath([path, folder]) == folder
 
 
 def resolve(data_path: str, cell_name, probe_type: str):
@@ -104,6 +126,9 @@ def resolve(data_path: str, cell_name, probe_type: str):
     raise UserError("--data_path=%s is a folder: --cell_name is needed to pick the file" % data_path)
   info = _read_yaml(yaml_path)
   h5_path = os.path.join(data_path, str(info["h5nameTemplate"]).replace("*", cell_name))
+  if not _inside(h5_path, data_path):
+    raise UserError("%s: h5nameTemplate %r with --cell_name=%s names %s, outside --data_path=%s"
+                    % (yaml_path, info["h5nameTemplate"], cell_name, h5_path, data_path))
   if not os.path.isfile(h5_path):
     raise UserError("%s: no such file (from %s h5nameTemplate and --cell_name=%s)"
                     % (h5_path, yaml_path, cell_name))
@@ -117,9 +142,28 @@ def _dataset(f: h5py.File, path: str, key: str) -> h5py.Dataset:
   dataset = f[key]
   if not isinstance(dataset, h5py.Dataset):
     raise UserError("%s: '%s' is a group, expected a dataset" % (path, key))
+  _check_storage(dataset, path, key)
   if dataset.dtype.newbyteorder("=") not in _FLOAT_DTYPES:  # either byte order
     raise UserError("%s: '%s' has dtype %s, expected float16 or float32" % (path, key, dataset.dtype))
   return dataset
+
+
+def _check_storage(dataset: h5py.Dataset, path: str, key: str) -> None:
+  """Data must live in the file, or in existing files beside it: external raw storage can name any
+  file on the machine (whose bytes would then reach predictions.npz), and a virtual dataset with a
+  missing source reads as its fill value, silently."""
+  if dataset.external:
+    raise UserError("%s: '%s' is stored outside the file (external storage in %s); cellSpike data must "
+                    "be inside the HDF5 file" % (path, key, dataset.external[0][0]))
+  if not dataset.is_virtual:
+    return
+  folder = os.path.dirname(os.path.abspath(path))
+  for source in dataset.virtual_sources():
+    name = source.file_name
+    source_path = os.path.abspath(path) if name == "." else os.path.join(folder, name)
+    if not _inside(source_path, folder) or not os.path.isfile(source_path):
+      raise UserError("%s: '%s' is a virtual dataset whose source %s is missing or outside %s"
+                      % (path, key, name, folder))
 
 
 def checked_row_ranges(shape: tuple, itemsize: int) -> list:
@@ -175,9 +219,13 @@ def _check_split(path: str, f: h5py.File, dom: str) -> tuple:
 def _read_meta_json(f: h5py.File, path: str) -> dict:
   if "meta.JSON" not in f:
     return {}
+  if isinstance(f["meta.JSON"], h5py.Dataset):
+    _check_storage(f["meta.JSON"], path, "meta.JSON")
   try:
     raw = f["meta.JSON"][0]
     meta = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+  except RecursionError:
+    raise UserError("%s: 'meta.JSON' is nested too deeply to be a cellSpike meta record" % path) from None
   except (ValueError, TypeError, IndexError, KeyError, AttributeError) as error:
     raise UserError("%s: 'meta.JSON' is not a JSON string (%s)" % (path, error)) from None
   if not isinstance(meta, dict):

@@ -24,6 +24,7 @@ class BatchLayout:
   element_per_replica: bool = False   # True: each element feeds one replica (IPU infeeds)
   eval_replica_rows: int = None       # rows per replica for evaluation (no accumulation); None: same
   steps_multiple: int = 1             # training steps are trimmed to a multiple (whole optimizer steps)
+  eval_steps_multiple: int = 1        # evaluation steps too (e.g. an IPU inference pipeline's depth)
   first_shard: int = 0                # this process's first replica among all processes' replicas
   num_shards: int = 0                 # replicas of all processes (0: just this process's)
 
@@ -52,7 +53,8 @@ class BatchLayout:
 def eval_layout(layout: BatchLayout) -> BatchLayout:
   """Evaluation has no accumulation: each replica takes one micro-batch per step."""
   rows = layout.replica_rows if layout.eval_replica_rows is None else layout.eval_replica_rows
-  return dataclasses.replace(layout, replica_rows=rows, eval_replica_rows=None, steps_multiple=1)
+  return dataclasses.replace(layout, replica_rows=rows, eval_replica_rows=None,
+                             steps_multiple=layout.eval_steps_multiple)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,7 @@ the tf.distribute behaviour (CPU and GPU); `strategies/ipu.py` overrides it for 
 """
 
 import dataclasses
+import tempfile
 from typing import Optional
 
 import tensorflow as tf
@@ -41,8 +42,8 @@ class Backend:
   conv_pooling: str = "max_pool"
   conv_phases_max_in_channels: int = 0
 
-  rank = 0                                 # this process among all workers
-  world_size = 1
+  rank = 0                                 # this process among all processes (workers, instances)
+  world_size = 1                           # processes training together
 
   @property
   def is_chief(self) -> bool:
@@ -50,8 +51,22 @@ class Backend:
     return self.rank == 0
 
   def output_dir(self, logdir: str) -> str:
-    """Where this process writes TensorBoard events, checkpoints and summary.yaml."""
-    return logdir
+    """Where this process writes TensorBoard events, checkpoints and summary.yaml: `logdir` for the
+    chief; a scratch folder for the others, which run the same code but must not write the run's files."""
+    if self.is_chief:
+      return logdir
+    return tempfile.mkdtemp(prefix="process%d-" % self.rank)
+
+  def alone(self) -> Optional["Backend"]:
+    """A backend for this process to run inference on by itself (the others may have exited); None
+    where this hardware cannot. Several CPU/GPU workers: the default strategy on the first device."""
+    if self.world_size == 1:
+      return self
+    return Backend(self.kind, tf.distribute.get_strategy(), tuple(self.devices[:1]))
+
+  def any_process(self, flag: bool) -> bool:
+    """Whether `flag` is set in any process of the run (a collective every process must reach)."""
+    return flag
 
   def fit_input(self, dataset: tf.data.Dataset, steps: int):
     """(x, steps) for Keras fit/evaluate/predict: the dataset itself."""
@@ -82,6 +97,11 @@ class Backend:
     """Called inside the strategy scope, before compile()."""
     del stage_boundaries  # Pipeline stages are an IPU placement; here the model runs whole.
     return accumulation.with_accumulation(model, self.gradient_accumulation)
+
+  def inference_model(self, model: tf.keras.Model, stage_boundaries=()) -> tf.keras.Model:
+    """Called inside the strategy scope for evaluation and prediction alone (no optimizer)."""
+    del stage_boundaries
+    return model
 
   def optimizer_kwargs(self) -> dict:
     return {}

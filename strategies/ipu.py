@@ -10,12 +10,16 @@ semantics traps it handles:
   gradient-accumulation count; training is trimmed to whole optimizer steps.
 - Replication factor = IPUs / IPUs per replica, rounded to powers of two [2.2]: counts must be powers
   of two.
-- Pipelining needs gradient accumulation (Grouped: a multiple of 2 x stages; Interleaved: of stages) [3.1].
+- A pipeline runs a multiple of its overlap length of iterations (`pipeline_overlap`): gradient
+  accumulation in training, min(steps_per_execution, steps) in evaluation and prediction, whose
+  splits are trimmed to that multiple.
 - Keras' steps for fit/evaluate/predict count elements over all local replicas: it runs steps // R per
   replica (keras/ipu/extensions/data_adapter.py `_infer_steps`); `fit_input` multiplies accordingly.
 - Metrics with replication are the last replica's running means (keras/ipu/extensions: SDK 2.6/3.0
-  `_get_last_batch_results`; SDK 3.1+ defaults to ReplicatedMetricReductionMethod.NONE): training,
-  validation and test losses logged here cover one replica's share of the data (issue 14, point 3).
+  `_get_last_batch_results`; SDK 3.1+ defaults to ReplicatedMetricReductionMethod.NONE). From SDK 3.1
+  an unpipelined training model asks for the MEAN over replicas (over one instance's replicas under
+  poprun); never an inference model, whose predictions MEAN would average too. Otherwise the log
+  says the losses are one replica's.
 """
 
 import dataclasses
@@ -78,18 +82,51 @@ def popdist_module():
   return popdist
 
 
+def stage_devices(stages: int, ipus_per_replica: int) -> list:
+  """The pipeline's device mapping: stage i on IPU i mod ipus_per_replica (`assign_stages`)."""
+  return [i % ipus_per_replica for i in range(stages)]
+
+
+def pipeline_overlap(schedule: str, stages: int, ipus_per_replica: int, training: bool) -> int:
+  """The multiple a pipeline's iteration count must be (and its least value).
+
+  driver/visitors/pipeline_visitor.cc (VerifyPipelineArgumentsFixed): "The number of iterations of the
+  pipeline must be a multiple of N", N = ScheduleOffsets(stage mapping).size() (pipeline_visitor_utils.h):
+  Grouped, every stage of the mapping; Interleaved, the rotations of the mapping that share no device
+  at any position; Sequential, 1. A training pipeline's mapping has its backward stages appended in
+  reverse, so Grouped training needs 2 x stages and inference only `stages`.
+  """
+  if schedule == "sequential" or stages == 1:
+    return 1
+  mapping = stage_devices(stages, ipus_per_replica)
+  if training:
+    mapping += mapping[::-1]
+  if schedule == "grouped":
+    return len(mapping)
+  rotated = lambda k: mapping[k:] + mapping[:k]  # noqa: E731
+  offsets = [0]
+  for shift in range(1, len(mapping)):
+    if all(a != b for k in offsets for a, b in zip(rotated(k), rotated(shift))):
+      offsets.append(shift)
+  return len(offsets)
+
+
 def check_pipeline_settings(config: RunConfig) -> None:
   """Cross-flag rules of pipelining and replication on IPUs; one UserError per violation."""
   total = config.replicas * config.ipus_per_replica
   if not is_power_of_two(total):
     raise UserError("--replicas=%d x --ipus_per_replica=%d = %d IPUs: IPU devices come in powers of two "
                     "(1, 2, 4, 8, ...)" % (config.replicas, config.ipus_per_replica, total))
-  stages, g = config.pipeline_stages, config.gradient_accumulation
-  if stages > 1 and config.pipeline_schedule != "sequential":
-    multiple = 2 * stages if config.pipeline_schedule == "grouped" else stages
-    if g % multiple:
-      raise UserError("--pipeline_schedule=%s with %d stages needs --gradient_accumulation to be a "
-                      "multiple of %d (got %d)" % (config.pipeline_schedule, stages, multiple, g))
+  stages, g, schedule = config.pipeline_stages, config.gradient_accumulation, config.pipeline_schedule
+  if schedule == "interleaved" and stages > config.ipus_per_replica:
+    # ops/pipelining_ops.py: "The pipelining schedule 'Interleaved' does not currently support multiple
+    # pipeline stages on the same device for training graphs."
+    raise UserError("--pipeline_schedule=interleaved needs one IPU per stage in training: --pipeline_stages=%d "
+                    "with --ipus_per_replica=%d (use grouped or sequential)" % (stages, config.ipus_per_replica))
+  multiple = pipeline_overlap(schedule, stages, config.ipus_per_replica, training=True)
+  if g % multiple:
+    raise UserError("--pipeline_schedule=%s with %d stages needs --gradient_accumulation to be a "
+                    "multiple of %d (got %d)" % (schedule, stages, multiple, g))
 
 
 def make_ipu_config(ipu, config: RunConfig, popdist=None):
@@ -150,28 +187,35 @@ def make_strategy(ipu, popdist):
   return module.PopDistStrategy()
 
 
-def _runs_whole(steps_per_execution: int, steps: int) -> bool:
+def _runs_whole(steps_per_execution: int, steps: int, depth_multiple: int = 1) -> bool:
   """Whether IPU Keras accepts it for a dataset of `steps` per-replica steps: it truncates a larger
   value to the steps and otherwise needs a divisor (keras/ipu/extensions/data_adapter.py,
-  IPUDataHandler: "steps_per_execution (X) must be a divisor of the number of batches (Y)")."""
-  return steps_per_execution >= steps or steps % steps_per_execution == 0
+  IPUDataHandler: "steps_per_execution (X) must be a divisor of the number of batches (Y)"). An
+  inference pipeline's depth is that truncated value (extensions_base.py
+  `_make_pipeline_ipu_test_function`), so it must be a multiple of `depth_multiple`."""
+  depth = min(steps_per_execution, steps)
+  return steps % depth == 0 and depth % depth_multiple == 0
 
 
-def derive_steps_per_execution(train_steps, accumulation: int, requested: int, eval_steps=()) -> int:
+def derive_steps_per_execution(train_steps, accumulation: int, requested: int, eval_steps=(),
+                               eval_depth_multiple: int = 1) -> int:
   """steps_per_execution for IPU Keras [2.1]: one value for fit and for every evaluation split.
 
-  Every split's per-replica steps must accept it (`_runs_whole`); in fit it must also be a multiple
-  of the accumulation count (keras/ipu/extensions/extensions_base.py
+  Every split's per-replica steps must accept it (`_runs_whole`, evaluation splits with the
+  inference pipeline's `eval_depth_multiple`); in fit it must also be a multiple of the accumulation
+  count (keras/ipu/extensions/extensions_base.py
   `_verify_and_get_gradient_accumulation_steps_per_replica`), a rule that inference does not have.
   `train_steps` is None for inference alone. Without a request: the largest value that fits, so an
   epoch takes as few host round trips as possible.
   """
-  splits = ([("training", train_steps)] if train_steps else []) + [("evaluation", n) for n in eval_steps]
+  splits = (([("training", train_steps, 1)] if train_steps else [])
+            + [("evaluation", n, eval_depth_multiple) for n in eval_steps])
   if requested:
-    for name, steps in splits:
-      if not _runs_whole(requested, steps):
+    for name, steps, multiple in splits:
+      if not _runs_whole(requested, steps, multiple):
         raise UserError("--steps_per_execution=%d must divide the %d %s steps per replica (or be at "
-                        "least that many)" % (requested, steps, name))
+                        "least that many)%s" % (requested, steps, name, "" if multiple == 1 else
+                        ", and give pipeline iterations in multiples of %d" % multiple))
     if train_steps and min(requested, train_steps) % accumulation:
       raise UserError("--steps_per_execution=%d must be a multiple of --gradient_accumulation=%d"
                       % (requested, accumulation))
@@ -179,7 +223,7 @@ def derive_steps_per_execution(train_steps, accumulation: int, requested: int, e
   largest = train_steps or max(eval_steps)
   multiple = accumulation if train_steps else 1
   for candidate in range(largest, 0, -1):
-    if candidate % multiple == 0 and all(_runs_whole(candidate, steps) for _, steps in splits):
+    if candidate % multiple == 0 and all(_runs_whole(candidate, steps, m) for _, steps, m in splits):
       return candidate
   raise UserError("no --steps_per_execution fits the training (%s) and evaluation (%s) steps per replica "
                   "with --gradient_accumulation=%d: change --batch_size or the split sizes"
@@ -202,7 +246,7 @@ def assign_stages(model, stage_boundaries, stages: int, schedule: str, ipus_per_
   model.set_pipeline_stage_assignment(assignments)
   model.set_pipelining_options(
       gradient_accumulation_steps_per_replica=accumulation,
-      device_mapping=[i % ipus_per_replica for i in range(stages)],
+      device_mapping=stage_devices(stages, ipus_per_replica),
       pipeline_schedule=getattr(ipu.ops.pipelining_ops.PipelineSchedule, SCHEDULES[schedule]),
       gradient_accumulation_reduction_method="mean")
   return model
@@ -237,7 +281,8 @@ class IPUBackend(Backend):
   requested_steps_per_execution: int = 0
   sums_replica_gradients: bool = True     # IPUStrategy: yes; PopDistStrategy averages itself
   local_replicas: int = 0                 # under poprun: this instance's replicas (0: all)
-  instance_index: int = 0
+  rank: int = 0                           # under poprun: popdist.getInstanceIndex()
+  world_size: int = 1                     # under poprun: popdist.getNumInstances()
 
   def layout(self, micro_batch: int) -> BatchLayout:
     # Each replica takes whole micro-batches from the infeed in turn; G micro-batches per optimizer step.
@@ -245,7 +290,14 @@ class IPUBackend(Backend):
     local = self.local_replicas or self.replicas
     return BatchLayout(replicas=local, replica_rows=micro_batch, element_per_replica=True,
                        steps_multiple=self.gradient_accumulation,
-                       first_shard=self.instance_index * local, num_shards=self.replicas)
+                       eval_steps_multiple=self.eval_depth_multiple,
+                       first_shard=self.rank * local, num_shards=self.replicas)
+
+  @property
+  def eval_depth_multiple(self) -> int:
+    """The multiple an inference pipeline's depth must be (1 unpipelined)."""
+    return pipeline_overlap(self.pipeline_schedule, self.pipeline_stages, self.ipus_per_replica,
+                            training=False)
 
   def fit_input(self, dataset, steps: int):
     # IPU Keras divides the steps given to fit/evaluate/predict among this process's replicas
@@ -256,6 +308,7 @@ class IPUBackend(Backend):
 
   def prepare_model(self, model, stage_boundaries=()):
     model = swap_ipu_layers(model)
+    self._reduce_metrics(model)
     if self.pipeline_stages > 1:
       return assign_stages(model, tuple(stage_boundaries), self.pipeline_stages, self.pipeline_schedule,
                            self.ipus_per_replica, self.gradient_accumulation)
@@ -263,6 +316,34 @@ class IPUBackend(Backend):
       model.set_gradient_accumulation_options(
           gradient_accumulation_steps_per_replica=self.gradient_accumulation,
           gradient_accumulation_reduction_method="mean")
+    return model
+
+  def _reduce_metrics(self, model) -> None:
+    """Metrics over all replicas where IPU Keras can (SDK 3.1+, unpipelined: `_reduce_metric` runs only
+    in the single-IPU train/test/predict functions of keras/ipu/extensions/extensions_base.py)."""
+    local = self.local_replicas or self.replicas
+    if local == 1:
+      return
+    if self.pipeline_stages == 1 and hasattr(model, "set_replication_options"):
+      model.set_replication_options(replicated_metric_reduction_method="MEAN")
+      logging.info("Losses and metrics are means over %s%d replicas", "this instance's " if
+                   self.world_size > 1 else "", local)
+    else:
+      logging.info("IPU Keras reports one replica's metrics here (SDK before 3.1, or a pipelined model): "
+                   "training, validation and test losses are computed on that replica's 1/%d of the data",
+                   local)
+
+  def inference_model(self, model, stage_boundaries=()):
+    # The same placement as in training: IPU Keras derives the replication factor from the model's
+    # shard count, which is 1 for an unpipelined model (keras/ipu/extensions/extensions_base.py
+    # `_get_shard_count`), so an unpipelined model on 2-IPU replicas would run as twice the replicas.
+    model = swap_ipu_layers(model)
+    if self.pipeline_stages > 1:
+      return assign_stages(model, tuple(stage_boundaries), self.pipeline_stages, self.pipeline_schedule,
+                           self.ipus_per_replica, self.gradient_accumulation)
+    if self.ipus_per_replica > 1:
+      raise UserError("--ipus_per_replica=%d without pipeline stages: nothing places the model on more "
+                      "than one IPU (set --pipeline_stages)" % self.ipus_per_replica)
     return model
 
   def optimizer_kwargs(self) -> dict:
@@ -284,9 +365,39 @@ class IPUBackend(Backend):
         "sgd": lambda **kw: addons.SGDIpuOptimizer(momentum_accum_dtype=tf.float32, **kw),
     }
 
+  def alone(self):
+    # Whether one instance can run an IPU predict alone under PopDist is not settled by Graphcore's
+    # sources (its examples evaluate with every instance); the default strategy would run on the host.
+    return self if self.world_size == 1 else None
+
+  def any_process(self, flag: bool) -> bool:
+    """Whether any poprun instance has `flag` set: one host all-reduce, never an IPU op.
+
+    The host collectives are the ones Graphcore's own Keras callbacks call eagerly (examples'
+    vision/cnns/tensorflow2 callbacks/allreduce_metrics_callback.py): SDK 3.1+
+    `tensorflow.python.ipu.distributed.host_collective_ops.allreduce` (3.0 spells it `all_reduce`;
+    both need popdist.init(), which PopDistStrategy's constructor calls), SDK 2.6
+    `tensorflow.python.ipu.horovod.allreduce` (initialised by make_strategy). An eager
+    `strategy.run`, as the multi-worker path uses, would place the op on the IPU.
+    """
+    if self.world_size == 1:
+      return flag
+    with tf.device("/device:CPU:0"):
+      value = tf.constant(1.0 if flag else 0.0)
+    try:
+      collectives = importlib.import_module("tensorflow.python.ipu.distributed.host_collective_ops")
+    except ImportError:  # SDK 2.6
+      horovod = importlib.import_module("tensorflow.python.ipu.horovod")
+      total = horovod.allreduce(value, op=horovod.Sum)
+    else:
+      allreduce = getattr(collectives, "allreduce", None) or collectives.all_reduce
+      total = allreduce(value, tf.distribute.ReduceOp.SUM)
+    return float(total) > 0
+
   def compile_kwargs(self, train_steps, eval_steps=()) -> dict:
     steps = derive_steps_per_execution(train_steps, self.gradient_accumulation,
-                                       self.requested_steps_per_execution, tuple(eval_steps))
+                                       self.requested_steps_per_execution, tuple(eval_steps),
+                                       self.eval_depth_multiple)
     return {"steps_per_execution": steps}
 
 
@@ -310,9 +421,6 @@ def create(config: RunConfig) -> IPUBackend:
                config.ipus_per_replica, config.ipu_connection,
                ", poprun instance %d of %d" % (popdist.getInstanceIndex(), popdist.getNumInstances())
                if popdist else "")
-  if replicas > 1:
-    logging.info("IPU Keras reports one replica's metrics: training, validation and test losses are "
-                 "computed on that replica's 1/%d of the data (strategies/ipu.py)", replicas)
   return IPUBackend(
       kind="ipu", strategy=strategy, devices=("/device:IPU:0",), replicas=replicas,
       gradient_accumulation=config.gradient_accumulation, pipeline_stages=config.pipeline_stages,
@@ -320,4 +428,5 @@ def create(config: RunConfig) -> IPUBackend:
       requested_steps_per_execution=config.steps_per_execution,
       sums_replica_gradients=popdist is None, precision=config.precision,
       local_replicas=popdist.getNumLocalReplicas() if popdist else 0,
-      instance_index=popdist.getInstanceIndex() if popdist else 0)
+      rank=popdist.getInstanceIndex() if popdist else 0,
+      world_size=popdist.getNumInstances() if popdist else 1)

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import multiprocessing.pool
 import os
-import tempfile
 import time
 
 import tensorflow as tf
@@ -84,10 +83,11 @@ class MultiWorkerBackend(Backend):
     dataset = dataset.repeat().with_options(options)
     return tf.keras.utils.experimental.DatasetCreator(lambda input_context: dataset), steps
 
-  def output_dir(self, logdir: str) -> str:
-    if self.is_chief:
-      return logdir
-    return tempfile.mkdtemp(prefix="worker%d-" % self.rank)
+  def any_process(self, flag: bool) -> bool:
+    # One all-reduce over the replicas of every worker.
+    value = tf.constant(1.0 if flag else 0.0)
+    per_replica = self.strategy.run(lambda: tf.identity(value))
+    return float(self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)) > 0
 
 
 def _finish_collective_threads(strategy, timeout: float = 10.0) -> None:

@@ -7,6 +7,7 @@ reject unknown names and wrong types, PRE_COMPILE needing a version, the Keras e
 call is recorded in `CALLS` so tests can assert on what the application asked for.
 """
 
+import contextlib
 import enum
 import importlib.abc
 import importlib.util
@@ -92,8 +93,11 @@ class IPUConfig(_Category):
         and not connection.version:
       raise ValueError("device_connection.version must be set when device_connection.type is NEVER "
                        "or PRE_COMPILE")
-    for category in (self.matmuls, self.convolutions):
-      if not all(isinstance(v, str) for v in category.poplar_options.values()):
+    # tensorflow/python/ipu/config.py _poplar_options_to_protobuf assigns each value to a protobuf
+    # string field, which raises TypeError for anything but a string.
+    for options in (self.matmuls.poplar_options, self.convolutions.poplar_options,
+                    self.compilation_poplar_options, self.gcl_poplar_options):
+      if not all(isinstance(v, str) for v in options.values()):
         raise TypeError("Poplar option values must be strings")
     _record("configure_ipu_system", self, device=device)
     if FAIL_CONFIGURE:
@@ -108,6 +112,26 @@ def reset_ipu_seed(seed, device="/device:IPU:0", cpu_device="cpu", experimental_
           experimental_identical_replicas=experimental_identical_replicas)
 
 
+@contextlib.contextmanager
+def _keras_extensions_scope():
+  """What IPUStrategy.scope() gives Keras (ipu_strategy.py with enable_keras_extensions=True: models
+  made in the scope get the IPU extension methods; keras/ipu/extensions): here, every Model made in
+  the scope gets the stand-in methods, inside the default strategy's scope."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  original = tf.keras.Model.__init__
+
+  def init(self, *args, **kwargs):
+    original(self, *args, **kwargs)
+    inject_keras_extensions(self)
+
+  tf.keras.Model.__init__ = init
+  try:
+    with tf.distribute.get_strategy().scope():
+      yield
+  finally:
+    tf.keras.Model.__init__ = original
+
+
 class IPUStrategy:
   """IPUStrategyV1: num_replicas_in_sync is 1 whatever the replication."""
 
@@ -116,6 +140,9 @@ class IPUStrategy:
   def __init__(self, ipu_device="/device:IPU:0", cpu_device="/device:CPU:0",
                enable_dataset_iterators=True, enable_keras_extensions=True):
     _record("IPUStrategy", ipu_device=ipu_device, cpu_device=cpu_device)
+
+  def scope(self):
+    return _keras_extensions_scope()
 
 
 class PopDistStrategy:
@@ -136,6 +163,43 @@ class FunctionalLayerPipelineStageAssignment:
     self.pipeline_stage = pipeline_stage
 
 
+SDK = "3.x"   # the SDK the stand-in plays; `install` sets it
+REPLICATED_METRIC_REDUCTIONS = ("NONE", "LIST", "SUM", "MEAN")
+
+
+def _parse_replicated_metric_reduction(value):
+  """keras/ipu/extensions/extensions_base.py (SDK 3.1+) ReplicatedMetricReductionMethod.parse: a
+  member, or a string whose upper case names one."""
+  if isinstance(value, str) and value.upper() in REPLICATED_METRIC_REDUCTIONS:
+    return value.upper()
+  raise ValueError("Cannot parse %s as a ReplicatedMetricReductionMethod. Valid values are: NONE, LIST, "
+                   "SUM, MEAN." % (value,))
+
+
+def _parse_accumulation_reduction(value):
+  """tensorflow/python/ipu/gradient_accumulation.py GradientAccumulationReductionMethod.parse."""
+  if isinstance(value, str) and value.upper() in ("SUM", "MEAN", "RUNNING_MEAN"):
+    return value.upper()
+  raise ValueError("Cannot parse %s as one of GradientAccumulationReductionMethod. Valid values are: "
+                   "SUM, MEAN, RUNNING_MEAN." % (value,))
+
+
+def _check_accumulation_count(count):
+  """keras/ipu/extensions/extensions_base.py `_set_pipelining_options_impl` and
+  `_set_gradient_accumulation_options_impl` (None leaves the setting alone)."""
+  if count is not None and (not isinstance(count, int) or count < 1):
+    raise ValueError("Expected `gradient_accumulation_steps_per_replica` to be a positive integer, but got "
+                     "%s instead." % (count,))
+
+
+# extensions_base.py `_set_pipelining_options_impl`: keys of pipelining_kwargs that Keras refuses.
+_EXPLICIT_PIPELINING_ARGS = ("gradient_accumulation_count", "device_mapping", "accumulate_outfeed")
+_AUTOMATIC_PIPELINING_ARGS = ("computational_stages", "repeat_count", "inputs", "infeed_queue",
+                              "outfeed_queue", "optimizer_function")
+_INVALID_PIPELINING_ARGS = ("outfeed_loss", "outfeed_mask", "batch_serialization_iterations",
+                            "experimental_normalize_gradients")
+
+
 def inject_keras_extensions(model):
   """What IPUStrategy.scope() does to a functional model: add the IPU extension methods [3.1]."""
   state = {"assignment": None}
@@ -153,9 +217,14 @@ def inject_keras_extensions(model):
   def set_pipelining_options(gradient_accumulation_steps_per_replica=None, device_mapping=None,
                              accumulate_outfeed=None, gradient_accumulation_reduction_method="sum",
                              **pipelining_kwargs):
-    if not isinstance(gradient_accumulation_steps_per_replica, int) \
-        or gradient_accumulation_steps_per_replica < 1:
-      raise ValueError("gradient_accumulation_steps_per_replica must be a positive integer")
+    _parse_accumulation_reduction(gradient_accumulation_reduction_method)
+    _check_accumulation_count(gradient_accumulation_steps_per_replica)
+    if device_mapping is not None and not (isinstance(device_mapping, list)
+                                           and all(isinstance(x, int) for x in device_mapping)):
+      raise ValueError("Expected `device_mapping` to be a list of integers.")
+    for key in _EXPLICIT_PIPELINING_ARGS + _AUTOMATIC_PIPELINING_ARGS + _INVALID_PIPELINING_ARGS:
+      if key in pipelining_kwargs:
+        raise ValueError("Found `%s` key in `pipelining_kwargs`." % key)
     _record("set_pipelining_options", gradient_accumulation_steps_per_replica=
             gradient_accumulation_steps_per_replica, device_mapping=device_mapping,
             gradient_accumulation_reduction_method=gradient_accumulation_reduction_method,
@@ -164,11 +233,18 @@ def inject_keras_extensions(model):
   def set_gradient_accumulation_options(gradient_accumulation_steps_per_replica=None,
                                         gradient_accumulation_reduction_method="sum",
                                         **gradient_accumulation_optimizer_kwargs):
+    _parse_accumulation_reduction(gradient_accumulation_reduction_method)
+    _check_accumulation_count(gradient_accumulation_steps_per_replica)
     _record("set_gradient_accumulation_options", gradient_accumulation_steps_per_replica=
             gradient_accumulation_steps_per_replica,
             gradient_accumulation_reduction_method=gradient_accumulation_reduction_method,
             **gradient_accumulation_optimizer_kwargs)
 
+  def set_replication_options(replicated_metric_reduction_method="NONE"):
+    _record("set_replication_options", _parse_replicated_metric_reduction(replicated_metric_reduction_method))
+
+  if SDK not in ("2.6", "3.0"):  # from SDK 3.1: functional_extensions.py, sequential_extensions.py
+    model.set_replication_options = set_replication_options
   model.get_pipeline_stage_assignment = get_pipeline_stage_assignment
   model.set_pipeline_stage_assignment = set_pipeline_stage_assignment
   model.set_pipelining_options = set_pipelining_options
@@ -182,8 +258,56 @@ def _module(name, **attributes):
   return module
 
 
+OTHER_INSTANCES_FLAGGED = 0   # what the other poprun instances add to a host all-reduce (tests set it)
+
+
+def _host_allreduce(name, value):
+  _record(name, float(value))
+  return value + OTHER_INSTANCES_FLAGGED
+
+
+def _horovod_module(popdist_strategy):
+  """SDK 2.6 `tensorflow.python.ipu.horovod`: `allreduce(tensor, op=None, prescale_factor=1.0,
+  postscale_factor=1.0)` (horovod/__init__.py; the default op is Average) raises until `init()` was
+  called (horovod/basics.py: "Horovod has not been initialized; use hvd.init().")."""
+  state = {"initialised": False}
+
+  def init():
+    state["initialised"] = True
+    _record("horovod.init")
+
+  def allreduce(tensor, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    del prescale_factor, postscale_factor
+    if not state["initialised"]:
+      raise ValueError("Horovod has not been initialized; use hvd.init().")
+    if op != "Sum":
+      raise AssertionError("the stand-in sums only; the default op averages")
+    return _host_allreduce("horovod.allreduce", tensor)
+
+  return _module("tensorflow.python.ipu.horovod", popdist_strategy=popdist_strategy, init=init,
+                 allreduce=allreduce, Sum="Sum", Average="Average")
+
+
+def _host_collective_ops(sdk):
+  """SDK 3.x `tensorflow.python.ipu.distributed.host_collective_ops`: `allreduce(value, reduce_op,
+  tensor_name=None)` from 3.1; SDK 3.0 spells it `all_reduce` (host_collective_ops.py of each branch)."""
+  def allreduce(value, reduce_op, tensor_name=None):
+    del tensor_name
+    if reduce_op != tf_reduce_op().SUM:
+      raise AssertionError("the stand-in sums only")
+    return _host_allreduce("host_collective_ops.allreduce", value)
+  name = "all_reduce" if sdk == "3.0" else "allreduce"
+  return _module("tensorflow.python.ipu.distributed.host_collective_ops", **{name: allreduce})
+
+
+def tf_reduce_op():
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  return tf.distribute.ReduceOp
+
+
 def build_modules(sdk="3.x"):
-  """The stand-in module tree: {module name: module}; sdk="2.6" puts PopDist under horovod."""
+  """The stand-in module tree: {module name: module}; sdk="2.6" puts PopDist under horovod, "3.0" and
+  "3.x" (3.1 and later) under distributed."""
   config = _module("tensorflow.python.ipu.config", IPUConfig=IPUConfig,
                    DeviceConnectionType=DeviceConnectionType, SelectionOrder=SelectionOrder,
                    StochasticRoundingBehaviour=StochasticRoundingBehaviour)
@@ -198,14 +322,16 @@ def build_modules(sdk="3.x"):
              "tensorflow.python.ipu.ops": ops, "tensorflow.python.ipu.ops.pipelining_ops": pipelining}
   popdist_strategy = _module("popdist_strategy", PopDistStrategy=PopDistStrategy)
   if sdk == "2.6":
-    horovod = _module("tensorflow.python.ipu.horovod", popdist_strategy=popdist_strategy,
-                      init=lambda: _record("horovod.init"))
+    horovod = _horovod_module(popdist_strategy)
     modules.update({"tensorflow.python.ipu.horovod": horovod,
                     "tensorflow.python.ipu.horovod.popdist_strategy": popdist_strategy})
   else:
-    distributed = _module("tensorflow.python.ipu.distributed", popdist_strategy=popdist_strategy)
+    collectives = _host_collective_ops(sdk)
+    distributed = _module("tensorflow.python.ipu.distributed", popdist_strategy=popdist_strategy,
+                          host_collective_ops=collectives)
     modules.update({"tensorflow.python.ipu.distributed": distributed,
-                    "tensorflow.python.ipu.distributed.popdist_strategy": popdist_strategy})
+                    "tensorflow.python.ipu.distributed.popdist_strategy": popdist_strategy,
+                    "tensorflow.python.ipu.distributed.host_collective_ops": collectives})
   return modules
 
 
@@ -292,6 +418,8 @@ class _SubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def install(monkeypatch, sdk="3.x", popdist=None):
   """Puts the stand-in into sys.modules for one test; returns the `ipu` module."""
   CALLS.clear()
+  monkeypatch.setattr(sys.modules[__name__], "OTHER_INSTANCES_FLAGGED", 0)
+  monkeypatch.setattr(sys.modules[__name__], "SDK", sdk)
   modules = build_modules(sdk)
   submodules = {}
   if popdist:

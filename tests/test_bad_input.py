@@ -12,6 +12,8 @@ to check the whole contract end to end (exit status, one stderr line, no traceba
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -23,7 +25,7 @@ from absl.testing import flagsaver
 import flags
 from errors import UserError
 from tests.cellspike_files import write_cellspike, write_meta_yaml
-from tests.helpers import assert_one_line_error, run_main
+from tests.helpers import REPO_ROOT, assert_one_line_error, run_main
 
 flags.define_flags()
 FLAGS = absl_flags.FLAGS
@@ -68,6 +70,8 @@ def snapshot(folder):
     for name in dirs:
       state[os.path.relpath(os.path.join(root, name), folder)] = "dir"
     for name in files:
+      if name == ".lock":  # the folder's lock (training/run_folder.py), not an output of the run
+        continue
       path = os.path.join(root, name)
       with open(path, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
@@ -356,6 +360,15 @@ def test_resume_from_a_damaged_checkpoint(good_file, logdir, how):
                 "--data_path=" + good_file, "--epochs=2", "--resume")
 
 
+def test_resume_checks_the_best_checkpoint_before_training(good_file, logdir):
+  """The run ends by testing the best weights: a damaged best one stops it at once (issue 15, 12)."""
+  best = os.path.join(logdir, "checkpoints", "best")
+  (data,) = [os.path.join(best, name) for name in os.listdir(best) if ".data-" in name]
+  _garble(data, os.path.getsize(data) // 2)
+  check_bad_run(logdir, ["--resume", best, "unreadable"], "--data_path=" + good_file, "--epochs=2",
+                "--resume")
+
+
 def test_resume_from_a_garbled_checkpoint_end_to_end(good_file, logdir):
   _damage_checkpoint(logdir, "data_garbled")
   before = snapshot(logdir)
@@ -364,3 +377,29 @@ def test_resume_from_a_garbled_checkpoint_end_to_end(good_file, logdir):
   assert result.returncode == 1
   assert_one_line_error(result, "--resume", CKPT, "unreadable")
   assert_untouched(logdir, before)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Run folders (issue 15, points 1 and 2).
+
+def test_a_new_run_into_a_finished_one_is_refused_and_keeps_it(logdir, good_file):
+  check_bad_run(logdir, ["--logdir=" + logdir, "already holds a run", "--resume", "fresh --logdir"],
+                "--data_path=" + good_file, "--epochs=1")
+
+
+def test_a_second_job_into_a_busy_folder_is_refused(tmp_path, good_file):
+  """The first job holds the folder's lock (here: this process, as a running job would)."""
+  from training import run_folder  # pylint: disable=import-outside-toplevel
+  busy = str(tmp_path / "busy")
+  os.makedirs(busy)
+  code = ("import sys, time; sys.path.insert(0, %r); from training import run_folder; run_folder.lock(%r); "
+          "print('locked', flush=True); time.sleep(120)" % (REPO_ROOT, busy))
+  holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == "locked"
+    result = run_main(*BASE_ARGS, "--epochs=1", "--data_path=" + good_file, "--logdir=" + busy)
+    assert_one_line_error(result, "--logdir=" + busy, "in use by pid %d" % holder.pid)
+  finally:
+    holder.kill()
+    holder.wait()
+  assert not run_folder.holds_run(busy)

@@ -105,3 +105,87 @@ def test_implausibly_large_samples_are_refused_before_any_read(tmp_path):
       f.create_dataset(dom + "_unitStar_par", data=np.zeros((4, 15), np.float32))
   with pytest.raises(UserError, match=r"train_frames' has shape \(4, 1000000, 4\): 16000000 bytes per sample"):
     cellspike_file.open_cellspike(path)
+
+
+# Hostile files (issue 15, points 3-6, 8, 9).
+
+def _with_external_targets(path, outside):
+  """Rewrites val_unitStar_par as external raw storage in `outside` (h5py `external=`)."""
+  with h5py.File(path, "a") as f:
+    data = f["val_unitStar_par"][()]
+    del f["val_unitStar_par"]
+    data.tofile(outside)
+    f.create_dataset("val_unitStar_par", shape=data.shape, dtype=data.dtype,
+                     external=[(outside, 0, data.nbytes)])
+
+
+def test_external_storage_is_refused(tmp_path):
+  path = write_cellspike(str(tmp_path / "a.h5"))
+  _with_external_targets(path, str(tmp_path.parent / ("secret-%s.bin" % tmp_path.name)))
+  with pytest.raises(UserError, match="'val_unitStar_par' is stored outside the file"):
+    cellspike_file.open_cellspike(path)
+
+
+def _virtual_copy(source, target, missing=False):
+  """A file whose datasets are virtual views of `source`'s (the source then removed if `missing`)."""
+  with h5py.File(source, "r") as src, h5py.File(target, "w") as dst:
+    for key in src:
+      if key == "meta.JSON":
+        continue
+      layout = h5py.VirtualLayout(shape=src[key].shape, dtype=src[key].dtype)
+      layout[...] = h5py.VirtualSource(os.path.basename(source), key, shape=src[key].shape)
+      dst.create_virtual_dataset(key, layout, fillvalue=0)
+  if missing:
+    os.remove(source)
+  return target
+
+
+def test_virtual_datasets_need_their_sources_beside_the_file(tmp_path):
+  source = write_cellspike(str(tmp_path / "source.h5"), extra_keys=False)
+  cellspike_file.open_cellspike(_virtual_copy(source, str(tmp_path / "view.h5")))  # sound: it opens
+  _virtual_copy(source, str(tmp_path / "orphan.h5"), missing=True)
+  with pytest.raises(UserError, match="virtual dataset whose source source.h5 is missing"):
+    cellspike_file.open_cellspike(str(tmp_path / "orphan.h5"))
+
+
+def test_a_template_cannot_leave_the_data_folder(tmp_path):
+  data, outside = tmp_path / "data", tmp_path / "outside"
+  data.mkdir()
+  outside.mkdir()
+  write_cellspike(str(outside / "cellA.h5"))
+  for template in ("../outside/*.h5", str(outside / "*.h5")):
+    write_meta_yaml(str(data / "meta.cellSpike_excite_4prB8kHz.yaml"), template=template)
+    with pytest.raises(UserError, match="outside --data_path"):
+      cellspike_file.resolve(str(data), "cellA", "excite_4prB8kHz")
+
+
+def test_yaml_aliases_and_oversized_meta_are_refused_quickly(tmp_path):
+  yaml_path = tmp_path / "meta.cellSpike_excite_4prB8kHz.yaml"
+  laughs = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"] + [
+      "a%d: &a%d [%s]" % (i, i, ", ".join(["*a%d" % (i - 1)] * 9)) for i in range(1, 12)]
+  yaml_path.write_text("\n".join(laughs) + "\ndataInfo: {parName: *a11}\n")
+  with pytest.raises(UserError, match="malformed YAML.*aliases"):
+    cellspike_file.resolve(str(tmp_path), "cellA", "excite_4prB8kHz")
+  yaml_path.write_text("# " + "x" * (2 << 20))
+  with pytest.raises(UserError, match="more than a meta yaml's limit"):
+    cellspike_file.resolve(str(tmp_path), "cellA", "excite_4prB8kHz")
+
+
+def test_par_names_must_be_strings(tmp_path):
+  yaml_path = str(tmp_path / "meta.cellSpike_excite_4prB8kHz.yaml")
+  write_meta_yaml(yaml_path)
+  with open(yaml_path) as f:
+    text = f.read().replace("- p3\n", "- {p3: 1}\n")
+  with open(yaml_path, "w") as f:
+    f.write(text)
+  with pytest.raises(UserError, match="parName is .* expected a list of parameter names"):
+    cellspike_file.resolve(str(tmp_path), "cellA", "excite_4prB8kHz")
+
+
+def test_a_deeply_nested_meta_json_is_named(tmp_path):
+  path = write_cellspike(str(tmp_path / "a.h5"))
+  with h5py.File(path, "a") as f:
+    del f["meta.JSON"]
+    f.create_dataset("meta.JSON", data=["[" * 100000 + "]" * 100000], dtype=h5py.special_dtype(vlen=str))
+  with pytest.raises(UserError, match="'meta.JSON' is nested too deeply"):
+    cellspike_file.open_cellspike(path)

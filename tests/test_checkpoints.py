@@ -1,5 +1,6 @@
 """Checkpoints: a diverged epoch never replaces the last good one; saves are atomic and keep the last two."""
 
+import dataclasses
 import math
 import os
 
@@ -119,3 +120,22 @@ def test_adam_steps_exactly_as_pytorchs_adam():
     expected -= 1e-3 * (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-8)
   moved = np.abs(expected - start).max()
   assert np.abs(variable.numpy() - expected).max() < 1e-3 * moved
+
+
+def test_a_mid_epoch_resume_needs_the_same_batch_layout(tmp_path):
+  """Skipping 39 steps of 8 samples is not skipping 39 steps of 4 (issue 15, point 11)."""
+  from run_config import RunConfig  # pylint: disable=import-outside-toplevel
+  from strategies.backend import Backend  # pylint: disable=import-outside-toplevel
+  from training import loop  # pylint: disable=import-outside-toplevel
+  config = RunConfig(model="neuron_inverter", design="dev", optimizer="adam", learning_rate=1e-3,
+                     batch_size=4, epochs=3, logdir=str(tmp_path), resume=True)
+  net = tf.keras.Sequential([tf.keras.layers.Dense(2, input_shape=(3,))])
+  net.compile(optimizer="adam", loss="mse")
+  checkpoints = RunCheckpoints(str(tmp_path), net, loop._identity(config))  # pylint: disable=protected-access
+  backend = Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",))
+  callback = CheckpointCallback(checkpoints, WarmupPlateauSchedule(1e-3, 0, 0.1, 1, 0),
+                                batch_layout=loop._batch_layout(4, backend))  # pylint: disable=protected-access
+  callback.save_interrupted(0, 39, {"loss": 0.5})
+  assert loop._resume_state(config, backend)["step"] == 39  # pylint: disable=protected-access
+  with pytest.raises(UserError, match="global batch of 4 on 1 replica.*this run has 8 on 1"):
+    loop._resume_state(dataclasses.replace(config, batch_size=8), backend)  # pylint: disable=protected-access

@@ -1,6 +1,7 @@
 """Flags: parse-time validation with one-line errors, model defaults, and the frozen RunConfig."""
 
 import dataclasses
+import os
 
 import pytest
 from absl import flags as absl_flags
@@ -61,3 +62,27 @@ def test_helpfull_lists_our_flags():
   assert "Traceback" not in result.stderr
   for name in ("--model", "--backend", "--replicas", "--batch_size", "--flagfile"):
     assert name in result.stdout
+
+
+@pytest.mark.parametrize("arg", ["--learning_rate=inf", "--lr_factor=nan", "--available_memory_proportion=nan"])
+def test_non_finite_floats_are_refused_when_parsed(arg):
+  """absl's bounds compare, and every comparison with NaN is false (issue 15, point 10)."""
+  with pytest.raises(absl_flags.IllegalFlagValueError, match="--%s must be a finite number"
+                     % arg[2:].split("=")[0]):
+    _config("--model=mnist", arg)
+
+
+def test_a_pipe_as_data_path_is_one_line_not_a_hang(tmp_path):
+  fifo = tmp_path / "data.h5"
+  os.mkfifo(str(fifo))
+  assert_one_line_error(run_main("--model=neuron_inverter", "--data_path=%s" % fifo, timeout=60),
+                        "--data_path", "neither a regular file nor a folder")
+
+
+def test_paths_are_stored_absolute(tmp_path, monkeypatch):
+  """run_config.yaml is read back from any working directory (tools/predict.py; issue 15, point 15)."""
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "data.h5").write_bytes(b"")
+  config = _config("--model=neuron_inverter", "--data_path=data.h5", "--cache_dir=cache", "--stage_dir=st")
+  assert config.data_path == str(tmp_path / "data.h5")
+  assert (config.cache_dir, config.stage_dir) == (str(tmp_path / "cache"), str(tmp_path / "st"))

@@ -1,5 +1,6 @@
 """The IPU path, checked against Graphcore's documented API through the recording stand-in."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -260,3 +261,120 @@ def test_sixteen_bit_weights_use_ipu_optimizers_with_float32_state(monkeypatch):
   (_, _, kwargs), = _calls("AdamIpuOptimizer")
   assert kwargs == {"learning_rate": 0.002, "m_dtype": tf.float32, "v_dtype": tf.float32,
                     "gradient_transformers": []}
+
+
+def test_only_poprun_instance_zero_writes(monkeypatch, tmp_path):
+  """examples' popdist_training.py saves only on popdist.getInstanceIndex() == 0."""
+  for index in (0, 1):
+    fake_ipu.install(monkeypatch, popdist=fake_ipu.build_popdist(total_replicas=4, instances=2, index=index))
+    backend = ipu_backend.create(_config(replicas=4))
+    assert (backend.rank, backend.world_size, backend.is_chief) == (index, 2, index == 0)
+    assert (backend.output_dir(str(tmp_path)) == str(tmp_path)) == (index == 0)
+    assert backend.alone() is None  # --predict is left to tools/predict.py, run without poprun
+
+
+@pytest.mark.parametrize("sdk, call", [("2.6", "horovod.allreduce"), ("3.0", "host_collective_ops.allreduce"),
+                                       ("3.x", "host_collective_ops.allreduce")])
+def test_poprun_instances_agree_on_a_stop_through_a_host_allreduce(monkeypatch, sdk, call):
+  fake_ipu.install(monkeypatch, sdk=sdk, popdist=fake_ipu.build_popdist(total_replicas=4, instances=2))
+  backend = ipu_backend.create(_config(replicas=4))
+  assert backend.any_process(True)
+  assert not backend.any_process(False)
+  fake_ipu.OTHER_INSTANCES_FLAGGED = 1  # the other instance was signalled
+  assert backend.any_process(False)
+  assert [args for _, args, _ in _calls(call)] == [(1.0,), (0.0,), (0.0,)]
+
+
+def test_a_signal_to_one_instance_stops_all_at_the_epoch_end(monkeypatch):
+  from training import interrupt  # pylint: disable=import-outside-toplevel
+  fake_ipu.install(monkeypatch, popdist=fake_ipu.build_popdist(total_replicas=4, instances=2))
+  backend = ipu_backend.create(_config(replicas=4))
+  fake_ipu.OTHER_INSTANCES_FLAGGED = 1
+  checkpoints = type("Checkpoints", (), {"latest": lambda self: "ckpt-1"})()
+  checkpointing = type("Checkpointing", (), {"checkpoints": checkpoints})()
+  stop = interrupt.GracefulStop(interrupt.InterruptFlag(), checkpointing, steps_per_epoch=4, total_epochs=3,
+                                mid_epoch=False, any_process=backend.any_process)
+  with pytest.raises(interrupt.TrainingInterrupted):
+    stop.on_epoch_end(0, {})
+
+
+@pytest.mark.parametrize("schedule, stages, ipus, training, overlap", [
+    ("grouped", 2, 2, True, 4), ("grouped", 2, 2, False, 2), ("grouped", 4, 2, False, 4),
+    ("interleaved", 2, 2, True, 2), ("interleaved", 4, 4, False, 4),
+    ("sequential", 4, 2, True, 1), ("grouped", 1, 1, True, 1)])
+def test_pipeline_overlap_follows_the_pipeline_visitor(schedule, stages, ipus, training, overlap):
+  """driver/visitors/pipeline_visitor.cc: iterations must be a multiple of ScheduleOffsets(mapping)."""
+  assert ipu_backend.pipeline_overlap(schedule, stages, ipus, training) == overlap
+
+
+def test_interleaved_training_needs_one_ipu_per_stage(monkeypatch):
+  fake_ipu.install(monkeypatch)
+  with pytest.raises(UserError, match="interleaved needs one IPU per stage"):
+    ipu_backend.create(_config(ipus_per_replica=2, pipeline_stages=4, pipeline_schedule="interleaved",
+                               gradient_accumulation=8))
+
+
+def test_pipelined_evaluation_splits_are_trimmed_to_the_inference_pipeline_depth(monkeypatch):
+  from data.splits import eval_layout  # pylint: disable=import-outside-toplevel
+  fake_ipu.install(monkeypatch)
+  backend = ipu_backend.create(_config(ipus_per_replica=2, pipeline_stages=2, gradient_accumulation=8))
+  assert eval_layout(backend.layout(16)).steps_multiple == 2  # grouped inference: the 2 stages
+  assert backend.compile_kwargs(120, [30]) == {"steps_per_execution": 120}  # depth min(120, 30) = 30
+  with pytest.raises(UserError, match="pipeline iterations in multiples of 4"):  # depth 10
+    ipu_backend.derive_steps_per_execution(120, 8, 40, eval_steps=(10,), eval_depth_multiple=4)
+  with pytest.raises(UserError, match="no --steps_per_execution fits"):  # depth 15 is odd
+    ipu_backend.derive_steps_per_execution(120, 8, 0, eval_steps=(15,), eval_depth_multiple=2)
+
+
+def test_prediction_places_the_model_as_training_does(monkeypatch):
+  """An unpipelined model counts as one IPU per replica (extensions_base.py _get_shard_count)."""
+  from training import evaluation  # pylint: disable=import-outside-toplevel
+  fake_ipu.install(monkeypatch)
+  backend = ipu_backend.create(_config(ipus_per_replica=2, pipeline_stages=2, gradient_accumulation=8))
+  evaluation.build_model(_config(), (1600, 4), 15, backend)
+  (_, _, options), = _calls("set_pipelining_options")
+  assert options["device_mapping"] == [0, 1]
+  assert _calls("set_pipeline_stage_assignment")
+  unpipelined = dataclasses.replace(backend, pipeline_stages=1)
+  with pytest.raises(UserError, match="--ipus_per_replica=2 without pipeline stages"):
+    evaluation.build_model(_config(), (1600, 4), 15, unpipelined)
+
+
+@pytest.mark.parametrize("sdk, replicas, stages, reduced", [
+    ("3.x", 2, 1, True), ("3.x", 1, 1, False), ("3.x", 2, 2, False), ("3.0", 2, 1, False),
+    ("2.6", 2, 1, False)])
+def test_replicated_metrics_are_averaged_where_ipu_keras_can(monkeypatch, sdk, replicas, stages, reduced):
+  """SDK 3.1+ defaults to ReplicatedMetricReductionMethod.NONE (the last replica's values)."""
+  from training import evaluation  # pylint: disable=import-outside-toplevel
+  fake_ipu.install(monkeypatch, sdk=sdk)
+  config = _config(replicas=replicas, ipus_per_replica=stages, pipeline_stages=stages,
+                   gradient_accumulation=8)
+  backend = ipu_backend.create(config)
+  module = model.get_model_module("neuron_inverter")
+  with backend.strategy.scope():
+    backend.prepare_model(module.build(config), module.STAGE_BOUNDARIES)
+  assert [args for _, args, _ in _calls("set_replication_options")] == ([("MEAN",)] if reduced else [])
+  fake_ipu.CALLS.clear()
+  evaluation.build_model(config, (1600, 4), 15, backend)  # MEAN would average the predictions too
+  assert not _calls("set_replication_options")
+
+
+def test_the_stand_in_refuses_what_ipu_keras_refuses(monkeypatch):
+  """keras/ipu/extensions/extensions_base.py and gradient_accumulation.py parse rules."""
+  fake_ipu.install(monkeypatch)
+  net = fake_ipu.inject_keras_extensions(model.get_model_module("mnist").build(_config(model="mnist")))
+  with pytest.raises(ValueError, match="GradientAccumulationReductionMethod"):
+    net.set_gradient_accumulation_options(gradient_accumulation_steps_per_replica=4,
+                                          gradient_accumulation_reduction_method="average")
+  with pytest.raises(ValueError, match="list of integers"):
+    net.set_pipelining_options(gradient_accumulation_steps_per_replica=4, device_mapping=(0, 1))
+  with pytest.raises(ValueError, match="Found `repeat_count`"):
+    net.set_pipelining_options(gradient_accumulation_steps_per_replica=4, repeat_count=2)
+  with pytest.raises(ValueError, match="positive integer"):
+    net.set_gradient_accumulation_options(gradient_accumulation_steps_per_replica=0)
+  with pytest.raises(ValueError, match="ReplicatedMetricReductionMethod"):
+    net.set_replication_options(replicated_metric_reduction_method="average")
+  cfg = fake_ipu.IPUConfig()
+  cfg.compilation_poplar_options = {"target.deterministicWorkers": 1}
+  with pytest.raises(TypeError, match="strings"):
+    cfg.configure_ipu_system()

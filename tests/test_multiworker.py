@@ -62,7 +62,7 @@ def test_two_workers_train_in_sync_on_disjoint_shards(tmp_path):
     assert "Traceback" not in process_output[1], process_output[1][-3000:]
   chief_log = outputs[0][1]
   assert "rank 0 of 2 (chief)" in chief_log and "rank 1 of 2" in outputs[1][1]
-  worker_dir = re.search(r"Worker 1 writes its events and checkpoints to (\S+)", outputs[1][1]).group(1)
+  worker_dir = re.search(r"Process 1 writes its events and checkpoints to (\S+)", outputs[1][1]).group(1)
   summaries = [yaml.safe_load(open(os.path.join(d, "summary.yaml"))) for d in (logdir, worker_dir)]
   assert summaries[0]["world_size"] == 2 and summaries[0]["replicas"] == 2
   assert summaries[0]["global_batch_size"] == 32

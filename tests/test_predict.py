@@ -4,8 +4,10 @@ One tiny run (dev design, 2 epochs on a hand-made file) is trained once for the 
 then run against it as a user would, in subprocesses.
 """
 
+import glob
 import os
 import struct
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -253,3 +255,71 @@ def test_export_computes_as_the_application_at_its_precision(tmp_path, precision
   got = loaded.signatures["serving_default"](frames=tf.constant(frames))["conductances"].numpy()
   assert got.dtype == np.float32
   np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_predict_names_real_data_as_main_does_a_folder_and_a_cell(trained_run, data_file, tmp_path):
+  """--data_path=<folder> --cell_name=<cell>, the README's way to name cellSpike data (issue 15, 16)."""
+  folder = tmp_path / "cells"
+  folder.mkdir()
+  write_meta_yaml(str(folder / "meta.cellSpike_excite_4prB8kHz.yaml"))
+  shutil.copy(data_file, str(folder / "cellB_excite.cellSpike_4prB8kHz.data.h5"))
+  logdir, _ = trained_run
+  result = run_predict("--logdir=" + logdir, "--data_path=" + str(folder), "--cell_name=cellB",
+                       "--probe_type=excite_4prB8kHz", "--max_samples=32", "--backend=cpu", "--noplots",
+                       "--outdir=" + str(tmp_path / "out"))
+  assert result.returncode == 0, result.stderr[-3000:]
+  sum_pred = _load_yaml(str(tmp_path / "out" / "sum_pred.yaml"))
+  assert sum_pred["data_path"].endswith("cellB_excite.cellSpike_4prB8kHz.data.h5")
+
+
+@pytest.mark.parametrize("edit, fragments", [
+    ({"batch_size": "abc"}, ["--batch_size=abc"]),
+    ({"design": "nope"}, ["--design=nope", "ontra4"]),
+    ({"precision": "8.8"}, ["--precision=8.8", "32.32"]),
+    ({"read_chunk": -5}, ["--read_chunk=-5"]),
+    ({"learning_rate": float("nan")}, ["--learning_rate must be a finite number"]),
+])
+def test_hand_edited_run_config_is_checked_like_the_flags(trained_run, tmp_path, edit, fragments):
+  """One code path for flags and saved configurations (issue 15, point 13)."""
+  copy = str(tmp_path / "run")
+  shutil.copytree(trained_run[0], copy)
+  path = os.path.join(copy, summary.RUN_CONFIG_FILE)
+  saved = _load_yaml(path)
+  saved.update(edit)
+  with open(path, "w") as f:
+    yaml.safe_dump(saved, f)
+  with pytest.raises(UserError) as error:
+    summary.load_run_config(copy)
+  for fragment in [path] + fragments:
+    assert fragment in str(error.value)
+
+
+@pytest.mark.parametrize("text", ["model: [unclosed\n", "!!python/object/apply:os.system ['touch pwned']\n"])
+def test_malformed_or_hostile_run_config_is_one_line(trained_run, tmp_path, text):
+  copy = str(tmp_path / "run")
+  shutil.copytree(trained_run[0], copy)
+  with open(os.path.join(copy, summary.RUN_CONFIG_FILE), "w") as f:
+    f.write(text)
+  result = run_predict("--logdir=" + copy, timeout=120)
+  assert_one_line_error(result, summary.RUN_CONFIG_FILE, "not a readable run configuration")
+  assert not os.path.exists(os.path.join(REPO_ROOT, "pwned"))
+
+
+@pytest.mark.parametrize("damage", ["empty_data", "garbage_index", "export_dir_is_a_file"])
+def test_damaged_checkpoints_and_bad_outputs_are_found_before_evaluating(trained_run, tmp_path, damage):
+  """Checked first and reported in one line (issue 15, point 14)."""
+  copy = str(tmp_path / "run")
+  shutil.copytree(trained_run[0], copy)
+  args = ["--logdir=" + copy, "--backend=cpu", "--noplots", "--max_samples=16"]
+  if damage == "export_dir_is_a_file":
+    target = tmp_path / "model.zip"
+    target.write_text("not a folder")
+    args.append("--export_dir=%s" % target)
+    fragments = ["--export_dir=%s is a file" % target]
+  else:
+    suffix = ".data-00000-of-00001" if damage == "empty_data" else ".index"
+    (target,) = glob.glob(os.path.join(copy, "checkpoints", "best", "*" + suffix))
+    with open(target, "wb") as f:
+      f.write(b"" if damage == "empty_data" else b"\x00garbage" * 8)
+    fragments = ["predict: checkpoint", "is unreadable"]
+  assert_one_line_error(run_predict(*args, timeout=120), *fragments)

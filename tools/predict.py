@@ -35,6 +35,10 @@ def define_flags() -> None:
                       "checkpoints/).", required=True)
   flags.DEFINE_string("data_path", None, "cellSpike .h5 file (or folder, with the run's --cell_name) to "
                       "evaluate; default: the data the run was trained on.")
+  flags.DEFINE_string("cell_name", None, "With a folder --data_path: the cell whose file to evaluate "
+                      "(default: the run's).")
+  flags.DEFINE_string("probe_type", None, "With a folder --data_path: the meta yaml's probe type "
+                      "(default: the run's).")
   flags.DEFINE_enum("split", "test", SPLITS, "Which split of the file to evaluate.")
   flags.DEFINE_enum("backend", "auto", ("auto", "cpu", "gpu", "ipu"), "Where to run the model.")
   flags.DEFINE_integer("replicas", 1, "Data-parallel replicas for the evaluation.", lower_bound=1)
@@ -58,7 +62,9 @@ def main(argv):
     if FLAGS.data_path and not os.path.exists(FLAGS.data_path):
       raise UserError("--data_path=%s does not exist" % FLAGS.data_path)
     config = load_run_config(FLAGS.logdir, backend=FLAGS.backend, replicas=FLAGS.replicas,
-                             data_path=FLAGS.data_path, batch_size=FLAGS.batch_size)
+                             data_path=FLAGS.data_path and os.path.abspath(FLAGS.data_path),
+                             cell_name=FLAGS.cell_name, probe_type=FLAGS.probe_type,
+                             batch_size=FLAGS.batch_size)
     environment.prepare(config)
     from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
     from training import evaluation  # pylint: disable=import-outside-toplevel

@@ -248,9 +248,11 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
   state still names the older best, and `--resume` reconciles the two (see `restore_into`).
   """
 
-  def __init__(self, checkpoints: RunCheckpoints, schedule, best_val_loss=math.inf, best_epoch=None):
+  def __init__(self, checkpoints: RunCheckpoints, schedule, best_val_loss=math.inf, best_epoch=None,
+               batch_layout=None):
     super().__init__()
     self.checkpoints, self.schedule = checkpoints, schedule
+    self.batch_layout = batch_layout  # what a mid-epoch step means: {"global_batch": ..., "replicas": ...}
     self.best_val_loss, self.best_epoch = best_val_loss, best_epoch
     self.epoch_logs = []     # one dict per epoch of the run (across resumes), saved with the state
     self.last_saved = None   # path of the newest good checkpoint written by this run
@@ -300,7 +302,7 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
   def save_interrupted(self, epoch: int, step: int, partial_logs: dict) -> str:
     """Saves `last` after `step` steps of epoch `epoch` (0-based): `--resume` continues from that step."""
     self.last_saved = self.checkpoints.save(
-        LAST, self._state(epoch, step=step, partial_logs=partial_logs))
+        LAST, self._state(epoch, step=step, partial_logs=partial_logs, batch_layout=self.batch_layout))
     return self.last_saved
 
 
@@ -344,8 +346,9 @@ def written_optimizer_format(path: str):
   return None
 
 
-def peek_state(path: str) -> dict:
-  """The run state stored in checkpoint `path`, read without building the model."""
+def peek_state(path: str, purpose: str = "--resume") -> dict:
+  """The run state stored in checkpoint `path`, read without building the model; every tensor is read,
+  so a damaged file is a one-line UserError (starting with `purpose`) before any work is done."""
   try:
     reader = tf.train.load_checkpoint(path)
     # Reading every tensor checks every checksum now: TensorFlow restores optimizer slots lazily, so
@@ -355,9 +358,9 @@ def peek_state(path: str) -> dict:
     raw = reader.get_tensor(STATE_KEY)
     state = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
   except Exception as error:  # pylint: disable=broad-except  # any reader failure: a damaged file
-    raise UserError("--resume: checkpoint %s is unreadable (%s)" % (path, _first_line(error))) from None
+    raise UserError("%s: checkpoint %s is unreadable (%s)" % (purpose, path, _first_line(error))) from None
   if not isinstance(state, dict) or not isinstance(state.get("epoch"), int):
-    raise UserError("--resume: checkpoint %s is unreadable (its run state has no epoch)" % path)
+    raise UserError("%s: checkpoint %s is unreadable (its run state has no epoch)" % (purpose, path))
   return state
 
 
@@ -367,4 +370,8 @@ def peek_last_state(logdir: str, identity: dict) -> dict:
   path = latest_for_restore(os.path.join(logdir, "checkpoints", LAST))
   state = peek_state(path)
   check_identity(path, state, identity)
+  best_folder = os.path.join(logdir, "checkpoints", BEST)
+  if tf.io.gfile.exists(os.path.join(best_folder, INDEX_FILE)):
+    # The run tests with the best weights at its end: a damaged one must stop it now, not then.
+    peek_state(latest_for_restore(best_folder))
   return dict(state, optimizer_format=written_optimizer_format(path))

@@ -17,7 +17,6 @@ fifteen conductances; MSE and the residual mean/std are reported beside it for b
 """
 
 import dataclasses
-import json
 import math
 import os
 import time
@@ -33,6 +32,7 @@ from data.splits import eval_layout
 from errors import UserError
 from run_config import RunConfig
 from strategies.backend import Backend
+from training import checkpoints as checkpoints_lib
 from training import summary as summary_lib
 
 LEARNED_MIN_R = 0.7
@@ -110,20 +110,13 @@ def find_checkpoint(logdir: str) -> str:
                   "finished an epoch?" % logdir)
 
 
-def checkpoint_state(path: str) -> dict:
-  """The run state (epoch, best validation loss, ...) stored beside the weights; {} if unreadable."""
-  try:
-    raw = tf.train.load_checkpoint(path).get_tensor("run_state/.ATTRIBUTES/VARIABLE_VALUE")
-    return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
-  except (tf.errors.OpError, ValueError):
-    return {}
-
-
-def build_model(config: RunConfig, input_shape, num_outputs, strategy=None) -> tf.keras.Model:
-  """The run's network, built in `strategy`'s scope (default: the current one), uncompiled."""
+def build_model(config: RunConfig, input_shape, num_outputs, backend: Backend) -> tf.keras.Model:
+  """The run's network for inference on `backend`, built in its strategy's scope, uncompiled."""
   module = model_registry.get_model_module(config.model)
-  with (strategy or tf.distribute.get_strategy()).scope():
-    return module.build(config, tuple(input_shape), num_outputs)
+  with backend.strategy.scope():
+    net = module.build(config, tuple(input_shape), num_outputs,
+                       **model_registry.accepted_options(module.build, **backend.model_options()))
+    return backend.inference_model(net, getattr(module, "STAGE_BOUNDARIES", ()))
 
 
 def _checkpoint_model_shapes(path: str) -> list:
@@ -218,10 +211,13 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
   if split not in SPLIT_KEYS:
     raise UserError("unknown split %r; valid splits: test, validation, train" % split)
   outdir = outdir or os.path.join(config.logdir, PREDICT_DIR)
+  for flag, folder in (("--outdir", outdir), ("--export_dir", export_dir)):
+    if folder and os.path.exists(folder) and not os.path.isdir(folder):
+      raise UserError("%s=%s is a file; expected a folder (created if missing)" % (flag, folder))
   checkpoint = find_checkpoint(config.logdir)
-  state = checkpoint_state(checkpoint)
+  state = checkpoints_lib.peek_state(checkpoint, purpose="predict")
   info, data_split = _eval_split(config, backend, split, max_samples)
-  net = build_model(config, info.input_shape, info.num_params, backend.strategy)
+  net = build_model(config, info.input_shape, info.num_params, backend)
   restore_weights(net, checkpoint, info.input_shape, info.num_params)
   with backend.strategy.scope():
     net.compile(loss=model_registry.get_model_module(config.model).loss(),
@@ -311,13 +307,17 @@ def format_table(results: dict) -> str:
 def report(config: RunConfig, backend: Backend) -> None:
   """`main.py --predict`: evaluates the just-trained run on its test split into <logdir>/predict.
 
-  Only the chief writes; other workers of a multi-worker run return at once. With several workers the
-  chief evaluates alone on its first device, so no collective operation waits for the others.
+  Only the chief writes; the other processes of a multi-process run return at once, and the chief
+  evaluates on a backend of its own (`Backend.alone`), so no collective operation waits for them.
   """
   if not config.predict or config.compile_only or not backend.is_chief:
     return
-  if backend.world_size > 1:
-    backend = Backend(backend.kind, tf.distribute.get_strategy(), tuple(backend.devices[:1]))
+  solo = backend.alone()
+  if solo is None:
+    logging.warning("--predict is skipped in a multi-process %s run; evaluate the run afterwards in one "
+                    "process: python tools/predict.py --logdir=%s", backend.label, config.logdir)
+    return
+  backend = solo
   evaluation = evaluate_run(dataclasses.replace(config, **summary_lib.EVAL_OVERRIDES), backend)
   print("\nPrediction (%s)\n%s" % (os.path.join(config.logdir, PREDICT_DIR),
                                    format_table(evaluation.results)), flush=True)

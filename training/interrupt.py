@@ -23,10 +23,10 @@ Design:
   SIGINT), the status a shell reports for a process the signal stopped: a requeue script can tell
   "interrupted, resumable" (143/130) from "finished" (0) and "failed" (1). It is not a UserError, so
   no `error:` line is printed; one warning line says where the checkpoint is and how to resume.
-- Multi-worker runs (MultiWorkerMirroredStrategy): every training step is an all-reduce, so all
-  workers must stop after the same step. They only stop at epoch ends, after agreeing through one
-  all-reduce of their flags (a worker that saw no signal stops with the others); srun delivers
-  SIGTERM to all tasks. On IPUs with one execution per epoch the batch end is the epoch end.
+- Several processes (MultiWorkerMirroredStrategy workers, poprun instances): every training step is
+  an all-reduce, so all processes must stop after the same step. They only stop at epoch ends, after
+  agreeing through one collective of their flags (`backend.any_process`: a process that saw no signal
+  stops with the others); srun delivers SIGTERM to all tasks. On IPUs with one execution per epoch the batch end is the epoch end.
 """
 
 import math
@@ -137,11 +137,11 @@ class GracefulStop(tf.keras.callbacks.Callback):
   """Stops training at the next safe point after a signal; see the module docstring. Put it last."""
 
   def __init__(self, flag: InterruptFlag, checkpointing, steps_per_epoch: int, total_epochs: int,
-               resumed: ResumedEpochLogs = None, mid_epoch: bool = True, strategy=None):
+               resumed: ResumedEpochLogs = None, mid_epoch: bool = True, any_process=None):
     super().__init__()
     self.flag, self.checkpointing = flag, checkpointing
     self.steps_per_epoch, self.total_epochs = steps_per_epoch, total_epochs
-    self.resumed, self.mid_epoch, self.strategy = resumed, mid_epoch, strategy
+    self.resumed, self.mid_epoch, self.any_process = resumed, mid_epoch, any_process
     self._epoch = 0
 
   def on_epoch_begin(self, epoch, logs=None):
@@ -174,13 +174,11 @@ class GracefulStop(tf.keras.callbacks.Callback):
                                 "at the end of epoch %d" % (epoch + 1))
 
   def _agreed_stop(self) -> bool:
-    """Whether to stop now; with several workers, whether any of them was signalled (one all-reduce)."""
-    if self.strategy is None:
+    """Whether to stop now; with several processes, whether any of them was signalled (one collective,
+    `backend.any_process`)."""
+    if self.any_process is None:
       return self.flag.requested
-    strategy = self.strategy
-    value = tf.constant(1.0 if self.flag.requested else 0.0)
-    per_replica = strategy.run(lambda: tf.identity(value))
-    return float(strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)) > 0
+    return self.any_process(self.flag.requested)
 
 
 def _is_number(value) -> bool:

@@ -24,6 +24,7 @@ from strategies.backend import Backend
 from training import callbacks as callbacks_lib
 from training import checkpoints as checkpoints_lib
 from training import interrupt as interrupt_lib
+from training import run_folder
 from training.lr_schedule import WarmupPlateauSchedule
 from training.optimizers import create_slots, make_optimizer
 from training.summary import write_run_config, write_summary
@@ -88,10 +89,23 @@ def _identity(config: RunConfig) -> dict:
           "optimizer": config.optimizer, "learning_rate": config.learning_rate}
 
 
-def _resume_state(config: RunConfig) -> dict:
+def _batch_layout(global_batch_size: int, backend: Backend) -> dict:
+  """What one step of an epoch consumes: a mid-epoch resume skips steps, which must mean the same."""
+  return {"global_batch": global_batch_size, "replicas": backend.replicas}
+
+
+def _resume_state(config: RunConfig, backend: Backend) -> dict:
   if not config.resume:
     return {"epoch": 0}
   state = checkpoints_lib.peek_last_state(config.logdir, _identity(config))
+  layout = _batch_layout(backend.effective_batch(config.batch_size), backend)
+  saved = state.get("batch_layout")
+  if state.get("step") and saved and saved != layout:
+    raise UserError("--resume: the run stopped after step %d of epoch %d with a global batch of %d on %d "
+                    "replica(s); this run has %d on %d, so the steps to skip would be other samples: resume "
+                    "with the same --batch_size, --gradient_accumulation and --replicas"
+                    % (state["step"], state["epoch"] + 1, saved["global_batch"], saved["replicas"],
+                       layout["global_batch"], layout["replicas"]))
   if state["epoch"] >= config.epochs:
     raise UserError("--resume: the run in %s already finished %d epochs; raise --epochs to train more"
                     % (config.logdir, state["epoch"]))
@@ -103,7 +117,8 @@ def _make_callbacks(config, backend, net, global_batch_size, outdir, flag, steps
                                    config.lr_patience, config.lr_cooldown)
   checkpoints = checkpoints_lib.RunCheckpoints(outdir, net, _identity(config),
                                                restore_logdir=config.logdir)
-  checkpointing = checkpoints_lib.CheckpointCallback(checkpoints, schedule)
+  checkpointing = checkpoints_lib.CheckpointCallback(checkpoints, schedule,
+                                                     batch_layout=_batch_layout(global_batch_size, backend))
   state = {}
   if config.resume:
     state = checkpoints.restore_last()
@@ -120,7 +135,7 @@ def _make_callbacks(config, backend, net, global_batch_size, outdir, flag, steps
   several = backend.world_size > 1
   graceful = interrupt_lib.GracefulStop(flag, checkpointing, steps_per_epoch, config.epochs, resumed,
                                         mid_epoch=not several,
-                                        strategy=backend.strategy if several else None)
+                                        any_process=backend.any_process if several else None)
   # Order matters: each callback may add to the epoch logs that the later ones record; `resumed`
   # completes a resumed epoch's metrics before anything records them, `graceful` acts after the
   # epoch's checkpoint and TensorBoard scalars are written.
@@ -227,11 +242,18 @@ def run(config: RunConfig, backend: Backend) -> dict:
   outdir = backend.output_dir(config.logdir)
   prepare_logdir(outdir)
   if outdir != config.logdir:
-    logging.info("Worker %d writes its events and checkpoints to %s (the chief writes %s)",
+    logging.info("Process %d writes its events and checkpoints to %s (the chief writes %s)",
                  backend.rank, outdir, config.logdir)
+  try:
+    return _train_and_test(config, backend, info, outdir, started)
+  finally:
+    run_folder.release(config.logdir)
+
+
+def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, started: float) -> dict:
   set_seeds(config.seed)
   print("%s, running on %s" % (info.title, backend.label), flush=True)
-  resume_state = _resume_state(config)
+  resume_state = _resume_state(config, backend)
 
   global_batch_size = backend.effective_batch(config.batch_size)
   splits = data.load(info.dataset, config, backend.layout(config.batch_size), resume_state["epoch"])
@@ -248,7 +270,9 @@ def run(config: RunConfig, backend: Backend) -> dict:
   callbacks, throughput, checkpointing = _make_callbacks(config, backend, net, global_batch_size, outdir,
                                                          flag, splits.train.steps)
   # Only now, with the flags, data and any checkpoint to resume found good: a bad command leaves the
-  # outputs of the run already in the logdir untouched.
+  # outputs of the run already in the logdir untouched. The writer locks the folder first.
+  if outdir == config.logdir:
+    run_folder.claim(config.logdir, config.resume)
   write_run_config(outdir, dataclasses.replace(config, precision=backend.precision))
   print("\nTraining", flush=True)
   interrupted = None

@@ -5,12 +5,12 @@ global_batch_size, epochs, train_loss, val_loss (null without validation), test_
 (classification only), samples_per_sec_per_replica, compile_seconds, wall_seconds.
 """
 
-import dataclasses
 import os
 
 import numpy as np
 import yaml
 
+import flags
 from errors import UserError
 from run_config import RunConfig
 
@@ -72,8 +72,11 @@ def read_run_config(logdir: str) -> dict:
     path = os.path.join(logdir, name)
     if not os.path.isfile(path):
       continue
-    with open(path) as f:
-      content = yaml.safe_load(f)
+    try:
+      with open(path) as f:
+        content = yaml.safe_load(f)  # python/... tags are refused (ConstructorError), never run
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+      raise UserError("%s: not a readable run configuration (%s)" % (path, " ".join(str(error).split())))
     if isinstance(content, dict):
       content = content.get(key) if key else content
     if isinstance(content, dict):
@@ -99,11 +102,7 @@ def load_run_config(logdir: str, **overrides) -> RunConfig:
   if saved is None:
     raise UserError("--logdir=%s holds neither %s nor a summary.yaml with params: not a training run "
                     "folder" % (logdir, RUN_CONFIG_FILE))
-  known = {field.name for field in dataclasses.fields(RunConfig)}
-  values = {key: value for key, value in saved.items() if key in known}
-  values.update(EVAL_OVERRIDES, logdir=logdir)
+  values = dict(saved, **EVAL_OVERRIDES, logdir=logdir)
   values.update({key: value for key, value in overrides.items() if value is not None})
-  try:
-    return RunConfig(**values)
-  except TypeError as error:
-    raise UserError("%s: unusable saved run configuration (%s)" % (logdir, error)) from None
+  # The command line's own definitions and validators check it (a hand-edited value, a moved file).
+  return flags.config_from_saved(values, os.path.join(logdir, RUN_CONFIG_FILE))

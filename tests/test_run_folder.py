@@ -1,0 +1,58 @@
+"""A run folder has one writer at a time, and a new run never replaces an earlier one (issue 15)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from errors import UserError
+from training import run_folder
+
+
+def _hold_lock(logdir):
+  """A separate process that takes the folder's lock and keeps it until killed."""
+  code = ("import sys, time; sys.path.insert(0, %r); from training import run_folder; "
+          "run_folder.lock(%r); print('locked', flush=True); time.sleep(60)"
+          % (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), str(logdir)))
+  holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+  assert holder.stdout.readline().strip() == "locked"
+  return holder
+
+
+def test_a_second_job_is_refused_with_the_holders_pid_until_the_holder_dies(tmp_path):
+  holder = _hold_lock(tmp_path)
+  try:
+    with pytest.raises(UserError, match=r"in use by pid %d on " % holder.pid):
+      run_folder.claim(str(tmp_path), resume=False)
+  finally:
+    holder.kill()
+    holder.wait()
+  deadline = time.time() + 10
+  while True:  # the kernel has released the dead holder's lock
+    try:
+      run_folder.claim(str(tmp_path), resume=False)
+      break
+    except UserError:
+      assert time.time() < deadline
+      time.sleep(0.1)
+  run_folder.release(str(tmp_path))
+
+
+@pytest.mark.parametrize("marker", ["run_config.yaml", "summary.yaml", os.path.join("checkpoints", "last",
+                                                                                  "ckpt-1.index")])
+def test_a_new_run_never_replaces_an_earlier_one(tmp_path, marker):
+  os.makedirs(os.path.dirname(str(tmp_path / marker)), exist_ok=True)
+  (tmp_path / marker).write_text("kept")
+  with pytest.raises(UserError, match="already holds a run.*--resume.*fresh --logdir"):
+    run_folder.claim(str(tmp_path), resume=False)
+  assert (tmp_path / marker).read_text() == "kept"
+  run_folder.claim(str(tmp_path), resume=True)  # continuing it is what --resume is for
+  run_folder.release(str(tmp_path))
+
+
+def test_an_empty_or_new_folder_is_claimed(tmp_path):
+  (tmp_path / "checkpoints").mkdir()
+  run_folder.claim(str(tmp_path), resume=False)
+  run_folder.release(str(tmp_path))

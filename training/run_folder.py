@@ -1,0 +1,67 @@
+"""What a run may do with its `--logdir`: one writer at a time, and never over another run.
+
+- **A lock.** The process that writes the run's files (the chief; under multi-worker or poprun the
+  others write scratch folders) holds `fcntl.flock` on `<logdir>/.lock` for its whole life. The kernel
+  drops the lock when the process dies, however it dies, so a killed job never leaves it stuck. A
+  second job into the same folder gets one line naming the holder's pid and host. flock is reliable
+  on local file systems; on NFS it depends on the server's lock support.
+- **No run over another.** A folder that already holds a run (its `run_config.yaml`, `summary.yaml` or
+  checkpoints) is continued with `--resume` or left alone: a new run there would replace its
+  checkpoints and summary. Start over in a fresh `--logdir`, or delete the old folder yourself.
+"""
+
+import fcntl
+import os
+import socket
+
+from errors import UserError
+
+LOCK_FILE = ".lock"
+RUN_MARKERS = ("run_config.yaml", "summary.yaml")
+
+_held = {}  # logdir -> open lock file, kept open (and so locked) until the process exits
+
+
+def holds_run(logdir: str) -> bool:
+  """Whether `logdir` already holds a run's outputs."""
+  if any(os.path.exists(os.path.join(logdir, name)) for name in RUN_MARKERS):
+    return True
+  checkpoints = os.path.join(logdir, "checkpoints")
+  return os.path.isdir(checkpoints) and any(files for _, _, files in os.walk(checkpoints))
+
+
+def lock(logdir: str) -> None:
+  """Takes the folder's lock for this process; a UserError naming the holder if another has it."""
+  path = os.path.abspath(logdir)
+  if path in _held:
+    return
+  handle = open(os.path.join(path, LOCK_FILE), "a+")  # pylint: disable=consider-using-with
+  try:
+    fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError:
+    handle.seek(0)
+    holder = handle.read().strip() or "another process"
+    handle.close()
+    raise UserError("--logdir=%s is in use by %s; wait for that run to end or choose another --logdir"
+                    % (logdir, holder)) from None
+  handle.seek(0)
+  handle.truncate()
+  handle.write("pid %d on %s\n" % (os.getpid(), socket.gethostname()))
+  handle.flush()
+  _held[path] = handle
+
+
+def release(logdir: str) -> None:
+  """Gives the lock up before the process ends (tests that run several jobs in one process)."""
+  handle = _held.pop(os.path.abspath(logdir), None)
+  if handle is not None:
+    handle.close()
+
+
+def claim(logdir: str, resume: bool) -> None:
+  """Locks `logdir` for this run and refuses to start a new run over an earlier one."""
+  lock(logdir)
+  if not resume and holds_run(logdir):
+    release(logdir)
+    raise UserError("--logdir=%s already holds a run (its checkpoints and summary would be replaced): "
+                    "continue it with --resume, or choose a fresh --logdir" % logdir)
