@@ -8,11 +8,10 @@ import sys
 
 from absl import app
 from absl import flags as absl_flags
-from absl import logging
-
 import flags
 from errors import UserError
 from strategies import environment
+from training import logs
 
 FLAGS = absl_flags.FLAGS
 
@@ -20,7 +19,7 @@ FLAGS = absl_flags.FLAGS
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
-  logging.set_verbosity(logging.INFO)
+  logs.setup()
   try:
     config = flags.to_config(FLAGS)
     environment.prepare(config)

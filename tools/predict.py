@@ -20,7 +20,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
-from absl import logging  # noqa: E402  pylint: disable=wrong-import-position
 
 import flags as app_flags  # noqa: E402  pylint: disable=wrong-import-position
 from errors import UserError  # noqa: E402  pylint: disable=wrong-import-position
@@ -54,7 +53,8 @@ def define_flags() -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
-  logging.set_verbosity(logging.INFO)
+  from training import logs  # pylint: disable=import-outside-toplevel
+  logs.setup()
   try:
     # Plain Python first: the saved configuration decides TensorFlow's start-up environment.
     from strategies import environment  # pylint: disable=import-outside-toplevel
