@@ -18,6 +18,7 @@ import model
 from errors import UserError
 from model.designs import DESIGNS
 from run_config import DEFAULT_DATA_CACHE, DEFAULT_EXECUTABLE_CACHE, RunConfig
+from strategies import pipeline_rules
 
 BACKENDS = ("auto", "cpu", "gpu", "ipu")
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -169,15 +170,14 @@ def _register_validators() -> None:
     return values["pipeline_stages"] is None or values["pipeline_stages"] >= values["ipus_per_replica"]
 
   @_on.multi_flags_validator(
-      ["pipeline_stages", "ipus_per_replica", "pipeline_schedule", "gradient_accumulation"],
-      message="a pipelined model needs --gradient_accumulation to be a multiple of 2 x stages (grouped) "
-              "or of the stages (interleaved): the pipeline must fill and drain within one step")
+      ["pipeline_stages", "ipus_per_replica", "pipeline_schedule", "gradient_accumulation"])
   def _pipeline_depth(values):  # pylint: disable=unused-variable
-    stages = values["pipeline_stages"] or values["ipus_per_replica"]
-    if stages == 1 or values["pipeline_schedule"] == "sequential":
-      return True
-    multiple = 2 * stages if values["pipeline_schedule"] == "grouped" else stages
-    return values["gradient_accumulation"] % multiple == 0
+    problem = pipeline_rules.pipeline_problem(
+        values["pipeline_schedule"], values["pipeline_stages"] or values["ipus_per_replica"],
+        values["ipus_per_replica"], values["gradient_accumulation"])
+    if problem:
+      raise flags.ValidationError(problem)
+    return True
 
   @_on.multi_flags_validator(["predict", "model"],
                                message="--predict evaluates regression parameters: it needs "

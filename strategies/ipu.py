@@ -34,6 +34,7 @@ from data.splits import BatchLayout
 from errors import UserError
 from run_config import RunConfig
 from strategies.backend import Backend
+from strategies.pipeline_rules import pipeline_overlap, pipeline_problem, stage_devices
 
 INSTALL_HINT = ("Graphcore's TensorFlow is not installed: enable the Poplar SDK (source "
                 "<sdk>/enable) and pip install its TensorFlow 2 wheel, e.g. "
@@ -82,51 +83,16 @@ def popdist_module():
   return popdist
 
 
-def stage_devices(stages: int, ipus_per_replica: int) -> list:
-  """The pipeline's device mapping: stage i on IPU i mod ipus_per_replica (`assign_stages`)."""
-  return [i % ipus_per_replica for i in range(stages)]
-
-
-def pipeline_overlap(schedule: str, stages: int, ipus_per_replica: int, training: bool) -> int:
-  """The multiple a pipeline's iteration count must be (and its least value).
-
-  driver/visitors/pipeline_visitor.cc (VerifyPipelineArgumentsFixed): "The number of iterations of the
-  pipeline must be a multiple of N", N = ScheduleOffsets(stage mapping).size() (pipeline_visitor_utils.h):
-  Grouped, every stage of the mapping; Interleaved, the rotations of the mapping that share no device
-  at any position; Sequential, 1. A training pipeline's mapping has its backward stages appended in
-  reverse, so Grouped training needs 2 x stages and inference only `stages`.
-  """
-  if schedule == "sequential" or stages == 1:
-    return 1
-  mapping = stage_devices(stages, ipus_per_replica)
-  if training:
-    mapping += mapping[::-1]
-  if schedule == "grouped":
-    return len(mapping)
-  rotated = lambda k: mapping[k:] + mapping[:k]  # noqa: E731
-  offsets = [0]
-  for shift in range(1, len(mapping)):
-    if all(a != b for k in offsets for a, b in zip(rotated(k), rotated(shift))):
-      offsets.append(shift)
-  return len(offsets)
-
-
 def check_pipeline_settings(config: RunConfig) -> None:
   """Cross-flag rules of pipelining and replication on IPUs; one UserError per violation."""
   total = config.replicas * config.ipus_per_replica
   if not is_power_of_two(total):
     raise UserError("--replicas=%d x --ipus_per_replica=%d = %d IPUs: IPU devices come in powers of two "
                     "(1, 2, 4, 8, ...)" % (config.replicas, config.ipus_per_replica, total))
-  stages, g, schedule = config.pipeline_stages, config.gradient_accumulation, config.pipeline_schedule
-  if schedule == "interleaved" and stages > config.ipus_per_replica:
-    # ops/pipelining_ops.py: "The pipelining schedule 'Interleaved' does not currently support multiple
-    # pipeline stages on the same device for training graphs."
-    raise UserError("--pipeline_schedule=interleaved needs one IPU per stage in training: --pipeline_stages=%d "
-                    "with --ipus_per_replica=%d (use grouped or sequential)" % (stages, config.ipus_per_replica))
-  multiple = pipeline_overlap(schedule, stages, config.ipus_per_replica, training=True)
-  if g % multiple:
-    raise UserError("--pipeline_schedule=%s with %d stages needs --gradient_accumulation to be a "
-                    "multiple of %d (got %d)" % (schedule, stages, multiple, g))
+  problem = pipeline_problem(config.pipeline_schedule, config.pipeline_stages, config.ipus_per_replica,
+                             config.gradient_accumulation)
+  if problem:
+    raise UserError(problem)
 
 
 def make_ipu_config(ipu, config: RunConfig, popdist=None):

@@ -129,16 +129,18 @@ def check_bad_run(logdir, fragments, *args):
 
 @pytest.mark.parametrize("args, fragments", [
     (["--backend=ipu", "--ipus_per_replica=2", "--gradient_accumulation=3"],
-     ["--gradient_accumulation", "multiple of 2 x stages"]),
+     ["--gradient_accumulation", "multiple of 4 (got 3)"]),
     (["--backend=ipu", "--ipus_per_replica=2", "--pipeline_schedule=interleaved",
-      "--gradient_accumulation=3"], ["--gradient_accumulation"]),
+      "--gradient_accumulation=3"], ["--gradient_accumulation", "multiple of 2 (got 3)"]),
+    (["--backend=ipu", "--ipus_per_replica=2", "--pipeline_stages=4", "--pipeline_schedule=interleaved",
+      "--gradient_accumulation=8"], ["interleaved needs one IPU per stage"]),
     (["--backend=ipu", "--ipus_per_replica=4", "--pipeline_stages=2", "--gradient_accumulation=8"],
      ["--pipeline_stages must be at least --ipus_per_replica"]),
     (["--resume", "--epochs=2"], ["--resume needs --logdir"]),
     (["--data_path=/no/such/cellA.h5"], ["--data_path", "does not exist"]),
     (["--batch_size=0"], ["--batch_size"]),
     (["--design=ontra5"], ["--design", "dev", "ontra4"]),
-], ids=["pipeline_depth_grouped", "pipeline_depth_interleaved", "stages_below_ipus", "resume_no_logdir",
+], ids=["pipeline_depth_grouped", "pipeline_depth_interleaved", "interleaved_shared_ipus", "stages_below_ipus", "resume_no_logdir",
         "missing_file", "zero_batch", "unknown_design"])
 def test_contradictory_or_bad_flags(capsys, args, fragments):
   status, lines = parse_flag_error(capsys, *BASE_ARGS, *args)
