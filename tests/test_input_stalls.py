@@ -99,7 +99,8 @@ def test_epochs_follow_each_other_without_idle_time(tmp_path, fp16_file):
                                                 history["epoch_seconds"][1:])]
   assert max(ratios) < 2.0, list(zip(history["epoch_wall_seconds"], history["epoch_seconds"]))
   # The end of the fit: the data iterators are torn down before fit returns. An autotuned per-device
-  # pipeline of tf.distribute made that wait up to a minute (strategies/device_pipelines.py).
+  # pipeline of tf.distribute made that wait up to a minute (strategies/device_pipelines.py). Fit's
+  # own set-up and teardown take about 2 s on a slow 2-core VM with TF 2.6: the bound leaves room.
   epochs_wall = sum(history["epoch_wall_seconds"])
-  assert summary["fit_seconds"] - epochs_wall < max(2.0, 0.2 * epochs_wall / len(ratios)), (
+  assert summary["fit_seconds"] - epochs_wall < max(5.0, 0.5 * epochs_wall / len(ratios)), (
       summary["fit_seconds"], history["epoch_wall_seconds"])
