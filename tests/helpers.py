@@ -17,6 +17,16 @@ def run_main(*args, timeout=300):
                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def hold_lock(logdir):
+  """A separate process that takes `logdir`'s run lock (training/run_folder.py) and keeps it until
+  killed, as a running job would; returns the Popen once the lock is held."""
+  code = ("import sys, time; sys.path.insert(0, %r); from training import run_folder; run_folder.lock(%r); "
+          "print('locked', flush=True); time.sleep(120)" % (REPO_ROOT, str(logdir)))
+  holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+  assert holder.stdout.readline().strip() == "locked"
+  return holder
+
+
 def assert_one_line_error(result, *fragments):
   """A user error: non-zero exit, no traceback, one line on stderr containing every fragment."""
   assert result.returncode != 0, result.stdout + result.stderr

@@ -12,8 +12,6 @@ to check the whole contract end to end (exit status, one stderr line, no traceba
 import hashlib
 import os
 import shutil
-import subprocess
-import sys
 
 import h5py
 import numpy as np
@@ -25,7 +23,7 @@ from absl.testing import flagsaver
 import flags
 from errors import UserError
 from tests.cellspike_files import write_cellspike, write_meta_yaml
-from tests.helpers import REPO_ROOT, assert_one_line_error, run_main
+from tests.helpers import assert_one_line_error, hold_lock, run_main
 
 flags.define_flags()
 FLAGS = absl_flags.FLAGS
@@ -394,11 +392,8 @@ def test_a_second_job_into_a_busy_folder_is_refused(tmp_path, good_file):
   from training import run_folder  # pylint: disable=import-outside-toplevel
   busy = str(tmp_path / "busy")
   os.makedirs(busy)
-  code = ("import sys, time; sys.path.insert(0, %r); from training import run_folder; run_folder.lock(%r); "
-          "print('locked', flush=True); time.sleep(120)" % (REPO_ROOT, busy))
-  holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+  holder = hold_lock(busy)
   try:
-    assert holder.stdout.readline().strip() == "locked"
     result = run_main(*BASE_ARGS, "--epochs=1", "--data_path=" + good_file, "--logdir=" + busy)
     assert_one_line_error(result, "--logdir=" + busy, "in use by pid %d" % holder.pid)
   finally:

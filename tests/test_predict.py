@@ -272,6 +272,13 @@ def test_predict_names_real_data_as_main_does_a_folder_and_a_cell(trained_run, d
   assert sum_pred["data_path"].endswith("cellB_excite.cellSpike_4prB8kHz.data.h5")
 
 
+def _copy_of(trained_run, tmp_path):
+  """A private copy of the trained run, for a test to damage."""
+  copy = str(tmp_path / "run")
+  shutil.copytree(trained_run[0], copy)
+  return copy
+
+
 @pytest.mark.parametrize("edit, fragments", [
     ({"batch_size": "abc"}, ["--batch_size=abc"]),
     ({"design": "nope"}, ["--design=nope", "ontra4"]),
@@ -281,8 +288,7 @@ def test_predict_names_real_data_as_main_does_a_folder_and_a_cell(trained_run, d
 ])
 def test_hand_edited_run_config_is_checked_like_the_flags(trained_run, tmp_path, edit, fragments):
   """One code path for flags and saved configurations (issue 15, point 13)."""
-  copy = str(tmp_path / "run")
-  shutil.copytree(trained_run[0], copy)
+  copy = _copy_of(trained_run, tmp_path)
   path = os.path.join(copy, summary.RUN_CONFIG_FILE)
   saved = _load_yaml(path)
   saved.update(edit)
@@ -296,8 +302,7 @@ def test_hand_edited_run_config_is_checked_like_the_flags(trained_run, tmp_path,
 
 @pytest.mark.parametrize("text", ["model: [unclosed\n", "!!python/object/apply:os.system ['touch pwned']\n"])
 def test_malformed_or_hostile_run_config_is_one_line(trained_run, tmp_path, text):
-  copy = str(tmp_path / "run")
-  shutil.copytree(trained_run[0], copy)
+  copy = _copy_of(trained_run, tmp_path)
   with open(os.path.join(copy, summary.RUN_CONFIG_FILE), "w") as f:
     f.write(text)
   result = run_predict("--logdir=" + copy, timeout=120)
@@ -308,8 +313,7 @@ def test_malformed_or_hostile_run_config_is_one_line(trained_run, tmp_path, text
 @pytest.mark.parametrize("damage", ["empty_data", "garbage_index", "export_dir_is_a_file"])
 def test_damaged_checkpoints_and_bad_outputs_are_found_before_evaluating(trained_run, tmp_path, damage):
   """Checked first and reported in one line (issue 15, point 14)."""
-  copy = str(tmp_path / "run")
-  shutil.copytree(trained_run[0], copy)
+  copy = _copy_of(trained_run, tmp_path)
   args = ["--logdir=" + copy, "--backend=cpu", "--noplots", "--max_samples=16"]
   if damage == "export_dir_is_a_file":
     target = tmp_path / "model.zip"

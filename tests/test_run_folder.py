@@ -1,28 +1,17 @@
 """A run folder has one writer at a time, and a new run never replaces an earlier one (issue 15)."""
 
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 
 from errors import UserError
+from tests.helpers import hold_lock
 from training import run_folder
 
 
-def _hold_lock(logdir):
-  """A separate process that takes the folder's lock and keeps it until killed."""
-  code = ("import sys, time; sys.path.insert(0, %r); from training import run_folder; "
-          "run_folder.lock(%r); print('locked', flush=True); time.sleep(60)"
-          % (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), str(logdir)))
-  holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-  assert holder.stdout.readline().strip() == "locked"
-  return holder
-
-
 def test_a_second_job_is_refused_with_the_holders_pid_until_the_holder_dies(tmp_path):
-  holder = _hold_lock(tmp_path)
+  holder = hold_lock(tmp_path)
   try:
     with pytest.raises(UserError, match=r"in use by pid %d on " % holder.pid):
       run_folder.claim(str(tmp_path), resume=False)
