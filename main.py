@@ -24,12 +24,16 @@ def main(argv):
     config = flags.to_config(FLAGS)
     environment.prepare(config)
     # TensorFlow is imported only now, after its start-up environment is set.
-    from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
+    with environment.quiet_cuda_probe(config):
+      from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
+      backend = select_backend(config)
     from training.evaluation import report  # pylint: disable=import-outside-toplevel
     from training.loop import run  # pylint: disable=import-outside-toplevel
-    backend = select_backend(config)
-    run(config, backend)
+    from training.summary import closing_report  # pylint: disable=import-outside-toplevel
+    summary = run(config, backend)
     report(config, backend)  # --predict: sum_pred.yaml and figures into <logdir>/predict
+    if backend.is_chief and not config.compile_only:
+      print(closing_report(summary, config.logdir, config.predict), flush=True)
   except UserError as error:
     sys.stderr.write("error: %s\n" % error)
     sys.exit(1)

@@ -4,10 +4,13 @@ Call `prepare(config)` before the first `import tensorflow` of the process. It m
 TensorFlow imports itself, so the TensorFlow version is read from the installed package's metadata.
 """
 
+import contextlib
+import glob
 import json
 import os
 import re
 import sys
+import tempfile
 
 from errors import UserError
 from run_config import RunConfig
@@ -118,6 +121,45 @@ def prepare(config: RunConfig) -> None:
   if config.backend in ("ipu", "auto"):
     _ipu_variables(config)
   _xla_cache_variables(config)
+
+
+# What TensorFlow's CUDA probe writes to stderr, from C++, on a machine that has no NVIDIA driver: the
+# "tensorflow-cpu" wheels load the CUDA stubs too. TF_CPP_MIN_LOG_LEVEL cannot hide the lines that come
+# before absl's logging is initialised.
+_CUDA_PROBE_LINES = ("All log messages before absl::InitializeLog() is called are written to STDERR",
+                     "Could not find cuda drivers on your machine", "failed call to cuInit")
+
+
+def _cuda_probe_is_noise(config: RunConfig) -> bool:
+  """No NVIDIA device node: no GPU can be used, so the probe's failure says nothing to the user."""
+  return config.backend in ("cpu", "auto") and not glob.glob("/dev/nvidia[0-9]*")
+
+
+@contextlib.contextmanager
+def quiet_cuda_probe(config: RunConfig):
+  """Runs the block (TensorFlow's import and device discovery) with the CUDA probe's lines dropped.
+
+  File descriptor 2 goes to a temporary file for the block; every other line is written back to
+  stderr afterwards, in order, also when the block raises. On a machine with an NVIDIA device node the
+  block runs untouched: there a failed cuInit is the message a user needs.
+  """
+  if not _cuda_probe_is_noise(config):
+    yield
+    return
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as capture:
+    os.dup2(capture.fileno(), 2)
+    try:
+      yield
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      capture.seek(0)
+      lines = capture.read().decode("utf-8", "replace").splitlines(True)
+      sys.stderr.write("".join(line for line in lines if not any(p in line for p in _CUDA_PROBE_LINES)))
+      sys.stderr.flush()
 
 
 def executable_cache_dir(kind: str):

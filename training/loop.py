@@ -350,5 +350,5 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
     summary["train_accuracy"] = _last(history, "accuracy")
     summary["test_accuracy"] = float(test_results["accuracy"]) if "accuracy" in test_results else None
   path = write_summary(outdir, summary)
-  logging.info("Wrote %s; TensorBoard: tensorboard --logdir %s", path, outdir)
+  logging.info("Wrote %s", path)
   return summary

@@ -45,6 +45,37 @@ def write_summary(logdir: str, summary: dict) -> str:
   return path
 
 
+def _loss_line(name: str, loss, baseline) -> str:
+  if baseline:
+    return "%s %.4f (%.2f of the mean-predictor baseline %.4f)" % (name, loss, loss / baseline, baseline)
+  return "%s %.4f" % (name, loss)
+
+
+def closing_report(summary: dict, logdir: str, predicted: bool) -> str:
+  """The last lines a user reads: how well the run learned, where its outputs are, what to run next."""
+  baseline = summary.get("mean_predictor_val_loss")
+  lines = ["", "Run finished: %s" % logdir]
+  if summary.get("best_val_loss") is not None:
+    lines.append("  validation: %s, epoch %d; last epoch %.4f" % (
+        _loss_line("best", summary["best_val_loss"], baseline), summary["best_val_epoch"],
+        summary["val_loss"]))
+  if summary.get("test_loss") is not None:
+    test = _loss_line("loss", summary["test_loss"], baseline)
+    if summary.get("test_accuracy") is not None:
+      test += ", accuracy %.4f" % summary["test_accuracy"]
+    if summary.get("test_weights_epoch"):
+      test += " (weights of epoch %d)" % summary["test_weights_epoch"]
+    lines.append("  test: %s" % test)
+  outputs = "summary.yaml, run_config.yaml, checkpoints/{last,best}, TensorBoard events (train/, validation/)"
+  lines.append("  outputs: %s%s" % (outputs, ", predict/ (figures, sum_pred.yaml)" if predicted else ""))
+  lines += ["Next:",
+            "  tensorboard --logdir %s" % logdir,
+            "  python tools/predict.py --logdir %s" % logdir,
+            "  python main.py --model=%s --logdir=%s --resume --epochs=%d   # train further" % (
+                summary["model"], logdir, summary["epochs"] + 5)]
+  return "\n".join(lines)
+
+
 RUN_CONFIG_FILE = "run_config.yaml"
 
 
