@@ -6,8 +6,9 @@ semantics traps it handles:
   divided by the replica count so learning rates mean the same as on CPU/GPU (PopDistStrategy already
   averages over its `getNumTotalReplicas()`).
 - `steps_per_execution` is per replica [2.1]: every dataset's per-replica steps must be a multiple of it
-  (or fewer: Keras truncates), for fit and for each evaluation; in fit it is also a multiple of the
-  gradient-accumulation count; training is trimmed to whole optimizer steps.
+  (or fewer: Keras truncates), for fit and for each evaluation; fit's validation steps over all the
+  process's replicas too (its validation data handler is made for one replica); in fit it is also a
+  multiple of the gradient-accumulation count; training is trimmed to whole optimizer steps.
 - Replication factor = IPUs / IPUs per replica, rounded to powers of two [2.2]: counts must be powers
   of two.
 - A pipeline runs a multiple of its overlap length of iterations (`pipeline_overlap`): gradient
@@ -164,36 +165,46 @@ def _runs_whole(steps_per_execution: int, steps: int, depth_multiple: int = 1) -
 
 
 def derive_steps_per_execution(train_steps, accumulation: int, requested: int, eval_steps=(),
-                               eval_depth_multiple: int = 1) -> int:
+                               eval_depth_multiple: int = 1, replicas: int = 1) -> int:
   """steps_per_execution for IPU Keras [2.1]: one value for fit and for every evaluation split.
 
   Every split's per-replica steps must accept it (`_runs_whole`, evaluation splits with the
   inference pipeline's `eval_depth_multiple`); in fit it must also be a multiple of the accumulation
   count (keras/ipu/extensions/extensions_base.py
   `_verify_and_get_gradient_accumulation_steps_per_replica`), a rule that inference does not have.
-  `train_steps` is None for inference alone. Without a request: the largest value that fits, so an
-  epoch takes as few host round trips as possible.
+  In training, an evaluation split may be fit's validation data, whose data handler `_fit_delegate`
+  makes with IPUDataHandler's default replication_factor=1: its steps over all this process's
+  `replicas` must accept the value too. The test split, evaluated after fit, would not need that, but
+  the splits come unnamed. `train_steps` is None for inference alone. Without a request: the largest
+  value that fits, so an epoch takes as few host round trips as possible (one per split where the
+  step counts allow it).
   """
-  splits = (([("training", train_steps, 1)] if train_steps else [])
-            + [("evaluation", n, eval_depth_multiple) for n in eval_steps])
+  splits = ([("the %d training steps per replica" % train_steps, train_steps, 1)] if train_steps else [])
+  splits += [("the %d evaluation steps per replica" % n, n, eval_depth_multiple) for n in eval_steps]
+  if train_steps and replicas > 1:
+    splits += [("the %d evaluation steps of all %d replicas together (IPU Keras checks fit's validation "
+                "data before dividing it among the replicas)" % (n * replicas, replicas), n * replicas, 1)
+               for n in eval_steps]
   if requested:
     for name, steps, multiple in splits:
       if not _runs_whole(requested, steps, multiple):
-        raise UserError("--steps_per_execution=%d must divide the %d %s steps per replica (or be at "
-                        "least that many)%s" % (requested, steps, name, "" if multiple == 1 else
-                        ", and give pipeline iterations in multiples of %d" % multiple))
+        raise UserError("--steps_per_execution=%d must divide %s, or be at least that many%s"
+                        % (requested, name, "" if multiple == 1 else
+                           ", and give pipeline iterations in multiples of %d" % multiple))
     if train_steps and min(requested, train_steps) % accumulation:
       raise UserError("--steps_per_execution=%d must be a multiple of --gradient_accumulation=%d"
                       % (requested, accumulation))
     return requested
-  largest = train_steps or max(eval_steps)
-  multiple = accumulation if train_steps else 1
-  for candidate in range(largest, 0, -1):
-    if candidate % multiple == 0 and all(_runs_whole(candidate, steps, m) for _, steps, m in splits):
+  # From the largest split's steps down: a value at least every split's steps is truncated to each,
+  # so each split runs in one execution. Fit checks its truncated value against the accumulation.
+  for candidate in range(max(steps for _, steps, _ in splits), 0, -1):
+    if (not train_steps or min(candidate, train_steps) % accumulation == 0) and all(
+        _runs_whole(candidate, steps, m) for _, steps, m in splits):
       return candidate
   raise UserError("no --steps_per_execution fits the training (%s) and evaluation (%s) steps per replica "
-                  "with --gradient_accumulation=%d: change --batch_size or the split sizes"
-                  % (train_steps, ", ".join(map(str, eval_steps)), accumulation))
+                  "with --gradient_accumulation=%d%s: change --batch_size or the split sizes"
+                  % (train_steps, ", ".join(map(str, eval_steps)), accumulation,
+                     " and %d replicas" % replicas if train_steps and replicas > 1 else ""))
 
 
 def assign_stages(model, stage_boundaries, stages: int, schedule: str, ipus_per_replica: int,
@@ -363,7 +374,7 @@ class IPUBackend(Backend):
   def compile_kwargs(self, train_steps, eval_steps=()) -> dict:
     steps = derive_steps_per_execution(train_steps, self.gradient_accumulation,
                                        self.requested_steps_per_execution, tuple(eval_steps),
-                                       self.eval_depth_multiple)
+                                       self.eval_depth_multiple, self.local_replicas or self.replicas)
     return {"steps_per_execution": steps}
 
 

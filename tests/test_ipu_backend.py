@@ -2,14 +2,17 @@
 
 import dataclasses
 import json
+import logging as python_logging
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import tensorflow as tf
 
 import model
+from data.splits import Arrays, Splits, count_steps, eval_layout, make_split
 from errors import UserError
 from run_config import RunConfig
 from strategies import ipu as ipu_backend
@@ -149,10 +152,11 @@ def test_steps_per_execution_fits_every_evaluation_split():
   with pytest.raises(UserError, match="must divide the 50 evaluation steps"):
     ipu_backend.derive_steps_per_execution(120, 4, 40, eval_steps=(50,))
   assert ipu_backend.derive_steps_per_execution(120, 4, 40, eval_steps=(30, 80)) == 40  # 30: truncated
-  # derived: one execution per epoch (120) would not divide 180 evaluation steps; 60 does
-  assert ipu_backend.derive_steps_per_execution(120, 4, 0, eval_steps=(180,)) == 60
-  with pytest.raises(UserError, match="no --steps_per_execution fits"):   # 150 has no factor 4
-    ipu_backend.derive_steps_per_execution(120, 4, 0, eval_steps=(150,))
+  # derived: 180 truncates to the 120 training steps and runs each split in one execution, as does
+  # 150, which has no factor 4: fit checks the truncated 120 against the accumulation count
+  assert ipu_backend.derive_steps_per_execution(120, 4, 0, eval_steps=(180,)) == 180
+  assert ipu_backend.derive_steps_per_execution(120, 4, 0, eval_steps=(150,)) == 150
+  assert ipu_backend.derive_steps_per_execution(120, 4, 0, eval_steps=(50,)) == 120
   # inference alone: no accumulation rule
   assert ipu_backend.derive_steps_per_execution(None, 4, 0, eval_steps=(30,)) == 30
   assert ipu_backend.derive_steps_per_execution(None, 4, 15, eval_steps=(30,)) == 15
@@ -315,7 +319,6 @@ def test_interleaved_training_needs_one_ipu_per_stage(monkeypatch):
 
 
 def test_pipelined_evaluation_splits_are_trimmed_to_the_inference_pipeline_depth(monkeypatch):
-  from data.splits import eval_layout  # pylint: disable=import-outside-toplevel
   fake_ipu.install(monkeypatch)
   backend = ipu_backend.create(_config(ipus_per_replica=2, pipeline_stages=2, gradient_accumulation=8))
   assert eval_layout(backend.layout(16)).steps_multiple == 2  # grouped inference: the 2 stages
@@ -378,3 +381,251 @@ def test_the_stand_in_refuses_what_ipu_keras_refuses(monkeypatch):
   cfg.compilation_poplar_options = {"target.deterministicWorkers": 1}
   with pytest.raises(TypeError, match="strings"):
     cfg.configure_ipu_system()
+
+
+# --- IPU Keras' fit, evaluate and predict, as the stand-in plays them --------------------------------
+
+def _tiny_build(config, input_shape=(3,), num_outputs=1):
+  """A functional model with four possible stages (boundaries: flatten, hidden, head)."""
+  del config
+  inputs = tf.keras.Input(input_shape)
+  x = tf.keras.layers.Dense(4, name="dense")(inputs)
+  x = tf.keras.layers.Flatten(name="flatten")(x)
+  x = tf.keras.layers.Dense(4, name="hidden")(x)
+  outputs = tf.keras.layers.Dense(num_outputs, name="head")(x)
+  return tf.keras.Model(inputs, outputs)
+
+
+TINY_MODEL = types.SimpleNamespace(
+    build=_tiny_build, STAGE_BOUNDARIES=("flatten", "hidden", "head"),
+    loss=tf.keras.losses.MeanSquaredError,
+    metrics=lambda: [tf.keras.metrics.MeanAbsoluteError(name="mae")])
+
+
+def _tiny_net(backend, inference=False):
+  """The tiny model as the application places it (training: prepare_model; prediction: inference_model)."""
+  with backend.strategy.scope():
+    net = TINY_MODEL.build(None)
+    place = backend.inference_model if inference else backend.prepare_model
+    return place(net, TINY_MODEL.STAGE_BOUNDARIES)
+
+
+def _elements(count, rows=2):
+  """`count` dataset elements of `rows` samples; element k's targets are k % 2 * 10 (replica 1 of 2)."""
+  x = tf.reshape(tf.range(count * rows * 3, dtype=tf.float32), (count, rows, 3)) / 100.0
+  y = tf.reshape(tf.repeat(tf.cast(tf.range(count) % 2 * 10, tf.float32), rows), (count, rows, 1))
+  return tf.data.Dataset.from_tensor_slices((x, y))
+
+
+def test_the_stand_in_refuses_what_the_ipu_data_handler_refuses(monkeypatch):
+  """keras/ipu/extensions/data_adapter.py IPUDataHandler: steps_per_execution divides each replica's
+  steps, or is truncated to them; fit's truncated value is a multiple of the accumulation count."""
+  fake_ipu.install(monkeypatch)
+  net = _tiny_net(ipu_backend.create(_config(replicas=2, gradient_accumulation=2)))
+  net.compile(loss="mse", steps_per_execution=4)
+  with pytest.raises(ValueError, match=r"`steps_per_execution` \(4\) must be a divisor of the number of "
+                     r"batches \(6\) in the dataset provided to this replica\."):
+    net.evaluate(_elements(12), steps=12)
+  with pytest.raises(ValueError, match=r"divisor of the number of batches \(6\)"):
+    net.predict(_elements(12).map(lambda x, y: x), steps=12)
+  with pytest.raises(ValueError, match="all 2 replicas are requested"):
+    net.evaluate(_elements(1), steps=1)
+  extension = net.ipu_extension
+  assert extension.check_inference(16) == (2, 8, 4)
+  assert extension.check_inference(6) == (2, 3, 3)               # truncated to the 3 steps per replica
+  assert extension.check_fit(16, validation_steps=8) == 4
+  with pytest.raises(RuntimeError, match=r"value \(set to 3\) is not divisible by "
+                     r"`gradient_accumulation_steps_per_replica` \(2\)"):
+    net.fit(_elements(6).repeat(), steps_per_epoch=6)             # truncated to 3, not a multiple of 2
+
+
+def test_validation_in_fit_is_checked_for_all_replicas_together(monkeypatch):
+  """extensions_base.py `_fit_delegate` makes the validation data handler with IPUDataHandler's default
+  replication_factor=1: 30 steps per replica truncate 40, but 60 steps in all must be divisible by it."""
+  fake_ipu.install(monkeypatch)
+  net = _tiny_net(ipu_backend.create(_config(replicas=2)))
+  net.compile(loss="mse", steps_per_execution=40)
+  assert net.ipu_extension.check_inference(60) == (2, 30, 30)   # evaluate alone is fine
+  with pytest.raises(ValueError, match=r"`steps_per_execution` \(40\) must be a divisor of the number of "
+                     r"batches \(60\) in the dataset provided\."):
+    net.ipu_extension.check_fit(240, validation_steps=60)
+  with pytest.raises(UserError, match="must divide the 60 evaluation steps of all 2 replicas together"):
+    ipu_backend.derive_steps_per_execution(120, 1, 40, eval_steps=(30,), replicas=2)
+  assert ipu_backend.derive_steps_per_execution(None, 1, 40, eval_steps=(30,), replicas=2) == 40  # predict
+  # derived: 80 truncates to the 50 steps per replica but does not divide the 100 of both replicas
+  assert ipu_backend.derive_steps_per_execution(80, 1, 0, eval_steps=(50,)) == 80
+  assert ipu_backend.derive_steps_per_execution(80, 1, 0, eval_steps=(50,), replicas=2) == 100
+
+
+@pytest.mark.parametrize("schedule, stages, ipus, iterations, multiple", [
+    ("grouped", 2, 2, 3, 2), ("grouped", 4, 2, 6, 4), ("interleaved", 2, 2, 3, 2)])
+def test_the_stand_in_checks_the_inference_pipeline_depth(monkeypatch, schedule, stages, ipus, iterations,
+                                                         multiple):
+  """extensions_base.py `_make_pipeline_ipu_test_function`: depth = the truncated steps_per_execution,
+  which pipeline_visitor.cc `VerifyPipelineArgumentsFixed` needs in multiples of the overlap length."""
+  fake_ipu.install(monkeypatch)
+  net = _tiny_net(ipu_backend.create(_config(ipus_per_replica=ipus, pipeline_stages=stages,
+                                             pipeline_schedule=schedule, gradient_accumulation=8)),
+                  inference=True)
+  extension = net.ipu_extension
+  assert extension.check_inference(4 * multiple, multiple) == (1, 4 * multiple, multiple)
+  with pytest.raises(tf.errors.FailedPreconditionError, match="must be a multiple of %d, but it is %d"
+                     % (multiple, iterations)):
+    extension.check_inference(iterations, 100)                  # truncated to the 3 or 6 steps
+
+
+def test_the_stand_in_places_models_as_ipu_keras(monkeypatch):
+  """`_get_replication_factor`: IPUs over the shard count rounded up to a power of two, and an
+  unpipelined model counts as one shard whatever --ipus_per_replica asks for."""
+  fake_ipu.install(monkeypatch)
+  backend = ipu_backend.create(_config(replicas=2, ipus_per_replica=2, pipeline_stages=2,
+                                       gradient_accumulation=4))
+  assert _tiny_net(backend).ipu_extension.replication_factor() == 2
+  unpipelined = fake_ipu.inject_keras_extensions(TINY_MODEL.build(None))
+  assert unpipelined.ipu_extension.replication_factor() == 4
+  fake_ipu.install(monkeypatch, popdist=fake_ipu.build_popdist(total_replicas=4, instances=2))
+  assert _tiny_net(ipu_backend.create(_config(replicas=4))).ipu_extension.replication_factor() == 2
+
+
+SWEEP_CONFIGS = [
+    ({}, None), ({"replicas": 2}, None), ({"replicas": 4, "gradient_accumulation": 4}, None),
+    ({"replicas": 4}, (4, 2)),    # poprun: 2 instances of 2 replicas
+    ({"replicas": 2, "ipus_per_replica": 2, "pipeline_stages": 2, "gradient_accumulation": 4}, None),
+    ({"ipus_per_replica": 2, "pipeline_stages": 4, "gradient_accumulation": 8}, None),
+    ({"ipus_per_replica": 2, "pipeline_stages": 2, "pipeline_schedule": "interleaved",
+      "gradient_accumulation": 6}, None),
+]
+
+
+def _refusal(check, *args):
+  """Why the stand-in refuses `check(*args)` as IPU Keras would, or None."""
+  try:
+    check(*args)
+  except (ValueError, RuntimeError, NotImplementedError, tf.errors.FailedPreconditionError) as error:
+    return "%s: %s" % (type(error).__name__, error)
+  return None
+
+
+def _fit_refusal(training, train, val, test, steps_per_execution):
+  """Fit with either evaluation split as its validation data (the backend is not told which one is),
+  which includes evaluating it; None if IPU Keras runs them."""
+  return (_refusal(training.check_fit, train, val, steps_per_execution)
+          or _refusal(training.check_fit, train, test, steps_per_execution))
+
+
+def _sweep_case(backend, training, inference, batch, samples, requested):
+  """One run's splits laid out as the loaders do, given to the backend and then to the stand-in.
+
+  Returns the disagreements: steps_per_execution values the application chooses and IPU Keras
+  refuses, and refusals (UserError) where IPU Keras would run the request, or some value if derived.
+  """
+  backend = dataclasses.replace(backend, requested_steps_per_execution=requested)
+  layout = backend.layout(batch)
+  evaluation = eval_layout(layout)
+  try:
+    train = count_steps(samples[0], layout.step_rows, 0, "train", layout.steps_multiple)
+    val, test = (count_steps(n, evaluation.step_rows, 0, name, evaluation.steps_multiple)
+                 for n, name in ((samples[1], "val"), (samples[2], "test")))
+  except UserError:
+    return []   # a split smaller than one step: refused before steps_per_execution matters
+  keras = [backend.fit_input(None, steps)[1] for steps in (train, val, test)]  # Keras' steps
+  calls = {"fit": ((train, [val, test]), lambda spe: _fit_refusal(training, *keras, spe)),
+           "predict": ((None, [test]), lambda spe: _refusal(inference.check_inference, keras[2], spe))}
+  problems = []
+  for name, (args, refusal) in calls.items():
+    try:
+      spe = backend.compile_kwargs(*args)["steps_per_execution"]
+    except UserError as error:
+      runs = [v for v in ([requested] if requested else range(1, max(keras) + 1)) if not refusal(v)]
+      if runs:
+        problems.append("%s refused (%s), but IPU Keras runs steps_per_execution=%d"
+                        % (name, error, runs[0]))
+      continue
+    why = refusal(spe)
+    if why:
+      problems.append("%s chose steps_per_execution=%d, which IPU Keras refuses: %s" % (name, spe, why))
+  return problems
+
+
+@pytest.mark.parametrize("kwargs, poprun", SWEEP_CONFIGS)
+def test_the_apps_step_counts_agree_with_the_ipu_keras_rules(monkeypatch, kwargs, poprun):
+  """The application accepts exactly the layouts IPU Keras runs: splits trimmed by data/splits.py,
+  steps_per_execution requested or derived by the backend, Keras steps from fit_input, checked by the
+  stand-in's fit, evaluate and predict."""
+  fake_ipu.install(monkeypatch, popdist=fake_ipu.build_popdist(*poprun) if poprun else None)
+  backend = ipu_backend.create(_config(**kwargs))
+  training, inference = (_tiny_net(backend, inference).ipu_extension for inference in (False, True))
+  problems = []
+  for batch in (1, 3):
+    for train in (96, 200, 1000):
+      for evaluation in range(24, 400, 29):
+        for requested in (0, 1, 2, 3, 4, 6, 8, 12, 16, 20, 40):
+          case = (batch, (train, evaluation, evaluation + 50), requested)
+          problems += ["batch, samples, --steps_per_execution = %s: %s" % (case, problem)
+                       for problem in _sweep_case(backend, training, inference, *case)]
+  assert not problems, "%d disagreements, e.g.\n%s" % (len(problems), "\n".join(problems[:5]))
+
+
+def _tiny_splits(backend, train_elements, eval_elements):
+  """Train, validation and test splits of the tiny model through data/splits.py, in the backend's
+  layouts: 2 samples per element, and evaluation targets of 0 for replica 0 and 10 for replica 1."""
+  def arrays(elements, rows):
+    x, y = next(iter(_elements(elements, rows).batch(elements)))
+    return Arrays(x.numpy().reshape(-1, 3), y.numpy().reshape(-1, 1))
+  layout = backend.layout(2)
+  replicas = backend.local_replicas or backend.replicas
+  split = lambda data, split_layout, name: make_split(  # noqa: E731
+      data, split_layout, lambda x, y: (x, y), False, 7, 0, name)
+  return Splits(train=split(arrays(train_elements, 2), layout, "train"),
+                validation=split(arrays(eval_elements * replicas, 2), eval_layout(layout), "val"),
+                test=split(arrays(eval_elements * replicas, 2), eval_layout(layout), "test"),
+                source="tiny", input_shape=(3,), num_outputs=1)
+
+
+@pytest.mark.parametrize("sdk, kwargs, averaged", [
+    ("3.x", {"replicas": 2}, True), ("2.6", {"replicas": 2}, False),
+    ("3.x", {"replicas": 2, "ipus_per_replica": 2, "pipeline_stages": 2, "gradient_accumulation": 4},
+     False)])
+def test_reported_losses_are_all_replicas_or_the_log_says_otherwise(monkeypatch, caplog, sdk, kwargs,
+                                                                    averaged):
+  """Validation and test losses through loop.py's own calls: each replica's losses differ (targets 0 and
+  10), and whatever is reported is their mean, or the log says it is one replica's."""
+  from training import loop  # pylint: disable=import-outside-toplevel
+  caplog.set_level(python_logging.INFO)
+  fake_ipu.install(monkeypatch, sdk=sdk)
+  # Adam: the legacy optimizer (TF 2.6's family), which takes the backend's gradient_transformers.
+  config = _config(epochs=1, optimizer="adam", learning_rate=1e-6, **kwargs)
+  backend = ipu_backend.create(config)
+  splits = _tiny_splits(backend, train_elements=16, eval_elements=4)
+  net = loop.build_and_compile(config, backend, TINY_MODEL, splits)
+  history = loop._fit(net, config, backend, splits, 0, 0, callbacks=[])  # pylint: disable=protected-access
+  test_x, test_steps = backend.fit_input(splits.test.dataset, splits.test.steps)
+  test = net.evaluate(test_x, steps=test_steps, return_dict=True, verbose=0)
+  (_, (validation_replicas,), _), (_, (test_replicas,), _) = _calls("evaluate")[-2:]
+  said = "reports one replica's metrics" in caplog.text
+  for reported, replicas in ((history["val_loss"][-1], validation_replicas), (test["loss"], test_replicas)):
+    losses = [logs["loss"] for logs in replicas]
+    assert losses[1] > losses[0] + 50                              # the replicas' figures differ
+    mean = sum(losses) / len(losses)
+    assert reported == pytest.approx(mean) or said, "one replica's loss reported without a word"
+    assert reported == pytest.approx(mean if averaged else losses[-1])
+  assert said != averaged
+
+
+def test_prediction_returns_every_replicas_samples_in_order(monkeypatch):
+  """extensions_util.py `merge_into_batch_dimension`; and MEAN, which the application never sets on an
+  inference model, would average the replicas' predictions (SDK 3.1+ `_reduce_metric`)."""
+  from training import evaluation  # pylint: disable=import-outside-toplevel
+  fake_ipu.install(monkeypatch)
+  backend = ipu_backend.create(_config(replicas=2))
+  net = _tiny_net(backend, inference=True)
+  net.compile(loss="mse", **backend.compile_kwargs(None, [4]))
+  dataset, steps = backend.fit_input(_elements(8), 4)
+  truth, prediction = evaluation.collect_predictions(net, dataset, steps)
+  expected = net(tf.concat([x for x, _ in _elements(8)], 0)).numpy()
+  assert truth.shape == prediction.shape == (16, 1) and prediction == pytest.approx(expected, abs=1e-6)
+  (_, _, info), = _calls("predict")
+  assert info == {"replicas": 2, "steps_per_execution": 4, "reduction": "NONE"}
+  net.set_replication_options(replicated_metric_reduction_method="MEAN")
+  averaged = net.predict(dataset.map(lambda x, y: x), steps=steps)
+  assert averaged[0:2] == pytest.approx(averaged[2:4]) and averaged[0:2] != pytest.approx(expected[0:2])
