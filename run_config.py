@@ -40,8 +40,9 @@ class RunConfig:
   shuffle_buffer: int = 4096       # rows shuffled together per replica when streaming
   stage_dir: Optional[str] = None  # where non-contiguous HDF5 splits are staged (default: temp folder)
   synthetic_data: bool = False     # train on generated batches, no file reads (host- vs device-bound)
-  # Learning-rate schedule: linear warm-up, then reduce-on-plateau of the validation loss
+  # Learning-rate schedule: linear warm-up, then reduce-on-plateau of the validation loss or cosine
   warmup_epochs: int = 0
+  lr_schedule: str = "plateau"
   lr_factor: float = 0.11
   lr_patience: int = 8
   lr_cooldown: int = 2

@@ -1,8 +1,12 @@
-"""The warm-up + reduce-on-plateau schedule, checked against PyTorch's ReduceLROnPlateau semantics."""
+"""The learning-rate schedules: warm-up + reduce-on-plateau (checked against PyTorch's ReduceLROnPlateau
+semantics) and warm-up + per-step cosine decay."""
+
+import math
 
 import pytest
+import tensorflow as tf
 
-from training.lr_schedule import PlateauState, warmup_lr
+from training.lr_schedule import Cosine, PlateauState, WarmupPlateauSchedule, cosine_lr, warmup_lr
 
 
 def test_linear_warmup_per_epoch():
@@ -37,3 +41,36 @@ def test_state_round_trips():
   copy = PlateauState(1e-3, 0.11, 8, 2)
   copy.load(state.to_dict())
   assert copy.to_dict() == state.to_dict()
+
+
+def _cosine_rates(epochs, steps, warmup, resumed_epoch=None, resumed_step=0, run=None):
+  """The rate the schedule sets before each step of a fit over `run` = [(epoch, first step), ...]."""
+  net = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(1,))])
+  net.compile(optimizer=tf.keras.optimizers.Adam(1.0), loss="mse")
+  schedule = WarmupPlateauSchedule(1.0, warmup, 0.5, 0, 0, cosine=Cosine(epochs, steps, resumed_epoch,
+                                                                           resumed_step))
+  schedule.set_model(net)
+  rates = []
+  for epoch, first in run or [(e, 0) for e in range(epochs)]:
+    schedule.on_epoch_begin(epoch)
+    for batch in range(steps - first):
+      schedule.on_train_batch_begin(batch)
+      rates.append(float(tf.keras.backend.get_value(net.optimizer.lr)))
+    schedule.on_epoch_end(epoch, {"val_loss": 1.0})
+  return rates
+
+
+def test_cosine_decays_per_step_from_the_end_of_warmup_to_zero():
+  rates = _cosine_rates(epochs=3, steps=4, warmup=1)
+  assert rates[:4] == [1.0] * 4                              # warm-up epoch (1 epoch: the full rate)
+  assert rates[4] == pytest.approx(cosine_lr(1.0, 0.0)) == pytest.approx(1.0)
+  assert rates[6] == pytest.approx(0.5 * (1 + math.cos(math.pi * 2 / 8)))
+  assert all(a > b for a, b in zip(rates[4:], rates[5:]))    # strictly falling, never plateau-driven
+  assert rates[-1] == pytest.approx(0.5 * (1 + math.cos(math.pi * 7 / 8)))
+
+
+def test_cosine_after_a_mid_epoch_resume_continues_the_same_curve():
+  whole = _cosine_rates(epochs=3, steps=4, warmup=0)
+  resumed = _cosine_rates(epochs=3, steps=4, warmup=0, resumed_epoch=1, resumed_step=3,
+                          run=[(1, 3), (2, 0)])
+  assert resumed == pytest.approx(whole[7:])

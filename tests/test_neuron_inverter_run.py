@@ -54,11 +54,11 @@ def test_two_replicas_one_epoch(tmp_path, fp16_file):
 
 def test_resume_continues_epochs_and_schedule(tmp_path, fp16_file):
   logdir = str(tmp_path / "run")
-  first = _run(fp16_file, logdir, "--epochs=2", "--lr_patience=0", "--lr_cooldown=0", "--lr_factor=0.5")
+  plateau = ("--lr_schedule=plateau", "--lr_patience=0", "--lr_cooldown=0", "--lr_factor=0.5")
+  first = _run(fp16_file, logdir, "--epochs=2", *plateau)
   assert first.returncode == 0, first.stderr[-3000:]
   before = _summary(logdir)
-  resumed = _run(fp16_file, logdir, "--epochs=3", "--lr_patience=0", "--lr_cooldown=0",
-                 "--lr_factor=0.5", "--resume")
+  resumed = _run(fp16_file, logdir, "--epochs=3", *plateau, "--resume")
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   after = _summary(logdir)
   assert "Resumed from" in resumed.stderr and after["first_epoch"] == 3

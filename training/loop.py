@@ -25,7 +25,7 @@ from training import callbacks as callbacks_lib
 from training import checkpoints as checkpoints_lib
 from training import interrupt as interrupt_lib
 from training import run_folder
-from training.lr_schedule import WarmupPlateauSchedule
+from training.lr_schedule import Cosine, WarmupPlateauSchedule
 from training.optimizers import create_slots, make_optimizer
 from training.summary import write_run_config, write_summary
 
@@ -127,6 +127,8 @@ def _make_callbacks(config, backend, net, global_batch_size, outdir, flag, steps
                  " at step %d of %d" % (state["step"] + 1, steps_per_epoch) if state.get("step") else "")
     schedule.plateau.load(state["schedule"])
     checkpointing.restore_into(state)
+  if config.lr_schedule == "cosine":
+    schedule.cosine = Cosine(config.epochs, steps_per_epoch, state.get("epoch"), state.get("step", 0))
   throughput = callbacks_lib.ThroughputCallback(global_batch_size, backend.replicas, backend.cache_dir)
   if config.compile_only:
     return [throughput, callbacks_lib.StopAfterFirstStep()], throughput, checkpointing

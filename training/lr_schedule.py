@@ -1,9 +1,12 @@
-"""Learning-rate schedule of the reference: linear warm-up, then reduce-on-plateau of the val loss.
+"""Learning-rate schedules: linear warm-up, then the reference's reduce-on-plateau, or a cosine decay.
 
-Warm-up sets `lr = initial * (epoch + 1) / warmup_epochs` at the start of each warm-up epoch. After it,
-the rate follows PyTorch's ReduceLROnPlateau (mode min, relative threshold 1e-4, `patience`,
-`cooldown`, `factor`), stepped with the validation loss of epochs past the warm-up. All state is a plain
-dict so that checkpoints can store it and `--resume` continues the same schedule.
+Warm-up sets `lr = initial * (epoch + 1) / warmup_epochs` at the start of each warm-up epoch. After it:
+- `plateau` (the reference): PyTorch's ReduceLROnPlateau (mode min, relative threshold 1e-4,
+  `patience`, `cooldown`, `factor`), stepped with the validation loss of epochs past the warm-up. All
+  its state is a plain dict so that checkpoints can store it and `--resume` continues the same schedule.
+- `cosine`: set before every step, from `initial` down to 0 at the end of the last epoch (half a
+  cosine). It needs no state: the rate is a function of the step, also after a resume. A short run
+  ends at a low rate instead of stopping before its first plateau (patience is 8 epochs).
 """
 
 import math
@@ -52,25 +55,59 @@ def warmup_lr(initial_lr: float, warmup_epochs: int, epoch: int):
   return None
 
 
-class WarmupPlateauSchedule(tf.keras.callbacks.Callback):
-  """Sets the optimizer's rate every epoch and records it in the logs as `lr`."""
+def cosine_lr(initial_lr: float, progress: float) -> float:
+  """The cosine decay's rate at `progress` (0 at the end of the warm-up, 1 at the end of training)."""
+  return initial_lr * 0.5 * (1.0 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
 
-  def __init__(self, initial_lr, warmup_epochs, factor, patience, cooldown, monitor="val_loss"):
+
+class Cosine:
+  """Where a step is in the cosine decay: `epochs` epochs of `steps_per_epoch` steps after warm-up.
+
+  `resumed_epoch` / `resumed_step`: a run resumed mid-epoch trains the rest of that epoch as a fit of
+  its own, whose step numbers start again at 0.
+  """
+
+  def __init__(self, epochs, steps_per_epoch, resumed_epoch=None, resumed_step=0):
+    self.epochs, self.steps_per_epoch = epochs, steps_per_epoch
+    self.resumed_epoch, self.resumed_step = resumed_epoch, resumed_step
+
+  def progress(self, epoch: int, warmup_epochs: int, batch: int) -> float:
+    step = batch + (self.resumed_step if epoch == self.resumed_epoch else 0)
+    decay_epochs = max(self.epochs - warmup_epochs, 1)
+    return (epoch - warmup_epochs + step / self.steps_per_epoch) / decay_epochs
+
+
+class WarmupPlateauSchedule(tf.keras.callbacks.Callback):
+  """Sets the optimizer's rate (every epoch, or every step with `cosine`); logs it as `lr`."""
+
+  def __init__(self, initial_lr, warmup_epochs, factor, patience, cooldown, monitor="val_loss",
+               cosine: Cosine = None):
     super().__init__()
     self.initial_lr, self.warmup_epochs, self.monitor = initial_lr, warmup_epochs, monitor
     self.plateau = PlateauState(initial_lr, factor, patience, cooldown)
     self.current_lr = initial_lr
+    self.cosine, self.epoch = cosine, 0
 
   def on_epoch_begin(self, epoch, logs=None):
+    self.epoch = epoch
     warm = warmup_lr(self.initial_lr, self.warmup_epochs, epoch)
     self.current_lr = self.plateau.lr if warm is None else warm
+    if warm is None and self.cosine is not None:
+      self.on_train_batch_begin(0)
+      return
+    tf.keras.backend.set_value(self.model.optimizer.lr, self.current_lr)
+
+  def on_train_batch_begin(self, batch, logs=None):
+    if self.cosine is None or self.epoch < self.warmup_epochs:
+      return
+    self.current_lr = cosine_lr(self.initial_lr, self.cosine.progress(self.epoch, self.warmup_epochs, batch))
     tf.keras.backend.set_value(self.model.optimizer.lr, self.current_lr)
 
   def on_epoch_end(self, epoch, logs=None):
     if logs is None:
       return
     logs["lr"] = self.current_lr
-    if epoch >= self.warmup_epochs and self.monitor in logs:
+    if self.cosine is None and epoch >= self.warmup_epochs and self.monitor in logs:
       if self.plateau.step(float(logs[self.monitor])):
         logging.info("Epoch %d: %s plateaued, learning rate reduced to %.3g",
                      epoch + 1, self.monitor, self.plateau.lr)
