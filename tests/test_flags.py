@@ -8,7 +8,7 @@ from absl import flags as absl_flags
 from absl.testing import flagsaver
 
 import flags
-from tests.helpers import assert_one_line_error, run_main
+from tests.helpers import REPO_ROOT, assert_one_line_error, run_main
 
 flags.define_flags()
 FLAGS = absl_flags.FLAGS
@@ -86,3 +86,11 @@ def test_paths_are_stored_absolute(tmp_path, monkeypatch):
   config = _config("--model=neuron_inverter", "--data_path=data.h5", "--cache_dir=cache", "--stage_dir=st")
   assert config.data_path == str(tmp_path / "data.h5")
   assert (config.cache_dir, config.stage_dir) == (str(tmp_path / "cache"), str(tmp_path / "st"))
+
+
+def test_the_shipped_reference_flagfile_gives_the_references_schedule():
+  config = _config("--flagfile=" + os.path.join(REPO_ROOT, "configs", "neuron_inverter_reference.flags"))
+  assert (config.model, config.design, config.batch_size, config.epochs) == ("neuron_inverter", "ontra4", 192, 161)
+  assert (config.warmup_epochs, config.lr_schedule, config.lr_factor, config.lr_patience) == (6, "plateau", 0.11, 8)
+  default = _config("--model=neuron_inverter")
+  assert (default.epochs, default.warmup_epochs, default.lr_schedule) == (2, 0, "cosine")
