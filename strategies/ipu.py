@@ -306,9 +306,9 @@ class IPUBackend(Backend):
       logging.info("Losses and metrics are means over %s%d replicas", "this instance's " if
                    self.world_size > 1 else "", local)
     else:
-      logging.info("IPU Keras reports one replica's metrics here (SDK before 3.1, or a pipelined model): "
-                   "training, validation and test losses are computed on that replica's 1/%d of the data",
-                   local)
+      logging.warning("IPU Keras reports one replica's metrics here (SDK before 3.1, or a pipelined model): "
+                      "training, validation and test losses are computed on that replica's 1/%d of the "
+                      "data", local)
 
   def inference_model(self, model, stage_boundaries=()):
     # The same placement as in training: IPU Keras derives the replication factor from the model's

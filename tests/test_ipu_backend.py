@@ -591,7 +591,7 @@ def test_reported_losses_are_all_replicas_or_the_log_says_otherwise(monkeypatch,
   """Validation and test losses through loop.py's own calls: each replica's losses differ (targets 0 and
   10), and whatever is reported is their mean, or the log says it is one replica's."""
   from training import loop  # pylint: disable=import-outside-toplevel
-  caplog.set_level(python_logging.INFO)
+  caplog.set_level(python_logging.INFO, logger="absl")  # other tests may leave absl's logger at WARNING
   fake_ipu.install(monkeypatch, sdk=sdk)
   # Adam: the legacy optimizer (TF 2.6's family), which takes the backend's gradient_transformers.
   config = _config(epochs=1, optimizer="adam", learning_rate=1e-6, **kwargs)

@@ -6,6 +6,7 @@ global_batch_size, epochs, train_loss, val_loss (null without validation), test_
 """
 
 import os
+import sys
 
 import numpy as np
 import yaml
@@ -68,12 +69,24 @@ def closing_report(summary: dict, logdir: str, predicted: bool) -> str:
     lines.append("  test: %s" % test)
   outputs = "summary.yaml, run_config.yaml, checkpoints/{last,best}, TensorBoard events (train/, validation/)"
   lines.append("  outputs: %s%s" % (outputs, ", predict/ (figures, sum_pred.yaml)" if predicted else ""))
+  python, tensorboard = _commands()
   lines += ["Next:",
-            "  tensorboard --logdir %s" % logdir,
-            "  python tools/predict.py --logdir %s" % logdir,
-            "  python main.py --model=%s --logdir=%s --resume --epochs=%d   # train further" % (
-                summary["model"], logdir, summary["epochs"] + 5)]
+            "  %s --logdir %s" % (tensorboard, logdir),
+            "  %s tools/predict.py --logdir %s" % (python, logdir),
+            "  %s main.py --model=%s --logdir=%s --resume --epochs=%d   # train further" % (
+                python, summary["model"], logdir, summary["epochs"] + 5)]
   return "\n".join(lines)
+
+
+def _commands():
+  """How to call this Python and its TensorBoard: by the virtual environment's path when it lies under
+  the working folder (`make run` users have no activated environment), else by name."""
+  folder = os.path.dirname(sys.executable)
+  if not os.path.abspath(folder).startswith(os.getcwd() + os.sep):
+    return "python", "tensorboard"
+  tensorboard = os.path.join(folder, "tensorboard")
+  return (os.path.relpath(sys.executable),
+          os.path.relpath(tensorboard) if os.path.exists(tensorboard) else "tensorboard")
 
 
 RUN_CONFIG_FILE = "run_config.yaml"
