@@ -370,39 +370,41 @@ def _step(v, gates, ca, gbar, work, table, grid_len, phase, stim, wiring, rev, g
           g_couple_soma, ca_comp, ca_gamma, const):
   """Advances LANES cells by one step: gates (exponential Euler), voltages (backward Euler), calcium.
 
-  State arrays are (rows, LANES). Each operation and each sum's order is that of the numpy formulation
-  of data v2 (no fastmath: numba then neither reorders nor fuses multiply-adds).
+  State arrays are flat, row-major (rows x LANES): element [row * LANES + lane]. Flat indexing with the
+  lane innermost is what lets LLVM use vector instructions (it does not for numba's 2-D indexing).
+  Each operation and each sum's order is that of the numpy formulation of data v2 (no fastmath:
+  numba then neither reorders nor fuses multiply-adds).
   """
   table_comp, gate_offsets, sk_rows, sk_pool, m_rows, h_rows, power, chan_comp, chan_pool = wiring
   dt, c_dt, sk_decay = phase[0], phase[1], phase[2]
   inv_step, v_min, g_leak, leak_rev, soma_axial, influx_div, ca_min, e_ca = (
       const[0], const[1], const[2], const[3], const[4], const[5], const[6], const[7])
-  index, frac, g_total, sum_rev, ca_current = work[0], work[1], work[2], work[3], work[4]
+  index, frac, g_total, sum_rev, ca_current, num, den = (work[0], work[1], work[2], work[3], work[4],
+                                                         work[5], work[6])
   top = float(grid_len - 1)
-  for k in range(4):
-    for b in range(LANES):
-      pos = min(max((v[k, b] - v_min) * inv_step, 0.0), top)
-      index[k, b] = float(int(pos))
-      frac[k, b] = pos - index[k, b]
+  for i in range(4 * LANES):
+    pos = min(max((v[i] - v_min) * inv_step, 0.0), top)
+    index[i] = float(int(pos))
+    frac[i] = pos - index[i]
   for j in range(len(table_comp)):
-    k, offset = table_comp[j], gate_offsets[j]
+    at, offset = table_comp[j] * LANES, gate_offsets[j]
     for b in range(LANES):
-      row = offset + int(index[k, b])
-      inf = table[row, 0] + frac[k, b] * table[row, 1]
-      decay = table[row, 2] + frac[k, b] * table[row, 3]
-      gates[j, b] = (gates[j, b] - inf) * decay + inf
+      row = offset + int(index[at + b])
+      inf = table[row, 0] + frac[at + b] * table[row, 1]
+      decay = table[row, 2] + frac[at + b] * table[row, 3]
+      gates[j * LANES + b] = (gates[j * LANES + b] - inf) * decay + inf
   for j in range(len(sk_rows)):
-    row, pool = sk_rows[j], sk_pool[j]
+    row, pool = sk_rows[j] * LANES, sk_pool[j] * LANES
     for b in range(LANES):
-      sk_inf = 1.0 / (1.0 + (_SK_KD / ca[pool, b]) ** _SK_HILL)
-      gates[row, b] = sk_inf + (gates[row, b] - sk_inf) * sk_decay
+      sk_inf = 1.0 / (1.0 + (_SK_KD / ca[pool + b]) ** _SK_HILL)
+      gates[row + b] = sk_inf + (gates[row + b] - sk_inf) * sk_decay
   g_total[:] = 0.0
   sum_rev[:] = 0.0
   ca_current[:] = 0.0
   for c in range(len(m_rows)):
-    k, m_row, h_row, p, pool, e_rev = chan_comp[c], m_rows[c], h_rows[c], power[c], chan_pool[c], rev[c]
+    k, m_row, h_row, p, e_rev = chan_comp[c] * LANES, m_rows[c] * LANES, h_rows[c] * LANES, power[c], rev[c]
     for b in range(LANES):
-      m = gates[m_row, b]
+      m = gates[m_row + b]
       opened = m
       if p >= 2:
         opened = opened * m
@@ -410,48 +412,54 @@ def _step(v, gates, ca, gbar, work, table, grid_len, phase, stim, wiring, rev, g
         opened = opened * m
       if p >= 4:
         opened = opened * m
-      g = opened * gates[h_row, b] * gbar[c, b]
-      g_total[k, b] += g
-      sum_rev[k, b] += g * e_rev
-      if pool >= 0:
-        ca_current[pool, b] += g
+      g = opened * gates[h_row + b] * gbar[c * LANES + b]
+      g_total[k + b] += g
+      sum_rev[k + b] += g * e_rev
+      num[b] = g          # kept for the calcium pool below
+    if chan_pool[c] >= 0:
+      pool = chan_pool[c] * LANES
+      for b in range(LANES):
+        ca_current[pool + b] += num[b]
   # Backward Euler for C dV/dt = -g_total V + g_rev + axial + stim: a star around the soma, so the
   # soma voltage follows from eliminating the three branches (g_total and sum_rev become the
   # diagonal and the right-hand side of each branch).
+  num[:] = 0.0
+  den[:] = 0.0
+  for k in range(1, 4):
+    for b in range(LANES):
+      i = k * LANES + b
+      g_total[i] = (c_dt + (g_total[i] + g_leak)) + g_couple[k]
+      sum_rev[i] = c_dt * v[i] + (sum_rev[i] + leak_rev)
+      branch = g_couple_soma[k] / g_total[i]
+      num[b] += branch * sum_rev[i]
+      den[b] += branch * g_couple[k]
   for b in range(LANES):
-    num, den = 0.0, 0.0
-    for k in range(1, 4):
-      g_total[k, b] = (c_dt + (g_total[k, b] + g_leak)) + g_couple[k]
-      sum_rev[k, b] = c_dt * v[k, b] + (sum_rev[k, b] + leak_rev)
-      branch = g_couple_soma[k] / g_total[k, b]
-      num += branch * sum_rev[k, b]
-      den += branch * g_couple[k]
-    diag0 = (c_dt + (g_total[0, b] + g_leak)) + soma_axial
-    rhs0 = (c_dt * v[0, b] + (sum_rev[0, b] + leak_rev)) + stim
-    v_soma = (rhs0 + num) / (diag0 - den)
-    v[0, b] = v_soma
-    for k in range(1, 4):
-      v[k, b] = (sum_rev[k, b] + g_couple[k] * v_soma) / g_total[k, b]
+    diag0 = (c_dt + (g_total[b] + g_leak)) + soma_axial
+    rhs0 = (c_dt * v[b] + (sum_rev[b] + leak_rev)) + stim
+    v[b] = (rhs0 + num[b]) / (diag0 - den[b])
+  for k in range(1, 4):
+    for b in range(LANES):
+      i = k * LANES + b
+      v[i] = (sum_rev[i] + g_couple[k] * v[b]) / g_total[i]
   # Calcium pools: entry through the Ca channels at the new voltage, decay towards CA_MIN.
   for pool in range(len(ca_comp)):
-    k, gamma, decay_ca = ca_comp[pool], ca_gamma[pool], phase[3 + pool]
+    k, gamma, decay_ca = ca_comp[pool] * LANES, ca_gamma[pool], phase[3 + pool]
     for b in range(LANES):
-      i_ca = ca_current[pool, b] * (v[k, b] - e_ca)                # uA/cm2, < 0 inward
+      i_ca = ca_current[pool * LANES + b] * (v[k + b] - e_ca)      # uA/cm2, < 0 inward
       influx = -1e4 * (i_ca * 1e-3) * gamma / influx_div
-      ca[pool, b] = max(ca_min + (ca[pool, b] - ca_min) * decay_ca + dt * influx, 1e-6)
+      ca[pool * LANES + b] = max(ca_min + (ca[pool * LANES + b] - ca_min) * decay_ca + dt * influx, 1e-6)
 
 
 @numba.njit(cache=True, error_model="numpy")
 def _integrate(gbar, v, gates, ca, settle_table, settle_phase, settle_steps, table, phase, stim,
-               steps_per_bin, wiring, rev, g_couple, g_couple_soma, ca_comp, ca_gamma, const,
-               out):
+               steps_per_bin, wiring, rev, g_couple, g_couple_soma, ca_comp, ca_gamma, const, out):
   """Settles LANES cells at a time at rest, then integrates the stimulus window into `out`.
 
-  State arrays are (blocks, rows, LANES) and out is (blocks, bins, 4, LANES).
+  State arrays are (blocks, rows * LANES) and out is (blocks, bins, 4 * LANES).
   """
   grid_len = len(table) // len(wiring[0])
-  work = np.empty((5, 4, LANES))
-  acc = np.empty((4, LANES))
+  work = np.empty((7, 4 * LANES))
+  acc = np.empty(4 * LANES)
   for block in range(len(gbar)):
     bv, bgates, bca, bgbar = v[block], gates[block], ca[block], gbar[block]
     for _ in range(settle_steps):
@@ -461,17 +469,21 @@ def _integrate(gbar, v, gates, ca, settle_table, settle_phase, settle_steps, tab
     for step in range(len(stim)):
       _step(bv, bgates, bca, bgbar, work, table, grid_len, phase, stim[step], wiring, rev,
             g_couple, g_couple_soma, ca_comp, ca_gamma, const)
-      acc += bv
+      for i in range(4 * LANES):
+        acc[i] += bv[i]
       if step % steps_per_bin == steps_per_bin - 1:
-        out[block, step // steps_per_bin] = acc * (1.0 / steps_per_bin)
+        row = out[block, step // steps_per_bin]
+        for i in range(4 * LANES):
+          row[i] = acc[i] * (1.0 / steps_per_bin)
         acc[:] = 0.0
 
 
 def _blocks(x: np.ndarray) -> np.ndarray:
-  """(cells, rows) -> (blocks, rows, LANES), the last block padded with copies of the last cell."""
+  """(cells, rows) -> (blocks, rows * LANES), lane innermost; the last block padded with copies of the
+  last cell."""
   pad = -len(x) % LANES
   x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)])
-  return np.ascontiguousarray(x.reshape(-1, LANES, x.shape[1]).transpose(0, 2, 1))
+  return np.ascontiguousarray(x.reshape(-1, LANES, x.shape[1]).transpose(0, 2, 1)).reshape(-1, x.shape[1] * LANES)
 
 
 def simulate(u: np.ndarray) -> np.ndarray:
@@ -484,13 +496,14 @@ def simulate(u: np.ndarray) -> np.ndarray:
   gbar, v, gates, ca = (_blocks(x) for x in _initial_state(u))
   num_steps = NUM_TIME_BINS * STEPS_PER_BIN
   stim = stimulus_na(np.arange(1, num_steps + 1) * DT) * 1e5 / AREA_UM2[SOMA]    # uA/cm2
-  out = np.empty((len(gbar), NUM_TIME_BINS, NUM_FEATURES, LANES), dtype=np.float32)
+  out = np.empty((len(gbar), NUM_TIME_BINS, NUM_FEATURES * LANES), dtype=np.float32)
   _integrate(gbar, v, gates, ca, _gate_table(SETTLE_DT), _phase_constants(SETTLE_DT),
              int(round(SETTLE_MS / SETTLE_DT)), _gate_table(DT), _phase_constants(DT), stim,
              STEPS_PER_BIN, _wiring(), _LAYOUT.rev[:, 0].copy(), G_AXIAL_NS * 100.0 / AREA_UM2,
              G_AXIAL_NS * 100.0 / AREA_UM2[SOMA], np.array(CA_COMPARTMENTS, dtype=np.int64),
              CA_GAMMA, _cell_constants(), out)
-  out = out.transpose(0, 3, 1, 2).reshape(-1, NUM_TIME_BINS, NUM_FEATURES)[:len(u)]
+  out = out.reshape(len(gbar), NUM_TIME_BINS, NUM_FEATURES, LANES).transpose(0, 3, 1, 2).reshape(
+      -1, NUM_TIME_BINS, NUM_FEATURES)[:len(u)]
   if not np.all(np.isfinite(out)):
     raise FloatingPointError("non-finite voltage in the simulation: a bug in the model, not the data")
   return np.ascontiguousarray(out)
