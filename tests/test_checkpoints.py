@@ -12,7 +12,7 @@ from errors import UserError
 from training import checkpoints as checkpoints_lib
 from training import optimizers
 from training.checkpoints import CheckpointCallback, RunCheckpoints, read_index
-from training.lr_schedule import WarmupPlateauSchedule
+from training.lr_schedule import LearningRateSchedule
 
 
 def toy_checkpoints(tmp_path, optimizer="adam"):
@@ -21,7 +21,7 @@ def toy_checkpoints(tmp_path, optimizer="adam"):
   net.compile(optimizer=optimizer, loss="mse")
   net.fit(np.zeros((4, 3)), np.zeros((4, 2)), verbose=0)
   checkpoints = RunCheckpoints(str(tmp_path), net, {"model": "toy"})
-  callback = CheckpointCallback(checkpoints, WarmupPlateauSchedule(1e-3, 0, 0.1, 1, 0))
+  callback = CheckpointCallback(checkpoints, LearningRateSchedule(1e-3, 0, 0.1, 1, 0))
   callback.set_model(net)
   return net, checkpoints, callback
 
@@ -133,7 +133,7 @@ def test_a_mid_epoch_resume_needs_the_same_batch_layout(tmp_path):
   net.compile(optimizer="adam", loss="mse")
   checkpoints = RunCheckpoints(str(tmp_path), net, loop._identity(config))  # pylint: disable=protected-access
   backend = Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",))
-  callback = CheckpointCallback(checkpoints, WarmupPlateauSchedule(1e-3, 0, 0.1, 1, 0),
+  callback = CheckpointCallback(checkpoints, LearningRateSchedule(1e-3, 0, 0.1, 1, 0),
                                 batch_layout=loop._batch_layout(4, backend))  # pylint: disable=protected-access
   callback.save_interrupted(0, 39, {"loss": 0.5})
   assert loop._resume_state(config, backend)["step"] == 39  # pylint: disable=protected-access

@@ -6,7 +6,7 @@ import math
 import pytest
 import tensorflow as tf
 
-from training.lr_schedule import Cosine, PlateauState, WarmupPlateauSchedule, cosine_lr, warmup_lr
+from training.lr_schedule import Cosine, PlateauState, LearningRateSchedule, cosine_lr, warmup_lr
 
 
 def test_linear_warmup_per_epoch():
@@ -47,7 +47,7 @@ def _cosine_rates(epochs, steps, warmup, resumed_epoch=None, resumed_step=0, run
   """The rate the schedule sets before each step of a fit over `run` = [(epoch, first step), ...]."""
   net = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(1,))])
   net.compile(optimizer=tf.keras.optimizers.Adam(1.0), loss="mse")
-  schedule = WarmupPlateauSchedule(1.0, warmup, 0.5, 0, 0, cosine=Cosine(epochs, steps, resumed_epoch,
+  schedule = LearningRateSchedule(1.0, warmup, 0.5, 0, 0, cosine=Cosine(epochs, steps, resumed_epoch,
                                                                            resumed_step))
   schedule.set_model(net)
   rates = []

@@ -25,7 +25,7 @@ from training import callbacks as callbacks_lib
 from training import checkpoints as checkpoints_lib
 from training import interrupt as interrupt_lib
 from training import run_folder
-from training.lr_schedule import Cosine, WarmupPlateauSchedule
+from training.lr_schedule import Cosine, LearningRateSchedule
 from training.optimizers import create_slots, make_optimizer
 from training.summary import write_run_config, write_summary
 
@@ -113,7 +113,7 @@ def _resume_state(config: RunConfig, backend: Backend) -> dict:
 
 
 def _make_callbacks(config, backend, net, global_batch_size, outdir, flag, steps_per_epoch):
-  schedule = WarmupPlateauSchedule(config.learning_rate, config.warmup_epochs, config.lr_factor,
+  schedule = LearningRateSchedule(config.learning_rate, config.warmup_epochs, config.lr_factor,
                                    config.lr_patience, config.lr_cooldown)
   checkpoints = checkpoints_lib.RunCheckpoints(outdir, net, _identity(config),
                                                restore_logdir=config.logdir)

@@ -77,7 +77,7 @@ class Cosine:
     return (epoch - warmup_epochs + step / self.steps_per_epoch) / decay_epochs
 
 
-class WarmupPlateauSchedule(tf.keras.callbacks.Callback):
+class LearningRateSchedule(tf.keras.callbacks.Callback):
   """Sets the optimizer's rate (every epoch, or every step with `cosine`); logs it as `lr`."""
 
   def __init__(self, initial_lr, warmup_epochs, factor, patience, cooldown, monitor="val_loss",

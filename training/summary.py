@@ -73,7 +73,8 @@ def closing_report(summary: dict, logdir: str, predicted: bool) -> str:
   lines += ["Next:",
             "  %s --logdir %s" % (tensorboard, logdir),
             "  %s tools/predict.py --logdir %s" % (python, logdir),
-            "  %s main.py --model=%s --logdir=%s --resume --epochs=%d   # train further" % (
+            "  %s main.py --model=%s <this run's other flags> --logdir=%s --resume --epochs=%d   # train "
+            "further (a resume refuses another design, optimizer or learning rate)" % (
                 python, summary["model"], logdir, summary["epochs"] + 5)]
   return "\n".join(lines)
 
