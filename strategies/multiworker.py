@@ -1,6 +1,6 @@
 """Multi-worker data parallelism on CPU/GPU hosts with tf.distribute.MultiWorkerMirroredStrategy.
 
-The cluster comes from `TF_CONFIG` (any launcher) or from Slurm (`srun`, via SlurmClusterResolver).
+The cluster comes from `TF_CONFIG` (any launcher) or from a Slurm job step (`srun`; strategies/slurm_cluster.py).
 Each worker feeds its local replicas from its own contiguous shards of the data, through Keras'
 `DatasetCreator` (the per-worker input path of tf.distribute), with tf.data's auto-sharding off because
 the shards are already disjoint. Only the chief (rank 0) writes to `--logdir`; the other workers write
@@ -21,6 +21,7 @@ from absl import logging
 from data.splits import BatchLayout
 from errors import UserError
 from run_config import RunConfig
+from strategies import slurm_cluster
 from strategies.backend import Backend, options_from_config
 
 
@@ -33,17 +34,17 @@ def cluster_source():
   cluster = tf_config.get("cluster", {})
   if sum(len(cluster.get(kind, [])) for kind in ("chief", "worker")) > 1:
     return "tf_config"
-  if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ \
-      and "SLURM_STEP_ID" in os.environ:
+  # The step's task count (srun), not the job's: the batch script itself is no worker.
+  if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
     return "slurm"
   return None
 
 
-def _resolver(source: str):
+def _resolver(source: str, kind: str):
   if source == "tf_config":
     return tf.distribute.cluster_resolver.TFConfigClusterResolver()
   # One task per GPU (or per node on CPU), as `srun --ntasks-per-node=<GPUs> --gpus-per-task=1` starts.
-  return tf.distribute.cluster_resolver.SlurmClusterResolver()
+  return slurm_cluster.resolver(kind)
 
 
 def _rank(resolver) -> int:
@@ -122,7 +123,7 @@ def create(config: RunConfig, kind: str, source: str) -> MultiWorkerBackend:
   """A multi-worker backend over the cluster described by `source`; local devices of `kind`."""
   if kind == "cpu":
     tf.config.set_visible_devices([], "GPU")
-  resolver = _resolver(source)
+  resolver = _resolver(source, kind)
   options = tf.distribute.experimental.CommunicationOptions(
       implementation=tf.distribute.experimental.CommunicationImplementation.NCCL if kind == "gpu"
       else tf.distribute.experimental.CommunicationImplementation.RING)

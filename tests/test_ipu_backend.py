@@ -289,17 +289,21 @@ def test_poprun_instances_agree_on_a_stop_through_a_host_allreduce(monkeypatch, 
   assert [args for _, args, _ in _calls(call)] == [(1.0,), (0.0,), (0.0,)]
 
 
-def test_a_signal_to_one_instance_stops_all_at_the_epoch_end(monkeypatch):
+def test_a_signal_to_one_instance_stops_all_at_the_next_batch_end(monkeypatch):
   from training import interrupt  # pylint: disable=import-outside-toplevel
   fake_ipu.install(monkeypatch, popdist=fake_ipu.build_popdist(total_replicas=4, instances=2))
   backend = ipu_backend.create(_config(replicas=4))
-  fake_ipu.OTHER_INSTANCES_FLAGGED = 1
-  checkpoints = type("Checkpoints", (), {"latest": lambda self: "ckpt-1"})()
-  checkpointing = type("Checkpointing", (), {"checkpoints": checkpoints})()
+  saved = []
+  checkpointing = type("Checkpointing", (), {
+      "save_interrupted": lambda self, epoch, step, logs: saved.append((epoch, step)) or "ckpt-1-step2"})()
   stop = interrupt.GracefulStop(interrupt.InterruptFlag(), checkpointing, steps_per_epoch=4, total_epochs=3,
-                                mid_epoch=False, any_process=backend.any_process)
-  with pytest.raises(interrupt.TrainingInterrupted):
-    stop.on_epoch_end(0, {})
+                                any_process=backend.any_process)
+  stop.on_epoch_begin(0)
+  stop.on_train_batch_end(0, {"loss": 0.5})  # nobody signalled: training goes on
+  fake_ipu.OTHER_INSTANCES_FLAGGED = 1
+  with pytest.raises(interrupt.TrainingInterrupted) as stopped:
+    stop.on_train_batch_end(1, {"loss": 0.5})
+  assert saved == [(0, 2)] and stopped.value.where == "in epoch 1 after step 2 of 4"
 
 
 @pytest.mark.parametrize("schedule, stages, ipus, training, overlap", [

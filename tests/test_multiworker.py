@@ -1,16 +1,19 @@
-"""Two real worker processes on 127.0.0.1 (TF_CONFIG) train neuron_inverter together."""
+"""Two real worker processes on 127.0.0.1 (TF_CONFIG) train neuron_inverter together, and stop together."""
 
 import json
 import os
 import re
 import socket
 import subprocess
+import signal
 import sys
+import time
 
 import yaml
 
 from tests.cellspike_files import write_cellspike
 from tests.helpers import REPO_ROOT
+from training.checkpoints import read_index
 
 TIMEOUT_SECONDS = 240
 
@@ -25,19 +28,31 @@ def _free_ports(count):
   return ports
 
 
-def _start_workers(data_path, logdir, count=2):
+def _start_workers(data_path, logdir, count=2, steps=3, more=(), stderr_dir=None):
+  """`count` workers on 127.0.0.1; their stderr goes to files in `stderr_dir` if given (to watch)."""
   cluster = {"worker": ["127.0.0.1:%d" % port for port in _free_ports(count)]}
   processes = []
   for index in range(count):
     env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker",
                                                                                "index": index}}))
     env.pop("TF_USE_LEGACY_KERAS", None)
+    stderr = open(os.path.join(stderr_dir, "worker%d.log" % index), "w") if stderr_dir else subprocess.PIPE
     processes.append(subprocess.Popen(
         [sys.executable, os.path.join(REPO_ROOT, "main.py"), "--model=neuron_inverter", "--design=dev",
-         "--backend=cpu", "--batch_size=16", "--epochs=2", "--steps_per_epoch=3", "--eval_steps=1",
-         "--data_path=" + data_path, "--logdir=" + logdir],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+         "--backend=cpu", "--batch_size=16", "--epochs=2", "--steps_per_epoch=%d" % steps,
+         "--eval_steps=1", "--data_path=" + data_path, "--logdir=" + logdir] + list(more),
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True))
   return processes
+
+
+def _wait_for_line(path, text, processes, timeout=TIMEOUT_SECONDS):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if text in open(path).read():
+      return
+    assert all(p.poll() is None for p in processes), open(path).read()[-3000:]
+    time.sleep(0.2)
+  raise AssertionError("%r not in %s within %d s" % (text, path, timeout))
 
 
 def _finish(processes):
@@ -72,3 +87,28 @@ def test_two_workers_train_in_sync_on_disjoint_shards(tmp_path):
   assert summaries[0]["train_blocks"] == [[0, 128]] and summaries[1]["train_blocks"] == [[128, 256]]
   assert os.path.isfile(os.path.join(logdir, "checkpoints", "last", "checkpoint"))
   assert not os.path.exists(os.path.join(logdir, "summary.yaml.tmp"))
+
+
+def test_a_signal_to_one_worker_stops_both_after_the_same_step_and_the_run_resumes(tmp_path):
+  data_path = write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 512, "val": 64, "test": 64})
+  logdir, logs = str(tmp_path / "run"), str(tmp_path)
+  processes = _start_workers(data_path, logdir, steps=16, stderr_dir=logs)
+  _wait_for_line(os.path.join(logs, "worker1.log"), "Compilation and first step done", processes)
+  processes[1].send_signal(signal.SIGTERM)  # worker 1 only; worker 0 learns of it through the collective
+  _finish(processes)
+  stops = []
+  for index, process in enumerate(processes):
+    log = open(os.path.join(logs, "worker%d.log" % index)).read()
+    assert process.returncode == 128 + signal.SIGTERM, log[-3000:]
+    stops.append(re.search(r"Training interrupted by SIGTERM in epoch 1 after step (\d+) of 16", log).group(1))
+  assert stops[0] == stops[1], stops  # the same step on both
+  assert read_index(os.path.join(logdir, "checkpoints", "last"))[-1] == "ckpt-0-step" + stops[0]
+  outputs = _finish(_start_workers(data_path, logdir, steps=16, more=["--resume"]))
+  for process_output in outputs:
+    assert "Traceback" not in process_output[1], process_output[1][-3000:]
+  assert "continuing with epoch 1 of 2 at step %d of 16" % (int(stops[0]) + 1) in outputs[0][1]
+  summary = yaml.safe_load(open(os.path.join(logdir, "summary.yaml")))
+  assert summary["world_size"] == 2 and summary["full_history"]["epoch"] == [1, 2]
+  worker_dir = re.search(r"Process 1 writes its events and checkpoints to (\S+)", outputs[1][1]).group(1)
+  worker_summary = yaml.safe_load(open(os.path.join(worker_dir, "summary.yaml")))
+  assert worker_summary["weights_sha256"] == summary["weights_sha256"]

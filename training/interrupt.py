@@ -24,9 +24,11 @@ Design:
   "interrupted, resumable" (143/130) from "finished" (0) and "failed" (1). It is not a UserError, so
   no `error:` line is printed; one warning line says where the checkpoint is and how to resume.
 - Several processes (MultiWorkerMirroredStrategy workers, poprun instances): every training step is
-  an all-reduce, so all processes must stop after the same step. They only stop at epoch ends, after
-  agreeing through one collective of their flags (`backend.any_process`: a process that saw no signal
-  stops with the others); srun delivers SIGTERM to all tasks. On IPUs with one execution per epoch the batch end is the epoch end.
+  an all-reduce, so all processes must stop after the same step. At every batch end they agree through
+  one collective of their flags (`backend.any_process`: a scalar all-reduce, small beside a step's
+  gradient all-reduce), so a signal to any one of them (srun delivers SIGTERM to all tasks, a kill
+  to one) stops them all after the same step, each saving its checkpoint. On IPUs with one execution
+  per epoch the batch end is the epoch end.
 """
 
 import math
@@ -137,18 +139,18 @@ class GracefulStop(tf.keras.callbacks.Callback):
   """Stops training at the next safe point after a signal; see the module docstring. Put it last."""
 
   def __init__(self, flag: InterruptFlag, checkpointing, steps_per_epoch: int, total_epochs: int,
-               resumed: ResumedEpochLogs = None, mid_epoch: bool = True, any_process=None):
+               resumed: ResumedEpochLogs = None, any_process=None):
     super().__init__()
     self.flag, self.checkpointing = flag, checkpointing
     self.steps_per_epoch, self.total_epochs = steps_per_epoch, total_epochs
-    self.resumed, self.mid_epoch, self.any_process = resumed, mid_epoch, any_process
+    self.resumed, self.any_process = resumed, any_process
     self._epoch = 0
 
   def on_epoch_begin(self, epoch, logs=None):
     self._epoch = epoch
 
   def on_train_batch_end(self, batch, logs=None):
-    if not (self.mid_epoch and self.flag.requested):
+    if not self._agreed_stop():  # with several processes, every one calls this at every batch end
       return
     offset = self.resumed.step_offset if self.resumed is not None else 0
     steps = offset + batch + 1
@@ -162,7 +164,8 @@ class GracefulStop(tf.keras.callbacks.Callback):
       path = self.checkpointing.save_interrupted(self._epoch, steps, metrics)
     else:  # never replace a good checkpoint with diverged weights
       path = self.checkpointing.checkpoints.latest()
-    raise TrainingInterrupted(self.flag.signum, path,
+    # A process that saw no signal stops because another did: it reports (and exits with) SIGTERM.
+    raise TrainingInterrupted(self.flag.signum or signal.SIGTERM, path,
                               "in epoch %d after step %d of %d" % (self._epoch + 1, steps,
                                                                     self.steps_per_epoch))
 

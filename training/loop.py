@@ -133,11 +133,9 @@ def _make_callbacks(config, backend, net, global_batch_size, outdir, flag, steps
   if config.compile_only:
     return [throughput, callbacks_lib.StopAfterFirstStep()], throughput, checkpointing
   resumed = interrupt_lib.ResumedEpochLogs(state.get("step", 0), state.get("partial_logs"))
-  # Several workers stop together at an epoch end (every step is a collective); one process mid-epoch.
-  several = backend.world_size > 1
+  # Several processes agree at every batch end whether any of them was signalled (one collective).
   graceful = interrupt_lib.GracefulStop(flag, checkpointing, steps_per_epoch, config.epochs, resumed,
-                                        mid_epoch=not several,
-                                        any_process=backend.any_process if several else None)
+                                        any_process=backend.any_process if backend.world_size > 1 else None)
   # Order matters: each callback may add to the epoch logs that the later ones record; `resumed`
   # completes a resumed epoch's metrics before anything records them, `graceful` acts after the
   # epoch's checkpoint and TensorBoard scalars are written.

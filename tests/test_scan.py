@@ -1,0 +1,52 @@
+"""tools/scan.py: a learning-rate scan run serially with real trainings; failed points are listed."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.cellspike_files import write_cellspike
+from tests.helpers import REPO_ROOT
+
+SCAN = os.path.join(REPO_ROOT, "tools", "scan.py")
+
+
+def _scan(*args):
+  env = {k: v for k, v in os.environ.items() if k not in ("TF_USE_LEGACY_KERAS", "TF2_BEHAVIOR")}
+  return subprocess.run([sys.executable, SCAN] + list(args), cwd=REPO_ROOT, env=env, capture_output=True,
+                        text=True, timeout=600)
+
+
+def _main_args(data_path):
+  return ["--model=neuron_inverter", "--design=dev", "--backend=cpu", "--batch_size=16", "--epochs=1",
+          "--steps_per_epoch=2", "--eval_steps=1", "--data_path=" + data_path]
+
+
+def test_a_serial_scan_reports_every_point_and_lists_the_failed_one(tmp_path):
+  data_path = write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 128, "val": 32, "test": 32})
+  scan_dir = str(tmp_path / "scan")
+  result = _scan("--scan_dir=" + scan_dir, "--learning_rates=1e-3,3e-3,-1", "--replicas=2", "--",
+                 *_main_args(data_path))
+  assert result.returncode == 1, result.stdout + result.stderr
+  assert "error: 1 of 3 scan points did not finish: replicas2_lr-1" in result.stdout
+  table = yaml.safe_load(open(os.path.join(scan_dir, "scan.yaml")))
+  rows = {row["name"]: row for row in table["points"]}
+  assert sorted(rows) == ["replicas2_lr-1", "replicas2_lr0.001", "replicas2_lr0.003"]
+  assert rows["replicas2_lr-1"]["status"] == "failed" and rows["replicas2_lr-1"]["returncode"] != 0
+  assert "learning_rate" in rows["replicas2_lr-1"]["error"]
+  for name in ("replicas2_lr0.001", "replicas2_lr0.003"):
+    summary = yaml.safe_load(open(os.path.join(scan_dir, name, "summary.yaml")))
+    assert summary["replicas"] == 2 and summary["params"]["learning_rate"] == rows[name]["learning_rate"]
+    assert rows[name]["best_val_loss"] == pytest.approx(summary["best_val_loss"])
+  assert table["best"]["name"] in ("replicas2_lr0.001", "replicas2_lr0.003")
+  assert os.path.getsize(os.path.join(scan_dir, "scan.png")) > 10000
+
+  # Run again: the finished points are skipped, the failed one is tried again (and fails again).
+  again = _scan("--scan_dir=" + scan_dir, "--learning_rates=1e-3,3e-3,-1", "--replicas=2", "--",
+                *_main_args(data_path))
+  assert again.stdout.count("finished earlier, skipped") == 2 and again.returncode == 1
+  # Another grid in the same folder is refused.
+  other = _scan("--scan_dir=" + scan_dir, "--learning_rates=1e-2", "--", *_main_args(data_path))
+  assert other.returncode == 1 and "holds another scan's grid" in other.stderr

@@ -1,0 +1,273 @@
+"""Learning-rate x replica scans, as the reference's scanHpar.sh does: one main.py run per grid point.
+
+    python tools/scan.py --scan_dir=scans/lr --learning_rates=5e-4,1e-3,2e-3 --replicas=1,4 \
+        -- --model=neuron_inverter --epochs=10                       # serially, on this machine
+    python tools/scan.py --mode=slurm --scan_dir=scans/lr --learning_rates=5e-4,1e-3,2e-3 \
+        --sbatch_args="--time=02:00:00" -- --model=neuron_inverter   # a Slurm job array + a report job
+    python tools/scan.py --mode=report --scan_dir=scans/lr            # the table and plot again
+
+The grid (points, and the main.py flags after `--`) is fixed in `<scan_dir>/grid.yaml` when the scan
+starts; each point trains in its own logdir `<scan_dir>/replicas<R>_lr<LR>` and its log goes beside it.
+A point that finished is skipped when the scan runs again; one that stopped with a checkpoint
+continues with `--resume`. The report, `<scan_dir>/scan.yaml` and `scan.png`, has the best validation
+loss of every point against the learning rate, one curve per replica count; points that failed or did
+not run are listed with their exit status and last error line, and make the exit status 1.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import yaml
+from absl import app
+from absl import flags
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODES = ("serial", "slurm", "point", "report")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  flags.DEFINE_string("scan_dir", None, "Folder of the scan: grid.yaml, one logdir per point, the report.",
+                      required=True)
+  flags.DEFINE_list("learning_rates", [], "Learning rates to scan (comma-separated).")
+  flags.DEFINE_list("replicas", ["1"], "Replica counts to scan (comma-separated).")
+  flags.DEFINE_enum("mode", "serial", MODES, "serial: run every point here, then report; slurm: submit "
+                    "a job array and a report job; point: run one point (an array task); report: only "
+                    "the table and plot.")
+  flags.DEFINE_integer("point", None, "--mode=point: the point's index (default: $SLURM_ARRAY_TASK_ID).")
+  flags.DEFINE_string("sbatch_args", "", "--mode=slurm: more sbatch options for the array (e.g. --time).")
+
+
+class ScanError(Exception):
+  """A problem with the scan's own input: printed as one `error:` line."""
+
+
+# --- the grid -------------------------------------------------------------------------------------
+
+def point_name(replicas: int, learning_rate: float) -> str:
+  return "replicas%d_lr%g" % (replicas, learning_rate)
+
+
+def make_grid(learning_rates: list, replicas: list, main_args: list) -> dict:
+  try:
+    rates = [float(value) for value in learning_rates]
+    counts = [int(value) for value in replicas]
+  except ValueError as error:
+    raise ScanError("--learning_rates and --replicas must be numbers (%s)" % error) from None
+  if not rates or not counts:
+    raise ScanError("a scan needs at least one --learning_rates value and one --replicas value")
+  points = [{"index": i, "replicas": r, "learning_rate": lr, "name": point_name(r, lr)}
+            for i, (r, lr) in enumerate((r, lr) for r in counts for lr in rates)]
+  return {"main_args": list(main_args), "points": points}
+
+
+def grid_path(scan_dir: str) -> str:
+  return os.path.join(scan_dir, "grid.yaml")
+
+
+def save_grid(scan_dir: str, grid: dict) -> None:
+  """Writes the grid; a scan folder keeps the grid it was started with."""
+  path = grid_path(scan_dir)
+  if os.path.exists(path):
+    if load_grid(scan_dir) != grid:
+      raise ScanError("%s holds another scan's grid (other points or main.py flags): continue it with "
+                      "the same flags, or choose a fresh --scan_dir" % path)
+    return
+  os.makedirs(scan_dir, exist_ok=True)
+  with open(path + ".tmp", "w") as out:
+    yaml.safe_dump(grid, out, sort_keys=False)
+  os.replace(path + ".tmp", path)
+
+
+def load_grid(scan_dir: str) -> dict:
+  try:
+    with open(grid_path(scan_dir)) as source:
+      return yaml.safe_load(source)
+  except OSError as error:
+    raise ScanError("cannot read %s (%s): start the scan with --learning_rates first"
+                    % (grid_path(scan_dir), error.strerror)) from None
+
+
+# --- one point ------------------------------------------------------------------------------------
+
+def _status_path(scan_dir: str, point: dict) -> str:
+  return os.path.join(scan_dir, point["name"] + ".status.yaml")
+
+
+def read_status(scan_dir: str, point: dict):
+  path = _status_path(scan_dir, point)
+  if not os.path.exists(path):
+    return None
+  with open(path) as source:
+    return yaml.safe_load(source)
+
+
+def point_command(scan_dir: str, grid: dict, point: dict) -> list:
+  logdir = os.path.join(scan_dir, point["name"])
+  command = [sys.executable, os.path.join(REPO_ROOT, "main.py")] + grid["main_args"] + [
+      "--learning_rate=%r" % point["learning_rate"], "--replicas=%d" % point["replicas"],
+      "--logdir=" + logdir]
+  if os.path.isdir(os.path.join(logdir, "checkpoints", "last")):
+    command.append("--resume")  # a point stopped earlier (time limit, SIGTERM) continues
+  return command
+
+
+def run_point(scan_dir: str, grid: dict, point: dict) -> int:
+  """Runs one point (unless it already finished); records its exit status; returns it."""
+  status = read_status(scan_dir, point)
+  if status and status["returncode"] == 0:
+    print("point %d (%s): finished earlier, skipped" % (point["index"], point["name"]), flush=True)
+    return 0
+  command = point_command(scan_dir, grid, point)
+  log_path = os.path.join(scan_dir, point["name"] + ".log")
+  print("point %d (%s): %s > %s" % (point["index"], point["name"], " ".join(command[1:]), log_path),
+        flush=True)
+  started = time.time()
+  with open(log_path, "a") as log:
+    returncode = subprocess.call(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+  with open(_status_path(scan_dir, point), "w") as out:
+    yaml.safe_dump({"returncode": returncode, "seconds": round(time.time() - started, 1)}, out)
+  print("point %d (%s): exit status %d" % (point["index"], point["name"], returncode), flush=True)
+  return returncode
+
+
+# --- the report -----------------------------------------------------------------------------------
+
+def _last_error(log_path: str) -> str:
+  try:
+    with open(log_path) as log:
+      lines = [line.strip() for line in log if line.strip()]
+  except OSError:
+    return ""
+  errors = [line for line in lines if line.startswith("error:") or "Error" in line]
+  return (errors or lines or [""])[-1][:200]
+
+
+def point_result(scan_dir: str, point: dict) -> dict:
+  row = {key: point[key] for key in ("index", "replicas", "learning_rate", "name")}
+  status = read_status(scan_dir, point)
+  summary_path = os.path.join(scan_dir, point["name"], "summary.yaml")
+  if status is None:
+    return dict(row, status="not run")
+  if status["returncode"] != 0 or not os.path.exists(summary_path):
+    return dict(row, status="failed", returncode=status["returncode"],
+                error=_last_error(os.path.join(scan_dir, point["name"] + ".log")))
+  with open(summary_path) as source:
+    summary = yaml.safe_load(source)
+  return dict(row, status="finished", best_val_loss=summary.get("best_val_loss"),
+              best_val_epoch=summary.get("best_val_epoch"), test_loss=summary.get("test_loss"),
+              wall_seconds=round(summary.get("wall_seconds") or 0.0, 1))
+
+
+def plot(rows: list, path: str) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  figure, axes = plt.subplots(figsize=(6.4, 4.4))
+  for replicas in sorted({row["replicas"] for row in rows}):
+    done = sorted((row["learning_rate"], row["best_val_loss"]) for row in rows
+                  if row["replicas"] == replicas and row["status"] == "finished")
+    if done:
+      axes.plot(*zip(*done), marker="o", label="%d replica(s)" % replicas)
+  missing = [row for row in rows if row["status"] != "finished"]
+  if missing:
+    axes.set_title("not finished: " + ", ".join(row["name"] for row in missing), fontsize=8, color="red")
+  if any(row["status"] == "finished" and row["learning_rate"] > 0 for row in rows):
+    axes.set_xscale("log")
+  axes.set_xlabel("learning rate")
+  axes.set_ylabel("best validation loss")
+  axes.grid(alpha=0.3)
+  if axes.get_legend_handles_labels()[0]:
+    axes.legend()
+  figure.tight_layout()
+  figure.savefig(path, dpi=110)
+  plt.close(figure)
+
+
+def report(scan_dir: str) -> int:
+  """Writes scan.yaml and scan.png; prints the table; 1 if any point did not finish."""
+  rows = [point_result(scan_dir, point) for point in load_grid(scan_dir)["points"]]
+  finished = [row for row in rows if row["status"] == "finished" and row["best_val_loss"] is not None]
+  best = min(finished, key=lambda row: row["best_val_loss"]) if finished else None
+  table = {"points": rows, "best": best, "not_finished": [row["name"] for row in rows
+                                                           if row["status"] != "finished"]}
+  with open(os.path.join(scan_dir, "scan.yaml"), "w") as out:
+    yaml.safe_dump(table, out, sort_keys=False)
+  plot(rows, os.path.join(scan_dir, "scan.png"))
+  print("%-24s %-9s %14s %10s" % ("point", "status", "best val loss", "test loss"))
+  for row in rows:
+    print("%-24s %-9s %14s %10s  %s" % (
+        row["name"], row["status"], _number(row.get("best_val_loss")), _number(row.get("test_loss")),
+        "exit %s: %s" % (row.get("returncode"), row.get("error")) if row["status"] == "failed" else ""))
+  print("report: %s, %s" % (os.path.join(scan_dir, "scan.yaml"), os.path.join(scan_dir, "scan.png")))
+  if table["not_finished"]:
+    print("error: %d of %d scan points did not finish: %s" % (len(table["not_finished"]), len(rows),
+                                                              ", ".join(table["not_finished"])))
+    return 1
+  return 0
+
+
+def _number(value) -> str:
+  return "-" if value is None else "%.4f" % value
+
+
+# --- modes ----------------------------------------------------------------------------------------
+
+def submit_to_slurm(scan_dir: str, grid: dict, sbatch_args: str) -> int:
+  """A job array (one task per point) and a report job that runs after it, however it ended."""
+  env = dict(os.environ, PYTHON=sys.executable, APP_DIR=REPO_ROOT)
+  array = ["sbatch", "--parsable", "--array=0-%d" % (len(grid["points"]) - 1),
+           "--output=" + os.path.join(scan_dir, "slurm-%A_%a.out")] + sbatch_args.split() + [
+               os.path.join(REPO_ROOT, "tools", "slurm", "scan.sbatch"), scan_dir]
+  job = _submit(array, env)
+  report_job = _submit(["sbatch", "--parsable", "--dependency=afterany:" + job, "--job-name=scan-report",
+                        "--output=" + os.path.join(scan_dir, "slurm-report-%j.out"),
+                        "--wrap=%s %s --mode=report --scan_dir=%s" % (sys.executable, os.path.abspath(__file__),
+                                                                      scan_dir)], env)
+  print("submitted: array job %s (%d points), report job %s; report: %s"
+        % (job, len(grid["points"]), report_job, os.path.join(scan_dir, "scan.yaml")))
+  return 0
+
+
+def _submit(command: list, env: dict) -> str:
+  try:
+    result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+  except (OSError, subprocess.CalledProcessError) as error:
+    detail = getattr(error, "stderr", "") or str(error)
+    raise ScanError("sbatch failed: %s" % detail.strip().splitlines()[-1]) from None
+  return result.stdout.strip().split(";")[0]
+
+
+def run(argv: list) -> int:
+  scan_dir = os.path.abspath(FLAGS.scan_dir)
+  if FLAGS.mode == "report":
+    return report(scan_dir)
+  if FLAGS.mode == "point":
+    grid = load_grid(scan_dir)
+    index = FLAGS.point if FLAGS.point is not None else int(os.environ.get("SLURM_ARRAY_TASK_ID", -1))
+    if not 0 <= index < len(grid["points"]):
+      raise ScanError("--point=%d is not a point of %s (0 to %d)" % (index, grid_path(scan_dir),
+                                                                    len(grid["points"]) - 1))
+    return run_point(scan_dir, grid, grid["points"][index])
+  grid = make_grid(FLAGS.learning_rates, FLAGS.replicas, argv[1:])
+  save_grid(scan_dir, grid)
+  if FLAGS.mode == "slurm":
+    return submit_to_slurm(scan_dir, grid, FLAGS.sbatch_args)
+  for point in grid["points"]:
+    run_point(scan_dir, grid, point)  # a failed point is recorded and reported, the scan goes on
+  return report(scan_dir)
+
+
+def main(argv):
+  try:
+    sys.exit(run(argv))
+  except ScanError as error:
+    print("error: %s" % error, file=sys.stderr)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)
