@@ -86,8 +86,9 @@ def _define_neuron_inverter_flags() -> None:
                        "shuffled order (rounded down to whole batches, at least one).", lower_bound=1)
   _on.DEFINE_integer("shuffle_buffer", 4096, "Rows shuffled together per replica when streaming.",
                        lower_bound=1)
-  _on.DEFINE_string("stage_dir", None, "Folder for a contiguous copy of HDF5 splits stored chunked or "
-                      "compressed (which cannot be memory-mapped); default: the system's temporary folder.")
+  _on.DEFINE_string("stage_dir", None, "Node-local folder (e.g. /local/$USER) to stage each process's "
+                      "rows of the HDF5 splits into before training, kept and reused by later runs; "
+                      "default: no staging, except a temporary copy of splits that cannot be memory-mapped.")
   _on.DEFINE_bool("synthetic_data", False, "Train on random batches made once and repeated, with no "
                     "file reads (on IPUs generated on the device), to tell a host-bound run from a "
                     "device-bound one.")

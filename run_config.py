@@ -38,7 +38,7 @@ class RunConfig:
   in_memory: bool = False          # load each replica's block into RAM instead of streaming
   read_chunk: int = 512            # rows per contiguous HDF5 read when streaming
   shuffle_buffer: int = 4096       # rows shuffled together per replica when streaming
-  stage_dir: Optional[str] = None  # where non-contiguous HDF5 splits are staged (default: temp folder)
+  stage_dir: Optional[str] = None  # node-local staging of this process's rows (data/staging.py)
   synthetic_data: bool = False     # train on generated batches, no file reads (host- vs device-bound)
   # Learning-rate schedule: linear warm-up, then reduce-on-plateau of the validation loss or cosine
   warmup_epochs: int = 0

@@ -141,12 +141,16 @@ def _combine(streams: list, element_per_replica: bool) -> tf.data.Dataset:
 
 
 def _contiguous_source(info, split: str, rows: tuple, stage_dir) -> ShardSource:
-  """The split's datasets, memory-mappable: the file itself, or a staged copy of rows [start, stop)."""
+  """The split's datasets, memory-mappable: the file itself, or a staged copy of rows [start, stop)
+  (always in `stage_dir` when one is given: node-local staging; see data/staging.py)."""
   keys = (cellspike_file.FRAMES_KEY % split, cellspike_file.TARGETS_KEY % split)
-  with h5py.File(info.path, "r") as f:
-    if not any(hdf5_native.not_contiguous_reason(f[key]) for key in keys):
-      return ShardSource(*(hdf5_native.row_layout(info.path, f[key]) for key in keys))
-  staged = staging.stage_rows(info.path, keys, rows[0], rows[1], stage_dir)
+  if stage_dir:
+    staged = staging.stage_to(info.path, keys, rows[0], rows[1], stage_dir)
+  else:
+    with h5py.File(info.path, "r") as f:
+      if not any(hdf5_native.not_contiguous_reason(f[key]) for key in keys):
+        return ShardSource(*(hdf5_native.row_layout(info.path, f[key]) for key in keys))
+    staged = staging.stage_rows(info.path, keys, rows[0], rows[1])
   with h5py.File(staged, "r") as f:
     return ShardSource(*(hdf5_native.row_layout(staged, f[key]) for key in keys), first_row=rows[0])
 

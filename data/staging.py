@@ -1,16 +1,32 @@
-"""A contiguous copy of the rows a process reads, for HDF5 datasets that cannot be memory-mapped.
+"""Contiguous local copies of the rows a process reads: for HDF5 datasets that cannot be memory-mapped,
+and for node-local staging (`--stage_dir`).
 
-Chunked, compressed, virtual or externally stored datasets have no single byte offset, so
-`data/hdf5_native.py` cannot gather from them. Such a split is copied once, at start-up, into a small
-contiguous HDF5 file of this process's own rows (only its shard blocks), read with h5py window by
-window so memory stays bounded; the pipeline then maps that file. The copy lives in `stage_dir` (a
-node-local disk on a cluster; the system's temporary folder by default) and is removed at exit.
+Two uses, one copy routine (h5py, window by window, so memory stays bounded):
+- **Not memory-mappable.** Chunked, compressed, virtual or externally stored datasets have no single
+  byte offset, so `data/hdf5_native.py` cannot gather from them. Without `--stage_dir`, such a split is
+  copied at start-up into a temporary folder, removed at exit (`stage_rows`).
+- **Node-local staging** (`--stage_dir`, e.g. ALCF's `/local/$USER`, as MLPerf-HPC applications stage
+  their share of the data before training). Every split is copied, whatever its layout, so the run
+  never reads the shared file system after start-up (`stage_to`):
+  - only this process's rows (its shard blocks), into a small cellSpike file of its own, named after
+    the source, its path, the keys and the rows, so processes and runs never collide;
+  - written to a temporary name, fsynced, then renamed: a killed copy leaves no file to mistake for a
+    good one;
+  - stamped with the source's identity (real path, size, modification time) and a BLAKE2b checksum of
+    the copied rows. A later run reuses the copy when the stamp matches and the checksum still
+    verifies. It copies again when the source changed, or when the copy is damaged;
+  - the copy time and rate are logged. A full disk or an unwritable folder is one `error:` line that
+    says what to do.
 """
 
 import atexit
+import errno
+import hashlib
+import json
 import os
 import shutil
 import tempfile
+import time
 
 import h5py
 import numpy as np
@@ -19,48 +35,160 @@ from absl import logging
 from errors import UserError
 
 _COPY_BYTES = 64 * 2**20   # bytes copied per h5py read
+_STAMP = "staged_from"     # attribute of a staged file: the source identity and the checksum (JSON)
 
 
 def _free_bytes(folder: str) -> int:
   return shutil.disk_usage(folder).free
 
 
-def stage_rows(path: str, keys: tuple, start: int, stop: int, stage_dir: str = None) -> str:
-  """Copies rows [start, stop) of datasets `keys` of `path` into a new contiguous HDF5 file.
+def _needed_bytes(source: h5py.File, keys: tuple, start: int, stop: int) -> int:
+  return sum((stop - start) * source[key].dtype.itemsize * int(np.prod(source[key].shape[1:]))
+             for key in keys)
 
-  The staged file holds the same keys, row `start` of the source becoming row 0. Returns its path.
+
+def stage_rows(path: str, keys: tuple, start: int, stop: int) -> str:
+  """Copies rows [start, stop) of datasets `keys` of `path` into a contiguous file in a temporary folder.
+
+  The staged file holds the same keys, row `start` of the source becoming row 0; it is removed at
+  exit. Returns its path.
   """
-  folder = stage_dir or tempfile.gettempdir()
+  folder = tempfile.gettempdir()
   try:
-    os.makedirs(folder, exist_ok=True)
     staged_dir = tempfile.mkdtemp(prefix="cellspike-stage-", dir=folder)
   except OSError as error:
-    raise UserError("cannot stage data into %s (%s)" % (folder, error.strerror)) from None
+    raise UserError("cannot stage data into %s (%s); pass --stage_dir=<a writable folder>"
+                    % (folder, error.strerror)) from None
   atexit.register(shutil.rmtree, staged_dir, ignore_errors=True)
   staged = os.path.join(staged_dir, os.path.basename(path))
   with h5py.File(path, "r") as source:
-    needed = sum((stop - start) * source[key].dtype.itemsize * int(np.prod(source[key].shape[1:]))
-                 for key in keys)
-    if needed > _free_bytes(staged_dir):
-      raise UserError("%s: staging %s (%.1f GB) needs more free space than %s has; convert the file to "
-                      "contiguous datasets (h5repack -l CONTI) or pass --stage_dir=<a larger disk>"
-                      % (path, ", ".join(keys), needed / 1e9, folder))
+    needed = _needed_bytes(source, keys, start, stop)
+    _check_space(path, keys, needed, staged_dir, "pass --stage_dir=<a larger disk> or convert the file "
+                 "to contiguous datasets (h5repack -l CONTI)")
     logging.info("%s: %s not contiguous; staging rows %d-%d (%.1f MB) into %s", path, "/".join(keys),
                  start, stop, needed / 1e6, staged_dir)
-    try:
-      with h5py.File(staged, "w") as target:
-        for key in keys:
-          _copy_rows(source[key], target, key, start, stop)
-    except (OSError, RuntimeError, ValueError) as error:  # damaged chunks, a full disk
-      raise UserError("%s: staging %s into %s failed (%s)" % (path, "/".join(keys), staged_dir,
-                                                             " ".join(str(error).split()))) from None
+    _copy(source, keys, start, stop, staged, path)
   return staged
 
 
-def _copy_rows(dataset: h5py.Dataset, target: h5py.File, key: str, start: int, stop: int) -> None:
+def staged_name(path: str, keys: tuple, start: int, stop: int) -> str:
+  """The staged file's name: the source's base name, a digest of its real path and keys, the rows."""
+  digest = hashlib.blake2b(("%s|%s" % (os.path.realpath(path), ",".join(keys))).encode(),
+                           digest_size=6).hexdigest()
+  return "%s.%s.rows%d-%d.h5" % (os.path.splitext(os.path.basename(path))[0], digest, start, stop)
+
+
+def source_identity(path: str, keys: tuple, start: int, stop: int) -> dict:
+  status = os.stat(path)
+  return {"source": os.path.realpath(path), "size": status.st_size, "mtime_ns": status.st_mtime_ns,
+          "keys": list(keys), "rows": [start, stop]}
+
+
+def stage_to(path: str, keys: tuple, start: int, stop: int, stage_dir: str) -> str:
+  """The rows [start, stop) of `keys` of `path` in `stage_dir`: reused if still valid, else copied."""
+  try:
+    os.makedirs(stage_dir, exist_ok=True)
+  except OSError as error:
+    raise _unwritable(stage_dir, error) from None
+  staged = os.path.join(stage_dir, staged_name(path, keys, start, stop))
+  identity = source_identity(path, keys, start, stop)
+  if os.path.exists(staged):
+    started = time.perf_counter()
+    stale = _stale_reason(staged, identity)
+    if stale is None:
+      logging.info("%s: reusing the staged rows %d-%d of %s (checksum verified in %.1f s)", staged, start,
+                   stop, "/".join(keys), time.perf_counter() - started)
+      return staged
+    logging.warning("%s: staging again: %s", staged, stale)
+  with h5py.File(path, "r") as source:
+    needed = _needed_bytes(source, keys, start, stop)
+    _check_space(path, keys, needed, stage_dir, "free space there or choose a larger --stage_dir")
+    started = time.perf_counter()
+    try:
+      handle, partial = tempfile.mkstemp(prefix=".staging-", suffix=".h5", dir=stage_dir)
+      os.close(handle)
+    except OSError as error:
+      raise _unwritable(stage_dir, error) from None
+    try:
+      checksum = _copy(source, keys, start, stop, partial, path, stamp=identity)
+      _fsync(partial)
+      os.replace(partial, staged)
+    finally:
+      if os.path.exists(partial):
+        os.remove(partial)
+  seconds = time.perf_counter() - started
+  logging.info("%s: staged rows %d-%d of %s (%.1f MB) in %.1f s (%.0f MB/s), checksum %s", staged, start,
+               stop, "/".join(keys), needed / 1e6, seconds, needed / 1e6 / max(seconds, 1e-9), checksum[:16])
+  return staged
+
+
+def _unwritable(folder: str, error: OSError) -> UserError:
+  return UserError("--stage_dir=%s cannot be written (%s): pass a folder this process can write, e.g. "
+                   "a node-local disk such as /local/$USER" % (folder, error.strerror or error))
+
+
+def _check_space(path: str, keys: tuple, needed: int, folder: str, what_to_do: str) -> None:
+  free = _free_bytes(folder)
+  if needed > free:
+    raise UserError("%s: staging %s needs %.2f GB but %s has %.2f GB free; %s"
+                    % (path, "/".join(keys), needed / 1e9, folder, free / 1e9, what_to_do))
+
+
+def _stale_reason(staged: str, identity: dict):
+  """None if `staged` holds `identity`'s rows intact; else why it must be copied again."""
+  try:
+    with h5py.File(staged, "r") as copy:
+      stamp = json.loads(copy.attrs.get(_STAMP, "{}"))
+      if {k: v for k, v in stamp.items() if k != "checksum"} != identity:
+        return "the source file changed (size, modification time or path) since it was staged"
+      if _checksum(copy, identity["keys"]) != stamp.get("checksum"):
+        return "the staged copy does not match its checksum (damaged)"
+  except (OSError, ValueError, KeyError) as error:
+    return "the staged copy is unreadable (%s)" % " ".join(str(error).split())[:120]
+  return None
+
+
+def _checksum(copy: h5py.File, keys: list) -> str:
+  digest = hashlib.blake2b()
+  for key in keys:
+    dataset = copy[key]
+    step = max(1, _COPY_BYTES // max(1, dataset.dtype.itemsize * int(np.prod(dataset.shape[1:]))))
+    for first in range(0, dataset.shape[0], step):
+      digest.update(np.ascontiguousarray(dataset[first:first + step]).data)
+  return digest.hexdigest()
+
+
+def _copy(source: h5py.File, keys: tuple, start: int, stop: int, target_path: str, path: str,
+          stamp: dict = None) -> str:
+  """Copies the rows into a new contiguous file; returns the checksum of the copied rows."""
+  digest = hashlib.blake2b()
+  try:
+    with h5py.File(target_path, "w") as target:
+      for key in keys:
+        _copy_rows(source[key], target, key, start, stop, digest)
+      if stamp is not None:
+        target.attrs[_STAMP] = json.dumps(dict(stamp, checksum=digest.hexdigest()))
+  except (OSError, RuntimeError, ValueError) as error:  # damaged chunks, a full disk
+    folder = os.path.dirname(target_path)
+    if getattr(error, "errno", None) == errno.ENOSPC or "No space left" in str(error):
+      raise UserError("%s ran out of space while staging %s from %s; free space there or choose a larger "
+                      "--stage_dir" % (folder, "/".join(keys), path)) from None
+    raise UserError("%s: staging %s into %s failed (%s)" % (path, "/".join(keys), folder,
+                                                           " ".join(str(error).split()))) from None
+  return digest.hexdigest()
+
+
+def _copy_rows(dataset: h5py.Dataset, target: h5py.File, key: str, start: int, stop: int, digest) -> None:
   out = target.create_dataset(key, shape=(stop - start,) + dataset.shape[1:], dtype=dataset.dtype)
   row_bytes = max(1, dataset.dtype.itemsize * int(np.prod(dataset.shape[1:])))
   step = max(1, _COPY_BYTES // row_bytes)
   for first in range(start, stop, step):
     last = min(first + step, stop)
-    out[first - start:last - start] = dataset[first:last]
+    rows = np.ascontiguousarray(dataset[first:last])
+    digest.update(rows.data)
+    out[first - start:last - start] = rows
+
+
+def _fsync(path: str) -> None:
+  with open(path, "rb") as handle:
+    os.fsync(handle.fileno())

@@ -1,0 +1,108 @@
+"""Node-local staging (--stage_dir, data/staging.py): each process's rows copied once, checked, reused."""
+
+import logging
+import os
+
+import h5py
+import numpy as np
+import pytest
+
+from data import cellspike, staging
+from data.splits import BatchLayout
+from errors import UserError
+from run_config import RunConfig
+from tests.cellspike_files import write_row_marked
+
+KEYS = ("train_frames", "train_unitStar_par")
+
+
+def _config(path, stage_dir, **kwargs):
+  return RunConfig(model="neuron_inverter", data_path=str(path), batch_size=4, read_chunk=8,
+                   shuffle_buffer=16, seed=1, stage_dir=str(stage_dir), **kwargs)
+
+
+def _rows(split):
+  return sorted(int(row) for frames, _ in split.dataset for row in frames.numpy()[:, 0, 0])
+
+
+def _staged_files(stage_dir):
+  return sorted(name for name in os.listdir(stage_dir) if name.endswith(".h5"))
+
+
+def test_each_process_stages_only_its_rows_and_reads_the_same_batches(tmp_path):
+  path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64)
+  stage = tmp_path / "local"
+  layout = BatchLayout(2, 4, first_shard=2, num_shards=4)   # the second of two processes
+  staged = cellspike.load(_config(path, stage), layout)
+  direct = cellspike.load(RunConfig(model="neuron_inverter", data_path=path, batch_size=4, read_chunk=8,
+                                    shuffle_buffer=16, seed=1), layout)
+  assert _rows(staged.train) == _rows(direct.train) == list(range(32, 64))
+  names = _staged_files(stage)
+  assert len(names) == 3 and any(".rows32-64." in name for name in names)  # train, val, test
+  with h5py.File(os.path.join(stage, [n for n in names if ".rows32-64." in n][0]), "r") as copy:
+    assert copy["train_frames"].shape[0] == 32 and copy["train_frames"][0, 0, 0] == 32
+
+
+def test_a_later_run_reuses_the_copy_and_a_changed_source_is_staged_again(tmp_path, caplog):
+  caplog.set_level(logging.INFO, logger="absl")
+  path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64)
+  stage = str(tmp_path / "local")
+  first = staging.stage_to(path, KEYS, 0, 32, stage)
+  written = os.stat(first).st_mtime_ns
+  assert "staged rows 0-32" in caplog.text and "MB/s" in caplog.text
+  assert staging.stage_to(path, KEYS, 0, 32, stage) == first
+  assert os.stat(first).st_mtime_ns == written and "reusing the staged rows 0-32" in caplog.text
+
+  with h5py.File(path, "r+") as source:   # the source changes: new data (and modification time)
+    source["train_frames"][5] = -1.0
+  os.utime(path, ns=(written + 10**9, written + 10**9))
+  caplog.clear()
+  assert staging.stage_to(path, KEYS, 0, 32, stage) == first
+  assert "staging again: the source file changed" in caplog.text
+  with h5py.File(first, "r") as copy:
+    assert copy["train_frames"][5, 0, 0] == -1.0
+
+
+def test_a_damaged_copy_is_detected_by_its_checksum_and_replaced(tmp_path, caplog):
+  caplog.set_level(logging.INFO, logger="absl")
+  path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64)
+  stage = str(tmp_path / "local")
+  staged = staging.stage_to(path, KEYS, 0, 32, stage)
+  with h5py.File(staged, "r+") as copy:
+    copy["train_frames"][3] = 99.0
+  staging.stage_to(path, KEYS, 0, 32, stage)
+  assert "does not match its checksum" in caplog.text
+  with h5py.File(staged, "r") as copy:
+    np.testing.assert_array_equal(copy["train_frames"][3], np.full((16, 4), 3.0))
+  assert not [name for name in os.listdir(stage) if name.startswith(".staging-")]  # nothing left over
+
+
+def test_a_full_staging_disk_is_one_clear_error_and_leaves_nothing(tmp_path, monkeypatch):
+  path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64)
+  stage = tmp_path / "local"
+  monkeypatch.setattr(staging, "_free_bytes", lambda folder: 1000)
+  with pytest.raises(UserError, match=r"needs 0\.00 GB but .*local has 0\.00 GB free; free space there or "
+                                      r"choose a larger --stage_dir"):
+    staging.stage_to(path, KEYS, 0, 32, str(stage))
+  assert os.listdir(stage) == []
+
+
+def test_running_out_of_space_during_the_copy_is_one_clear_error(tmp_path, monkeypatch):
+  path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64)
+  stage = tmp_path / "local"
+
+  def full_disk(*args):
+    raise OSError(28, "No space left on device")
+  monkeypatch.setattr(staging, "_copy_rows", full_disk)
+  with pytest.raises(UserError, match="ran out of space while staging train_frames/train_unitStar_par"):
+    staging.stage_to(path, KEYS, 0, 32, str(stage))
+  assert os.listdir(stage) == []
+
+
+def test_an_unwritable_stage_dir_names_what_to_do(tmp_path):
+  path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64)
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  with pytest.raises(UserError, match=r"--stage_dir=.*a_file/local cannot be written \(Not a directory\): "
+                                      r"pass a folder this process can write"):
+    staging.stage_to(path, KEYS, 0, 32, str(blocker / "local"))
