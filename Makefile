@@ -28,7 +28,7 @@ test: install $(REFERENCE_VENV)/.installed
 # The job scripts on a real one-node Slurm on localhost (tools/slurm/local_cluster.sh), which it installs
 # with apt-get when missing (root). Where it cannot, one line says the Slurm tests did not run.
 test-slurm: install
-	@reason=$$(tools/slurm/local_cluster.sh install 2>&1) || { echo "test-slurm: the Slurm tests did NOT run: $$reason"; exit 0; }
+	@reason=$$(tools/slurm/local_cluster.sh install 2>&1) || { echo "test-slurm: the Slurm tests did NOT run: $$(echo "$$reason" | tail -1)"; exit 0; }
 	$(PY) -m pytest -q -m slurm tests/test_slurm.py
 
 # The reference PyTorch model for side-by-side benchmarks, always on the default python3 (its wheel).

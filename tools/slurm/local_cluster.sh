@@ -26,7 +26,7 @@ install() {
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends "${PACKAGES[@]}" >/dev/null \
     || { echo "local_cluster: apt-get could not install ${PACKAGES[*]}" >&2; return 1; }
-  have_binaries
+  have_binaries || { echo "local_cluster: ${PACKAGES[*]} installed, but slurmctld/slurmd/munged are not on PATH" >&2; return 1; }
 }
 
 write_conf() {
