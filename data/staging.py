@@ -112,6 +112,7 @@ def stage_to(path: str, keys: tuple, start: int, stop: int, stage_dir: str) -> s
     try:
       checksum = _copy(source, keys, start, stop, partial, path, stamp=identity)
       _fsync(partial)
+      os.chmod(partial, 0o666 & ~_umask())  # mkstemp's 0600 would hide the copy from the user's group
       os.replace(partial, staged)
     finally:
       if os.path.exists(partial):
@@ -187,6 +188,12 @@ def _copy_rows(dataset: h5py.Dataset, target: h5py.File, key: str, start: int, s
     rows = np.ascontiguousarray(dataset[first:last])
     digest.update(rows.data)
     out[first - start:last - start] = rows
+
+
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
 
 
 def _fsync(path: str) -> None:
