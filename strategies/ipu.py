@@ -35,7 +35,7 @@ from data.splits import BatchLayout
 from errors import UserError
 from run_config import RunConfig
 from strategies.backend import Backend
-from strategies.pipeline_rules import pipeline_overlap, pipeline_problem, stage_devices
+from strategies.pipeline_rules import ipu_count_problem, pipeline_overlap, pipeline_problem, stage_devices
 
 INSTALL_HINT = ("Graphcore's TensorFlow is not installed: enable the Poplar SDK (source "
                 "<sdk>/enable) and pip install its TensorFlow 2 wheel, e.g. "
@@ -66,10 +66,6 @@ def ipus_present() -> bool:
   return shutil.which("gc-info") is not None
 
 
-def is_power_of_two(n: int) -> bool:
-  return n > 0 and n & (n - 1) == 0
-
-
 def popdist_module():
   """The popdist package when this process was launched by poprun, else None [4.2]."""
   try:
@@ -86,12 +82,9 @@ def popdist_module():
 
 def check_pipeline_settings(config: RunConfig) -> None:
   """Cross-flag rules of pipelining and replication on IPUs; one UserError per violation."""
-  total = config.replicas * config.ipus_per_replica
-  if not is_power_of_two(total):
-    raise UserError("--replicas=%d x --ipus_per_replica=%d = %d IPUs: IPU devices come in powers of two "
-                    "(1, 2, 4, 8, ...)" % (config.replicas, config.ipus_per_replica, total))
-  problem = pipeline_problem(config.pipeline_schedule, config.pipeline_stages, config.ipus_per_replica,
-                             config.gradient_accumulation)
+  problem = ipu_count_problem(config.replicas, config.ipus_per_replica) or pipeline_problem(
+      config.pipeline_schedule, config.pipeline_stages, config.ipus_per_replica,
+      config.gradient_accumulation)
   if problem:
     raise UserError(problem)
 

@@ -1,10 +1,20 @@
-"""Graphcore's rules for pipelined models, as plain Python (no TensorFlow): `flags.py` checks the
-command line with them before TensorFlow starts, and `strategies/ipu.py` applies them to the splits.
+"""Graphcore's rules for IPU placement and pipelined models, as plain Python (no TensorFlow), written
+once: `flags.py` checks the command line with them before TensorFlow starts, and `strategies/ipu.py`
+checks its RunConfig (from a saved run too) and applies them to the splits.
 
 Sources: graphcore/tensorflow `compiler/plugin/poplar/driver/visitors/pipeline_visitor.cc`
 (VerifyPipelineArgumentsFixed), `pipeline_visitor_utils.h` (ScheduleOffsets) and
 `python/ipu/ops/pipelining_ops.py`.
 """
+
+
+def ipu_count_problem(replicas: int, ipus_per_replica: int):
+  """IPU devices (multi-IPU groups) come in powers of two: why this count is not one, or None."""
+  total = replicas * ipus_per_replica
+  if total & (total - 1) == 0:
+    return None
+  return ("--replicas=%d x --ipus_per_replica=%d = %d IPUs: IPU devices come in powers of two "
+          "(1, 2, 4, 8, ...)" % (replicas, ipus_per_replica, total))
 
 
 def stage_devices(stages: int, ipus_per_replica: int) -> list:

@@ -159,7 +159,7 @@ def test_ipu_replicas_not_a_power_of_two_end_to_end(logdir):
   before = snapshot(logdir)
   result = run_main(*BASE_ARGS, "--backend=ipu", "--replicas=3", "--logdir=" + logdir, timeout=120)
   assert result.returncode == 2
-  assert_one_line_error(result, "--replicas x --ipus_per_replica must be a power of two")
+  assert_one_line_error(result, "--replicas=3 x --ipus_per_replica=1 = 3 IPUs: IPU devices come in powers of two")
   assert_untouched(logdir, before)
 
 

@@ -8,6 +8,7 @@ from absl import flags as absl_flags
 from absl.testing import flagsaver
 
 import flags
+from run_config import RunConfig
 from tests.helpers import REPO_ROOT, assert_one_line_error, run_main
 
 flags.define_flags()
@@ -31,9 +32,18 @@ def test_explicit_flags_win_and_config_is_frozen():
   config = _config("--model=mnist", "--batch_size=8", "--replicas=2", "--learning_rate=0.5",
                    "--optimizer=adam", "--logdir=/tmp/x")
   assert (config.batch_size, config.replicas, config.learning_rate, config.optimizer) == (8, 2, 0.5, "adam")
-  assert config.global_batch_size == 16
   with pytest.raises(dataclasses.FrozenInstanceError):
     config.replicas = 4
+
+
+def test_every_config_field_is_a_flag_with_the_same_default():
+  """One flag, one edit: RunConfig's fields are the flags, and its defaults are theirs."""
+  for field in dataclasses.fields(RunConfig):
+    assert field.name in FLAGS, "RunConfig.%s has no flag" % field.name
+    default = FLAGS[field.name].default
+    if field.name in flags.MODEL_DEFAULTED + ("model", "logdir", "pipeline_stages"):
+      continue  # the model's default, or derived in to_config
+    assert default == field.default, field.name
 
 
 def test_flagfile_is_read(tmp_path):
@@ -45,6 +55,7 @@ def test_flagfile_is_read(tmp_path):
 
 @pytest.mark.parametrize("args, fragments", [
     (["--model=resnet"], ["--model", "resnet", "mnist"]),
+    (["--model=mnist", "--predict"], ["--predict", "regression model (--model=neuron_inverter)"]),
     (["--replicas=0"], ["--replicas=0"]),
     (["--batch_size=-4"], ["--batch_size=-4"]),
     (["--learning_rate=0"], ["--learning_rate"]),

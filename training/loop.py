@@ -85,7 +85,8 @@ def _last(history: dict, key: str):
 
 def _identity(config: RunConfig) -> dict:
   """What a checkpoint must match to be resumed by this run (weights, optimizer slots, schedule)."""
-  return {"model": config.model, "design": config.design if config.model == "neuron_inverter" else None,
+  uses_design = model.get_model_info(config.model).uses_design
+  return {"model": config.model, "design": config.design if uses_design else None,
           "optimizer": config.optimizer, "learning_rate": config.learning_rate}
 
 
