@@ -1,7 +1,8 @@
 """Entry point: `python main.py --model=neuron_inverter --replicas=4 [--backend=cpu|gpu|ipu] ...`.
 
 Kept thin on purpose: parse flags, freeze them into a RunConfig, set TensorFlow's start-up environment,
-pick the backend, run. A UserError anywhere below becomes one line on stderr and exit status 1.
+then `train_and_evaluate(config)` (tests call it too). A UserError anywhere below becomes one line on
+stderr and exit status 1.
 """
 
 import sys
@@ -16,6 +17,24 @@ from training import logs
 FLAGS = absl_flags.FLAGS
 
 
+def train_and_evaluate(config) -> dict:
+  """Everything after the flags: the backend, training and test, the --predict report, the closing
+  report. TensorFlow's start-up environment must already be set (`environment.prepare`). Returns the
+  run's summary; a problem is a UserError."""
+  # TensorFlow is imported only now, after its start-up environment is set.
+  with environment.quiet_cuda_probe(config):
+    from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
+    backend = select_backend(config)
+  from training.evaluation import report  # pylint: disable=import-outside-toplevel
+  from training.loop import run  # pylint: disable=import-outside-toplevel
+  from training.summary import closing_report  # pylint: disable=import-outside-toplevel
+  summary = run(config, backend)
+  report(config, backend)  # --predict: sum_pred.yaml and figures into <logdir>/predict
+  if backend.is_chief and not config.compile_only:
+    print(closing_report(summary, config.logdir, config.predict), flush=True)
+  return summary
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
@@ -23,17 +42,7 @@ def main(argv):
   try:
     config = flags.to_config(FLAGS)
     environment.prepare(config)
-    # TensorFlow is imported only now, after its start-up environment is set.
-    with environment.quiet_cuda_probe(config):
-      from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
-      backend = select_backend(config)
-    from training.evaluation import report  # pylint: disable=import-outside-toplevel
-    from training.loop import run  # pylint: disable=import-outside-toplevel
-    from training.summary import closing_report  # pylint: disable=import-outside-toplevel
-    summary = run(config, backend)
-    report(config, backend)  # --predict: sum_pred.yaml and figures into <logdir>/predict
-    if backend.is_chief and not config.compile_only:
-      print(closing_report(summary, config.logdir, config.predict), flush=True)
+    train_and_evaluate(config)
   except UserError as error:
     sys.stderr.write("error: %s\n" % error)
     sys.exit(1)

@@ -4,7 +4,7 @@ exit, and the outputs of an earlier run in the same --logdir are left exactly as
 Each case runs against a copy of a finished tiny run (summary.yaml, run_config.yaml, events,
 checkpoints/last and best), snapshotted (names, sizes, mtimes, SHA-256) before and compared after.
 Most cases run in this process through the functions main.py calls (`flags.parse`, `flags.to_config`,
-`select_backend`, `training.loop.run`; conftest has prepared TensorFlow's start-up environment): a `UserError` is what main.py prints as its one `error:` line
+`main.train_and_evaluate`; conftest has prepared TensorFlow's start-up environment): a `UserError` is what main.py prints as its one `error:` line
 (exit 1) and a flag error is `flags.parse`'s line and exit 2. A few cases run `python main.py` itself
 to check the whole contract end to end (exit status, one stderr line, no traceback).
 """
@@ -21,6 +21,7 @@ from absl import flags as absl_flags
 from absl.testing import flagsaver
 
 import flags
+import main
 from errors import UserError
 from tests.cellspike_files import write_cellspike, write_meta_yaml
 from tests.helpers import assert_one_line_error, hold_lock, run_main
@@ -97,15 +98,13 @@ def parse_flag_error(capsys, *args):
 
 
 def run_in_process(*args):
-  """main.main without the process: flags -> RunConfig -> backend -> run; returns the UserError."""
+  """main.py without the process: flags -> RunConfig -> main.train_and_evaluate; returns the UserError."""
   with flagsaver.flagsaver():
     FLAGS.unparse_flags()
     flags.parse(["main.py"] + list(args))  # a flag error exits here (SystemExit), failing the test
     config = flags.to_config(FLAGS)
-  from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
-  from training.loop import run  # pylint: disable=import-outside-toplevel
   with pytest.raises(UserError) as error:
-    run(config, select_backend(config))
+    main.train_and_evaluate(config)
   return str(error.value)
 
 
