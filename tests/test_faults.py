@@ -437,8 +437,8 @@ def test_nan_loss_keeps_the_last_good_checkpoint(tmp_path, data_file, monkeypatc
   make_callbacks = loop._make_callbacks  # pylint: disable=protected-access
 
   def poisoned(*args, **kwargs):
-    callbacks, throughput, checkpointing = make_callbacks(*args, **kwargs)
-    return [_PoisonAtEpoch(1)] + callbacks, throughput, checkpointing
+    callbacks, throughput = make_callbacks(*args, **kwargs)
+    return [_PoisonAtEpoch(1)] + callbacks, throughput
   monkeypatch.setattr(loop, "_make_callbacks", poisoned)
   with pytest.raises(UserError) as error:
     loop.run(config, select_backend(config))

@@ -1,13 +1,19 @@
 """`run(config, backend)`: one training job from data to summary.yaml.
 
-Stages: seed -> (resume state) -> data -> model + optimizer in the strategy scope -> fit with callbacks
-(LR schedule, throughput, checkpoints, TensorBoard) -> test -> TensorBoard scalars and summary.yaml.
-Backend specifics stay behind `backend.strategy`.
+`_train_and_test` reads top to bottom in banner-separated stages:
+1. data and model: the resume state is checked, the splits loaded, the model built and compiled in
+   the strategy scope;
+2. checkpoints, resume, callbacks: `--resume` restores weights, optimizer and schedule (`_restore`),
+   then the callbacks are made (LR schedule, throughput, checkpoints, TensorBoard, graceful stop) and
+   the run folder is claimed;
+3. training (`_train`: the fit under the signal flag);
+4. test, with the best-validation weights (`_test`);
+5. summary.yaml (`training.summary.build_summary`).
+Backend specifics stay behind `backend`.
 """
 
 import dataclasses
 import hashlib
-import math
 import os
 import random
 import time
@@ -27,7 +33,8 @@ from training import interrupt as interrupt_lib
 from training import run_folder
 from training.lr_schedule import Cosine, LearningRateSchedule
 from training.optimizers import create_slots, make_optimizer
-from training.summary import write_run_config, write_summary
+from training import summary as summary_lib
+from training.summary import write_run_config
 
 
 def set_seeds(seed: int) -> None:
@@ -78,11 +85,6 @@ def write_test_scalars(logdir: str, results: dict, step: int) -> None:
   writer.flush()
 
 
-def _last(history: dict, key: str):
-  values = history.get(key)
-  return float(values[-1]) if values else None
-
-
 def _identity(config: RunConfig) -> dict:
   """What a checkpoint must match to be resumed by this run (weights, optimizer slots, schedule)."""
   uses_design = model.get_model_info(config.model).uses_design
@@ -113,26 +115,40 @@ def _resume_state(config: RunConfig, backend: Backend) -> dict:
   return state
 
 
-def _make_callbacks(config, backend, net, global_batch_size, outdir, flag, steps_per_epoch):
+def _make_checkpointing(config, backend, net, global_batch_size, outdir):
+  """The LR schedule and the checkpoint callback (which saves the schedule's state with the weights)."""
   schedule = LearningRateSchedule(config.learning_rate, config.warmup_epochs, config.lr_factor,
                                    config.lr_patience, config.lr_cooldown)
   checkpoints = checkpoints_lib.RunCheckpoints(outdir, net, _identity(config),
                                                restore_logdir=config.logdir)
   checkpointing = checkpoints_lib.CheckpointCallback(checkpoints, schedule,
                                                      batch_layout=_batch_layout(global_batch_size, backend))
-  state = {}
-  if config.resume:
-    state = checkpoints.restore_last()
-    logging.info("Resumed from %s: continuing with epoch %d of %d%s", checkpoints.directory,
-                 state["epoch"] + 1, config.epochs,
-                 " at step %d of %d" % (state["step"] + 1, steps_per_epoch) if state.get("step") else "")
-    schedule.plateau.load(state["schedule"])
-    checkpointing.restore_into(state)
+  return schedule, checkpointing
+
+
+def _restore(config, schedule, checkpointing, steps_per_epoch) -> dict:
+  """--resume: loads the last checkpoint's weights and optimizer state, and the schedule and best-loss
+  records; returns its run state ({} for a fresh run)."""
+  if not config.resume:
+    return {}
+  checkpoints = checkpointing.checkpoints
+  state = checkpoints.restore_last()
+  logging.info("Resumed from %s: continuing with epoch %d of %d%s", checkpoints.directory,
+               state["epoch"] + 1, config.epochs,
+               " at step %d of %d" % (state["step"] + 1, steps_per_epoch) if state.get("step") else "")
+  schedule.plateau.load(state["schedule"])
+  checkpointing.restore_into(state)
+  return state
+
+
+def _make_callbacks(config, backend, schedule, checkpointing, state, global_batch_size, outdir, flag,
+                    steps_per_epoch):
+  """The fit's callbacks, in the order they must run; returns them and the throughput callback."""
   if config.lr_schedule == "cosine":
     schedule.cosine = Cosine(config.epochs, steps_per_epoch, state.get("epoch"), state.get("step", 0))
   throughput = callbacks_lib.ThroughputCallback(global_batch_size, backend.replicas, backend.cache_dir)
   if config.compile_only:
-    return [throughput, callbacks_lib.StopAfterFirstStep()], throughput, checkpointing
+    return [throughput, callbacks_lib.StopAfterFirstStep()], throughput
   resumed = interrupt_lib.ResumedEpochLogs(state.get("step", 0), state.get("partial_logs"))
   # Several processes agree at every batch end whether any of them was signalled (one collective).
   graceful = interrupt_lib.GracefulStop(flag, checkpointing, steps_per_epoch, config.epochs, resumed,
@@ -147,7 +163,7 @@ def _make_callbacks(config, backend, net, global_batch_size, outdir, flag, steps
     callbacks.append(tf.keras.callbacks.TensorBoard(log_dir=config.profile_dir, profile_batch=(2, 4),
                                                     write_graph=False))
   callbacks.append(graceful)
-  return callbacks, throughput, checkpointing
+  return callbacks, throughput
 
 
 def _use_best_weights(checkpointing, last_epoch: int):
@@ -168,14 +184,6 @@ def weights_digest(net: tf.keras.Model) -> str:
   for weight in net.get_weights():
     digest.update(np.ascontiguousarray(weight).tobytes())
   return digest.hexdigest()
-
-
-def _full_history(epoch_logs: list) -> dict:
-  """Per-key lists over every epoch of the run since epoch 1, across resumes (None where missing)."""
-  keys = []
-  for entry in epoch_logs:
-    keys += [key for key in entry if key not in keys]
-  return {key: [entry.get(key) for entry in epoch_logs] for key in keys}
 
 
 def _merge_histories(*histories) -> dict:
@@ -229,13 +237,6 @@ def _close_writers(callbacks) -> None:
         logging.warning("Could not close the TensorBoard writers: %s", error)
 
 
-def _epoch_time_stats(history: dict, key: str = "epoch_seconds"):
-  seconds = history.get(key, [])[1:]  # the first epoch carries the compilation
-  if not seconds:
-    return None
-  return [float(np.mean(seconds)), float(np.std(seconds))]
-
-
 def run(config: RunConfig, backend: Backend) -> dict:
   """Trains and tests `config.model` on `backend`; returns the summary also written to summary.yaml."""
   started = time.perf_counter()
@@ -254,8 +255,9 @@ def run(config: RunConfig, backend: Backend) -> dict:
 def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, started: float) -> dict:
   set_seeds(config.seed)
   print("%s, running on %s" % (info.title, backend.label), flush=True)
-  resume_state = _resume_state(config, backend)
 
+  # --- Data and model (nothing is written before the flags, data and checkpoint are found good) -------
+  resume_state = _resume_state(config, backend)
   global_batch_size = backend.effective_batch(config.batch_size)
   splits = data.load(info.dataset, config, backend.layout(config.batch_size), resume_state["epoch"])
   net = build_and_compile(config, backend, model.get_model_module(config.model), splits,
@@ -266,15 +268,48 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
                backend.gradient_accumulation, backend.replicas,
                splits.train.samples // global_batch_size)
 
+  # --- Checkpoints, resume, callbacks -----------------------------------------------------------------
+  schedule, checkpointing = _make_checkpointing(config, backend, net, global_batch_size, outdir)
+  state = _restore(config, schedule, checkpointing, splits.train.steps)
   # SIGTERM/SIGINT during training: checkpoint at the next safe point, then exit 128 + signal number.
   flag = interrupt_lib.InterruptFlag()
-  callbacks, throughput, checkpointing = _make_callbacks(config, backend, net, global_batch_size, outdir,
-                                                         flag, splits.train.steps)
+  callbacks, throughput = _make_callbacks(config, backend, schedule, checkpointing, state,
+                                          global_batch_size, outdir, flag, splits.train.steps)
   # Only now, with the flags, data and any checkpoint to resume found good: a bad command leaves the
   # outputs of the run already in the logdir untouched. The writer locks the folder first.
   if outdir == config.logdir:
     run_folder.claim(config.logdir, config.resume)
   write_run_config(outdir, dataclasses.replace(config, precision=backend.precision))
+
+  # --- Training ---------------------------------------------------------------------------------------
+  history, fit_seconds = _train(net, config, backend, splits, resume_state, callbacks, flag)
+  if config.compile_only:
+    logging.info("--compile_only: compiled in %.1f s; exiting before training",
+                 throughput.compile_seconds or 0.0)
+    return {"compile_seconds": throughput.compile_seconds}
+  if any(not np.isfinite(v) for v in history.get("loss", [])):
+    kept = checkpointing.last_saved or checkpointing.checkpoints.latest() or "none"
+    raise UserError("training stopped: the loss became NaN/Inf in epoch %d (lower --learning_rate); "
+                    "last good checkpoint: %s" % (len(history["loss"]) + resume_state["epoch"], kept))
+
+  # --- Test (the best-validation weights) -------------------------------------------------------------
+  test_results, test_epoch = _test(net, config, backend, splits, checkpointing, outdir,
+                                   len(history.get("loss", [])) + resume_state["epoch"])
+
+  # --- summary.yaml -----------------------------------------------------------------------------------
+  summary = summary_lib.build_summary(
+      config, backend, info, splits, history, test_results, test_epoch, throughput, checkpointing,
+      global_batch_size=global_batch_size, first_epoch=resume_state["epoch"] + 1,
+      wall_seconds=time.perf_counter() - started, fit_seconds=fit_seconds,
+      weights_sha256=weights_digest(net), tensorflow_version=tf.__version__)
+  path = summary_lib.write_summary(outdir, summary)
+  logging.info("Wrote %s", path)
+  return summary
+
+
+def _train(net, config, backend, splits, resume_state, callbacks, flag):
+  """The fit, under the signal flag; returns its history and its seconds. A signal ends it with a
+  checkpoint and TrainingInterrupted (training/interrupt.py)."""
   print("\nTraining", flush=True)
   interrupted = None
   with flag:
@@ -292,64 +327,16 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
       raise interrupted
   # Training alone, from the first step to the return of the last fit (its input torn down): beside
   # the epochs' own wall times it shows any wait that no epoch accounts for.
-  fit_seconds = time.perf_counter() - fit_started
-  if config.compile_only:
-    logging.info("--compile_only: compiled in %.1f s; exiting before training",
-                 throughput.compile_seconds or 0.0)
-    return {"compile_seconds": throughput.compile_seconds}
-  if any(not np.isfinite(v) for v in history.get("loss", [])):
-    kept = checkpointing.last_saved or checkpointing.checkpoints.latest() or "none"
-    raise UserError("training stopped: the loss became NaN/Inf in epoch %d (lower --learning_rate); "
-                    "last good checkpoint: %s" % (len(history["loss"]) + resume_state["epoch"], kept))
+  return history, time.perf_counter() - fit_started
 
-  test_results, test_epoch = {}, None
-  if splits.test:
-    test_epoch = _use_best_weights(checkpointing, len(history.get("loss", [])) + resume_state["epoch"])
-    print("\nEvaluation", flush=True)
-    test_x, test_steps = backend.fit_input(splits.test.dataset, splits.test.steps)
-    test_results = net.evaluate(test_x, steps=test_steps, return_dict=True, verbose=1)
-    write_test_scalars(outdir, test_results, step=config.epochs)
 
-  summary = {
-      "model": config.model,
-      "backend": backend.kind,
-      "replicas": backend.replicas,
-      "global_batch_size": global_batch_size,
-      "per_replica_batch_size": config.batch_size,
-      "gradient_accumulation": backend.gradient_accumulation,
-      "precision": backend.precision,
-      "epochs": config.epochs,
-      "first_epoch": resume_state["epoch"] + 1,
-      "steps_per_epoch": splits.train.steps,
-      "train_samples_per_epoch": splits.train.samples,
-      "train_loss": _last(history, "loss"),
-      "val_loss": _last(history, "val_loss"),
-      "test_loss": float(test_results["loss"]) if "loss" in test_results else None,
-      "test_weights_epoch": test_epoch,
-      "samples_per_sec_per_replica": throughput.samples_per_sec_per_replica,
-      "compile_seconds": throughput.compile_seconds,
-      "executable_from_cache": throughput.from_cache,
-      "wall_seconds": time.perf_counter() - started,
-      "seconds_per_epoch": _epoch_time_stats(history),
-      "wall_seconds_per_epoch": _epoch_time_stats(history, "epoch_wall_seconds"),
-      "fit_seconds": fit_seconds,
-      "best_val_loss": None if math.isinf(checkpointing.best_val_loss) else checkpointing.best_val_loss,
-      "best_val_epoch": checkpointing.best_epoch,
-      "final_lr": _last(history, "lr"),
-      "data_source": splits.source,
-      "devices": list(backend.devices),
-      "rank": backend.rank,
-      "world_size": backend.world_size,
-      "weights_sha256": weights_digest(net),
-      "tensorflow_version": tf.__version__,
-      "params": config.as_dict(),
-      "history": {key: [float(v) for v in values] for key, values in history.items()},
-      "full_history": _full_history(checkpointing.epoch_logs),
-  }
-  summary.update(splits.summary_extras)
-  if info.task == "classification":
-    summary["train_accuracy"] = _last(history, "accuracy")
-    summary["test_accuracy"] = float(test_results["accuracy"]) if "accuracy" in test_results else None
-  path = write_summary(outdir, summary)
-  logging.info("Wrote %s", path)
-  return summary
+def _test(net, config, backend, splits, checkpointing, outdir, last_epoch):
+  """Evaluates the test split with the best-validation weights; returns (metrics, their epoch)."""
+  if not splits.test:
+    return {}, None
+  test_epoch = _use_best_weights(checkpointing, last_epoch)
+  print("\nEvaluation", flush=True)
+  test_x, test_steps = backend.fit_input(splits.test.dataset, splits.test.steps)
+  test_results = net.evaluate(test_x, steps=test_steps, return_dict=True, verbose=1)
+  write_test_scalars(outdir, test_results, step=config.epochs)
+  return test_results, test_epoch

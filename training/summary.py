@@ -5,6 +5,7 @@ global_batch_size, epochs, train_loss, val_loss (null without validation), test_
 (classification only), samples_per_sec_per_replica, compile_seconds, wall_seconds.
 """
 
+import math
 import os
 import sys
 
@@ -18,6 +19,74 @@ from run_config import RunConfig
 REQUIRED_KEYS = ("model", "backend", "replicas", "global_batch_size", "epochs", "train_loss",
                  "val_loss", "test_loss", "samples_per_sec_per_replica", "compile_seconds",
                  "wall_seconds")
+
+
+def build_summary(config: RunConfig, backend, info, splits, history: dict, test_results: dict, test_epoch,
+                  throughput, checkpointing, *, global_batch_size: int, first_epoch: int,
+                  wall_seconds: float, fit_seconds: float, weights_sha256: str,
+                  tensorflow_version: str) -> dict:
+  """The summary of a finished run, from its parts: what summary.yaml holds (REQUIRED_KEYS and more)."""
+  summary = {
+      "model": config.model,
+      "backend": backend.kind,
+      "replicas": backend.replicas,
+      "global_batch_size": global_batch_size,
+      "per_replica_batch_size": config.batch_size,
+      "gradient_accumulation": backend.gradient_accumulation,
+      "precision": backend.precision,
+      "epochs": config.epochs,
+      "first_epoch": first_epoch,
+      "steps_per_epoch": splits.train.steps,
+      "train_samples_per_epoch": splits.train.samples,
+      "train_loss": _last(history, "loss"),
+      "val_loss": _last(history, "val_loss"),
+      "test_loss": float(test_results["loss"]) if "loss" in test_results else None,
+      "test_weights_epoch": test_epoch,
+      "samples_per_sec_per_replica": throughput.samples_per_sec_per_replica,
+      "compile_seconds": throughput.compile_seconds,
+      "executable_from_cache": throughput.from_cache,
+      "wall_seconds": wall_seconds,
+      "seconds_per_epoch": _epoch_time_stats(history),
+      "wall_seconds_per_epoch": _epoch_time_stats(history, "epoch_wall_seconds"),
+      "fit_seconds": fit_seconds,
+      "best_val_loss": None if math.isinf(checkpointing.best_val_loss) else checkpointing.best_val_loss,
+      "best_val_epoch": checkpointing.best_epoch,
+      "final_lr": _last(history, "lr"),
+      "data_source": splits.source,
+      "devices": list(backend.devices),
+      "rank": backend.rank,
+      "world_size": backend.world_size,
+      "weights_sha256": weights_sha256,
+      "tensorflow_version": tensorflow_version,
+      "params": config.as_dict(),
+      "history": {key: [float(v) for v in values] for key, values in history.items()},
+      "full_history": _full_history(checkpointing.epoch_logs),
+  }
+  summary.update(splits.summary_extras)
+  if info.task == "classification":
+    summary["train_accuracy"] = _last(history, "accuracy")
+    summary["test_accuracy"] = float(test_results["accuracy"]) if "accuracy" in test_results else None
+  return summary
+
+
+def _last(history: dict, key: str):
+  values = history.get(key)
+  return float(values[-1]) if values else None
+
+
+def _epoch_time_stats(history: dict, key: str = "epoch_seconds"):
+  seconds = history.get(key, [])[1:]  # the first epoch carries the compilation
+  if not seconds:
+    return None
+  return [float(np.mean(seconds)), float(np.std(seconds))]
+
+
+def _full_history(epoch_logs: list) -> dict:
+  """Per-key lists over every epoch of the run since epoch 1, across resumes (None where missing)."""
+  keys = []
+  for entry in epoch_logs:
+    keys += [key for key in entry if key not in keys]
+  return {key: [entry.get(key) for entry in epoch_logs] for key in keys}
 
 
 def _plain(value):
