@@ -160,7 +160,8 @@ def chunk_rows_for(read_chunk: int, batch_rows: int) -> int:
   return max(1, read_chunk // batch_rows) * batch_rows
 
 
-def make_split(info, split, config, layout: BatchLayout, first_epoch, shuffle, max_steps) -> Split:
+def split_from_file(info, split: str, config, layout: BatchLayout, *, first_epoch: int, shuffle: bool,
+                    max_steps: int) -> Split:
   """The tf.data pipeline of one split, one contiguous block per replica."""
   num = info.splits[split].num_samples
   blocks = shard_blocks(num, layout.total_shards, layout.replica_rows, split)
@@ -246,7 +247,7 @@ def _synthetic_splits(config: RunConfig, layout: BatchLayout) -> Splits:
     shape, params, dtype, sizes = (1600, 4), 15, tf.float16, DEFAULT_SAMPLES
   element = synthetic.regression_element(shape, params, dtype, config.seed)
   def split(name, split_layout, max_steps):
-    return synthetic.make_split(element, split_layout, sizes[name], max_steps, name)
+    return synthetic.synthetic_split(element, split_layout, sizes[name], max_steps, name)
   return Splits(train=split("train", layout, config.steps_per_epoch),
                 validation=split("val", eval_layout(layout), config.eval_steps),
                 test=split("test", eval_layout(layout), config.eval_steps),
@@ -262,11 +263,14 @@ def load(config: RunConfig, layout: BatchLayout, first_epoch: int = 0) -> Splits
   logging.info("cellSpike file %s: %s; frames %s, %d parameters", info.path,
                ", ".join("%s %d (%s)" % (d, s.num_samples, s.dtype) for d, s in info.splits.items()),
                info.input_shape, info.num_params)
-  train = make_split(info, "train", config, layout, first_epoch, True, config.steps_per_epoch)
+  train = split_from_file(info, "train", config, layout, first_epoch=first_epoch, shuffle=True,
+                          max_steps=config.steps_per_epoch)
   return Splits(
       train=train,
-      validation=make_split(info, "val", config, eval_layout(layout), 0, False, config.eval_steps),
-      test=make_split(info, "test", config, eval_layout(layout), 0, False, config.eval_steps),
+      validation=split_from_file(info, "val", config, eval_layout(layout), first_epoch=0, shuffle=False,
+                                 max_steps=config.eval_steps),
+      test=split_from_file(info, "test", config, eval_layout(layout), first_epoch=0, shuffle=False,
+                           max_steps=config.eval_steps),
       source="cellSpike: " + info.path,
       input_shape=info.input_shape,
       num_outputs=info.num_params,

@@ -13,7 +13,7 @@ import numpy as np
 from absl import logging
 
 from data import idx, synthetic
-from data.splits import Arrays, BatchLayout, Splits, eval_layout, make_split
+from data.splits import Arrays, BatchLayout, Splits, eval_layout, split_from_arrays
 from errors import UserError
 from run_config import RunConfig
 
@@ -116,16 +116,16 @@ def load(config: RunConfig, layout: BatchLayout, first_epoch: int = 0) -> Splits
   del first_epoch  # tf.data's seeded reshuffle restarts with the process; MNIST runs do not resume.
   if config.synthetic_data:
     element = synthetic.classification_element((28, 28, 1), 10, config.seed)
-    return Splits(train=synthetic.make_split(element, layout, 60000, config.steps_per_epoch, "train"),
+    return Splits(train=synthetic.synthetic_split(element, layout, 60000, config.steps_per_epoch, "train"),
                   validation=None,
-                  test=synthetic.make_split(element, eval_layout(layout), 10000, config.eval_steps, "test"),
+                  test=synthetic.synthetic_split(element, eval_layout(layout), 10000, config.eval_steps, "test"),
                   source=synthetic.SOURCE, input_shape=(28, 28, 1), num_outputs=10)
   arrays, where = load_arrays(config)
   return Splits(
-      train=make_split(arrays["train"], layout, _normalise, shuffle=True, seed=config.seed,
+      train=split_from_arrays(arrays["train"], layout, _normalise, shuffle=True, seed=config.seed,
                        max_steps=config.steps_per_epoch, name="train"),
       validation=None,
-      test=make_split(arrays["test"], eval_layout(layout), _normalise, shuffle=False, seed=config.seed,
+      test=split_from_arrays(arrays["test"], eval_layout(layout), _normalise, shuffle=False, seed=config.seed,
                       max_steps=config.eval_steps, name="test"),
       source="mnist: " + where,
       input_shape=(28, 28, 1),

@@ -122,7 +122,7 @@ def count_steps(num_samples: int, step_rows: int, max_steps: int, name: str, mul
   return steps
 
 
-def make_split(arrays: Arrays, layout: BatchLayout, transform: Callable, shuffle: bool, seed: int,
+def split_from_arrays(arrays: Arrays, layout: BatchLayout, transform: Callable, shuffle: bool, seed: int,
                max_steps: int, name: str) -> Split:
   """Builds source -> shuffle -> batch(drop_remainder) -> transform -> take -> prefetch.
 

@@ -16,7 +16,7 @@ from data.splits import BatchLayout, Split, count_steps, without_autotune
 SOURCE = "synthetic (random batches made once, no file reads)"
 
 
-def make_split(make_element: Callable, layout: BatchLayout, num_samples: int, max_steps: int,
+def synthetic_split(make_element: Callable, layout: BatchLayout, num_samples: int, max_steps: int,
                name: str) -> Split:
   """A Split repeating one element made by `make_element(rows)`, with the real split's step count.
 

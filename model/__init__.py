@@ -2,7 +2,23 @@
 
 The registry is plain data so that `flags.py` can list the choices without importing TensorFlow (which
 must not start before `strategies.environment` has set its start-up variables). A builder module is
-imported only when a run asks for it. A new model is one module here plus one entry in `MODELS`.
+imported only when a run asks for it.
+
+Adding a model: one module here, one entry in `MODELS` (and, for new data, one loader in `data.DATASETS`).
+- The module (see `model/mnist.py`, the smallest) defines:
+  - `build(config, input_shape, num_outputs, **options) -> tf.keras.Model`, uncompiled. `input_shape`
+    and `num_outputs` come from the data's splits. `options` are the backend's model options (e.g.
+    the convolution options of `model/conv_layers.py`): a builder declares, as keyword parameters,
+    the ones it honours, and receives only those (`accepted_options`);
+  - `loss()` and `metrics()` for `compile`;
+  - optionally `STAGE_BOUNDARIES`, the names of the first layers of pipeline stages 2, 3, ... (IPU
+    pipelining and sharding split the model there; without it the model runs as one stage).
+- The output layer is built with `dtype="float32"`, so that under mixed precision the loss is computed
+  at full precision.
+- The `ModelInfo` entry names the module, its dataset (a key of `data.DATASETS`: a loader module with
+  `load(config, layout, first_epoch) -> data.splits.Splits`), its task ("classification" reports
+  accuracy, "regression" allows `--predict`), the banner title and the defaults of the flags that
+  are left unset (`flags.MODEL_DEFAULTED`). Set `uses_design` if `--design` picks its network.
 """
 
 import dataclasses

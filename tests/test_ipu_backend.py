@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import model
-from data.splits import Arrays, Splits, count_steps, eval_layout, make_split
+from data.splits import Arrays, Splits, count_steps, eval_layout, split_from_arrays
 from errors import UserError
 from run_config import RunConfig
 from strategies import ipu as ipu_backend
@@ -578,7 +578,7 @@ def _tiny_splits(backend, train_elements, eval_elements):
     return Arrays(x.numpy().reshape(-1, 3), y.numpy().reshape(-1, 1))
   layout = backend.layout(2)
   replicas = backend.local_replicas or backend.replicas
-  split = lambda data, split_layout, name: make_split(  # noqa: E731
+  split = lambda data, split_layout, name: split_from_arrays(  # noqa: E731
       data, split_layout, lambda x, y: (x, y), False, 7, 0, name)
   return Splits(train=split(arrays(train_elements, 2), layout, "train"),
                 validation=split(arrays(eval_elements * replicas, 2), eval_layout(layout), "val"),

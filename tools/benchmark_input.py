@@ -87,7 +87,7 @@ def time_pipeline(config, replicas: int, passes: int = 3) -> dict:
   from data.splits import BatchLayout  # pylint: disable=import-outside-toplevel
   info = cellspike.open_configured(config)
   layout = BatchLayout(replicas, config.batch_size)
-  split = cellspike.make_split(info, "train", config, layout, 0, True, 0)
+  split = cellspike.split_from_file(info, "train", config, layout, first_epoch=0, shuffle=True, max_steps=0)
   itemsize = info.splits["train"].dtype.itemsize
   bytes_per_sample = itemsize * (info.time_bins * info.num_probes + info.num_params)
   pull = _consumer(split.epochs_from(0))

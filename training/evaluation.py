@@ -175,7 +175,8 @@ def _eval_split(config: RunConfig, backend: Backend, split: str, max_samples: in
     batch = max(1, min(batch, max_samples // replicas))
   layout = eval_layout(backend.layout(batch))
   max_steps = max(1, max_samples // layout.step_rows) if max_samples else 0
-  data_split = cellspike.make_split(info, key, config, layout, 0, False, max_steps)
+  data_split = cellspike.split_from_file(info, key, config, layout, first_epoch=0, shuffle=False,
+                                        max_steps=max_steps)
   return info, data_split
 
 
