@@ -139,3 +139,17 @@ def test_a_mid_epoch_resume_needs_the_same_batch_layout(tmp_path):
   assert loop._resume_state(config, backend)["step"] == 39  # pylint: disable=protected-access
   with pytest.raises(UserError, match="global batch of 4 on 1 replica.*this run has 8 on 1"):
     loop._resume_state(dataclasses.replace(config, batch_size=8), backend)  # pylint: disable=protected-access
+
+
+def test_evaluation_takes_the_best_checkpoint_else_the_last(tmp_path):
+  with pytest.raises(UserError, match="has no checkpoint .*has the run finished an epoch"):
+    checkpoints_lib.best_or_last(str(tmp_path))
+  _, _, callback = toy_checkpoints(tmp_path)
+  callback.on_epoch_end(0, {"loss": 0.5, "val_loss": 0.4})   # best and last: epoch 1
+  callback.on_epoch_end(1, {"loss": 0.4, "val_loss": 0.6})   # last only: epoch 2
+  best = os.path.join(str(tmp_path), "checkpoints", "best", "ckpt-1")
+  assert checkpoints_lib.best_or_last(str(tmp_path)) == best
+  for name in os.listdir(os.path.dirname(best)):  # no best any more: the last one
+    os.remove(os.path.join(os.path.dirname(best), name))
+  assert checkpoints_lib.best_or_last(str(tmp_path)) == os.path.join(str(tmp_path), "checkpoints", "last",
+                                                                     "ckpt-2")

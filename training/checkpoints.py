@@ -336,6 +336,17 @@ def latest_for_restore(folder: str) -> str:
   return path
 
 
+def best_or_last(logdir: str) -> str:
+  """The checkpoint to evaluate a run with: the best-validation one, else the last one."""
+  for which in (BEST, LAST):
+    folder = os.path.join(logdir, "checkpoints", which)
+    names = read_index(folder)
+    if names and tf.io.gfile.exists(os.path.join(folder, names[-1]) + ".index"):
+      return os.path.join(folder, names[-1])
+  raise UserError("%s has no checkpoint (looked in checkpoints/best and checkpoints/last): has the run "
+                  "finished an epoch?" % logdir)
+
+
 def written_optimizer_format(path: str):
   """The optimizer family (training.optimizers.FORMATS) whose state checkpoint `path` holds, or None."""
   names = [name for name, _ in tf.train.list_variables(path)]

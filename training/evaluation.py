@@ -23,7 +23,6 @@ import time
 
 import numpy as np
 import tensorflow as tf
-import yaml
 from absl import logging
 
 import model as model_registry
@@ -99,16 +98,6 @@ def compute_metrics(truth: np.ndarray, prediction: np.ndarray, par_names) -> dic
 
 
 # --- Loading a run -----------------------------------------------------------------------------------
-
-def find_checkpoint(logdir: str) -> str:
-  """The checkpoint to evaluate: the best validation one, else the last one."""
-  for which in ("best", "last"):
-    path = tf.train.latest_checkpoint(os.path.join(logdir, "checkpoints", which))
-    if path:
-      return path
-  raise UserError("%s has no checkpoint (looked in checkpoints/best and checkpoints/last): has the run "
-                  "finished an epoch?" % logdir)
-
 
 def build_model(config: RunConfig, input_shape, num_outputs, backend: Backend) -> tf.keras.Model:
   """The run's network for inference on `backend`, built in its strategy's scope, uncompiled."""
@@ -215,7 +204,7 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
   for flag, folder in (("--outdir", outdir), ("--export_dir", export_dir)):
     if folder and os.path.exists(folder) and not os.path.isdir(folder):
       raise UserError("%s=%s is a file; expected a folder (created if missing)" % (flag, folder))
-  checkpoint = find_checkpoint(config.logdir)
+  checkpoint = checkpoints_lib.best_or_last(config.logdir)
   state = checkpoints_lib.peek_state(checkpoint, purpose="predict")
   info, data_split = _eval_split(config, backend, split, max_samples)
   net = build_model(config, info.input_shape, info.num_params, backend)
@@ -245,12 +234,12 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
       "predict_seconds": seconds,
   }
   results.update(compute_metrics(truth, prediction, info.par_names))
-  summary = read_summary(config.logdir)
+  summary = summary_lib.read_summary(config.logdir)
   results["train"] = {key: summary.get(key) for key in
                       ("epochs", "train_loss", "val_loss", "test_loss", "best_val_loss", "wall_seconds",
                        "replicas", "backend")} if summary else None
   os.makedirs(outdir, exist_ok=True)
-  files = [write_yaml(os.path.join(outdir, SUM_PRED), results)]
+  files = [summary_lib.write_yaml(os.path.join(outdir, SUM_PRED), results)]
   # U and Z themselves, for further analysis (rows in the order the model read them).
   np.savez(os.path.join(outdir, PREDICTIONS), truth=truth, prediction=prediction,
            par_names=np.array([str(name) for name in info.par_names]))
@@ -270,23 +259,6 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
 
 def _run_title(results: dict) -> str:
   return "%s/%s, run %s" % (results["model"], results["design"], os.path.basename(results["logdir"]))
-
-
-def read_summary(logdir: str) -> dict:
-  path = os.path.join(logdir, "summary.yaml")
-  if not os.path.isfile(path):
-    return {}
-  with open(path) as f:
-    content = yaml.safe_load(f)
-  return content if isinstance(content, dict) else {}
-
-
-def write_yaml(path: str, content: dict) -> str:
-  temporary = path + ".tmp"
-  with open(temporary, "w") as f:
-    yaml.safe_dump(summary_lib._plain(content), f, sort_keys=False)  # pylint: disable=protected-access
-  os.replace(temporary, path)
-  return path
 
 
 def format_table(results: dict) -> str:

@@ -105,14 +105,29 @@ def write_summary(logdir: str, summary: dict) -> str:
   missing = [key for key in REQUIRED_KEYS if key not in summary]
   if missing:
     raise ValueError("summary is missing contract keys: %s" % ", ".join(missing))
-  path = os.path.join(logdir, "summary.yaml")
+  return write_yaml(os.path.join(logdir, "summary.yaml"), summary)
+
+
+def write_yaml(path: str, content: dict) -> str:
+  """Writes `content` (numpy scalars as plain numbers) to `path` atomically: a temporary name, fsync,
+  rename. Returns `path`."""
   temporary = path + ".tmp"
   with open(temporary, "w") as f:
-    yaml.safe_dump(_plain(summary), f, sort_keys=False)
+    yaml.safe_dump(_plain(content), f, sort_keys=False)
     f.flush()
     os.fsync(f.fileno())
   os.replace(temporary, path)
   return path
+
+
+def read_summary(logdir: str) -> dict:
+  """`<logdir>/summary.yaml` as a dict; {} when the run has none (not finished) or it holds no mapping."""
+  path = os.path.join(logdir, "summary.yaml")
+  if not os.path.isfile(path):
+    return {}
+  with open(path) as f:
+    content = yaml.safe_load(f)
+  return content if isinstance(content, dict) else {}
 
 
 def _loss_line(name: str, loss, baseline) -> str:
@@ -168,12 +183,7 @@ def write_run_config(logdir: str, config) -> str:
   summary.yaml records the same under `params`, but only when training ends: this file lets
   `tools/predict.py` evaluate a run that is still going or was cut short, without repeating its flags.
   """
-  path = os.path.join(logdir, RUN_CONFIG_FILE)
-  temporary = path + ".tmp"
-  with open(temporary, "w") as f:
-    yaml.safe_dump(_plain(config.as_dict()), f, sort_keys=False)
-  os.replace(temporary, path)
-  return path
+  return write_yaml(os.path.join(logdir, RUN_CONFIG_FILE), config.as_dict())
 
 
 def read_run_config(logdir: str) -> dict:
