@@ -66,7 +66,7 @@ def test_poprun_script_maps_to_our_flags(tmp_path):
       "--ipus_per_replica=2", "--pipeline_stages=2"]
 
 
-@pytest.mark.parametrize("script", ["ipu.sbatch", "gpu.sbatch", "poprun.sh"])
+@pytest.mark.parametrize("script", ["ipu.sbatch", "gpu.sbatch", "poprun.sh", "scan.sbatch", "local_cluster.sh"])
 def test_slurm_scripts_are_valid_bash(script):
   subprocess.run(["bash", "-n", os.path.join(TOOLS, "slurm", script)], check=True)
 
@@ -78,3 +78,18 @@ def test_tensorboard_tunnel_prints_the_ssh_command(tmp_path):
   import socket  # pylint: disable=import-outside-toplevel
   assert "ssh -N -L 9998:%s:9998 ann@login.example.org" % socket.gethostname() in result.stdout
   assert "http://localhost:9998/" in result.stdout
+
+
+def test_local_cluster_writes_a_slurm_conf_for_this_node(tmp_path):
+  """The conf the one-node cluster runs on (tools/slurm/local_cluster.sh; `make test-slurm` starts it)."""
+  script = os.path.join(TOOLS, "slurm", "local_cluster.sh")
+  # The script's functions (everything above its `case` dispatcher), then write_conf alone.
+  subprocess.run(["bash", "-c", 'source <(sed "/^case /,\\$d" %s) && write_conf %s' % (script, tmp_path)],
+                 check=True)
+  conf = dict(line.split("=", 1) for line in (tmp_path / "slurm.conf").read_text().splitlines()
+              if "=" in line and not line.startswith("#") and not line.startswith(("NodeName", "PartitionName")))
+  assert conf["AuthInfo"] == "socket=%s/munge.socket" % tmp_path
+  assert conf["StateSaveLocation"] == "%s/state" % tmp_path and conf["ProctrackType"] == "proctrack/linuxproc"
+  assert "CPUs=%d" % len(os.sched_getaffinity(0)) in (tmp_path / "slurm.conf").read_text()
+  bad = subprocess.run([script, "frobnicate"], capture_output=True, text=True)
+  assert bad.returncode == 2 and "usage:" in bad.stderr
