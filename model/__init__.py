@@ -87,6 +87,17 @@ def accepted_options(builder, **options) -> dict:
   return {name: value for name, value in options.items() if name in parameters}
 
 
+def build_network(module, config, input_shape, num_outputs: int, model_options: dict):
+  """The uncompiled network of builder `module` (`get_model_module(config.model)`) for samples of
+  `input_shape`, with the backend's `model_options` that its builder accepts, and its pipeline
+  `STAGE_BOUNDARIES` (() if none).
+
+  Training, prediction and export all build through here (inside the backend's strategy scope)."""
+  net = module.build(config, tuple(input_shape), num_outputs,
+                     **accepted_options(module.build, **model_options))
+  return net, tuple(getattr(module, "STAGE_BOUNDARIES", ()))
+
+
 def get_model_module(name: str):
   """Imports and returns the builder module of model `name` (this imports TensorFlow)."""
   return importlib.import_module(get_model_info(name).module)

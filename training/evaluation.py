@@ -101,11 +101,10 @@ def compute_metrics(truth: np.ndarray, prediction: np.ndarray, par_names) -> dic
 
 def build_model(config: RunConfig, input_shape, num_outputs, backend: Backend) -> tf.keras.Model:
   """The run's network for inference on `backend`, built in its strategy's scope, uncompiled."""
-  module = model_registry.get_model_module(config.model)
   with backend.strategy.scope():
-    net = module.build(config, tuple(input_shape), num_outputs,
-                       **model_registry.accepted_options(module.build, **backend.model_options()))
-    return backend.inference_model(net, getattr(module, "STAGE_BOUNDARIES", ()))
+    net, boundaries = model_registry.build_network(model_registry.get_model_module(config.model), config,
+                                                   input_shape, num_outputs, backend.model_options())
+    return backend.inference_model(net, boundaries)
 
 
 def _checkpoint_model_shapes(path: str) -> list:

@@ -32,9 +32,8 @@ def plain_copy(net: tf.keras.Model, config: RunConfig, input_shape, num_outputs)
   """
   import model as model_registry  # pylint: disable=import-outside-toplevel
   with tf.distribute.get_strategy().scope():  # the default strategy: plain, single-device variables
-    builder = model_registry.get_model_module(config.model).build
-    plain = builder(config, tuple(input_shape), num_outputs,
-                    **model_registry.accepted_options(builder, standard_layers=True))
+    plain, _ = model_registry.build_network(model_registry.get_model_module(config.model), config,
+                                            input_shape, num_outputs, {"standard_layers": True})
   plain.set_weights(net.get_weights())
   return plain
 

@@ -64,9 +64,9 @@ def build_and_compile(config: RunConfig, backend: Backend, model_module, splits,
   gradient accumulation on IPUs, the accumulating train step on CPU/GPU.
   """
   with backend.strategy.scope():
-    net = model_module.build(config, splits.input_shape, splits.num_outputs,
-                             **model.accepted_options(model_module.build, **backend.model_options()))
-    net = backend.prepare_model(net, getattr(model_module, "STAGE_BOUNDARIES", ()))
+    net, boundaries = model.build_network(model_module, config, splits.input_shape, splits.num_outputs,
+                                          backend.model_options())
+    net = backend.prepare_model(net, boundaries)
     optimizer = make_optimizer(config.optimizer, config.learning_rate, backend.optimizer_factories(),
                                checkpoint_format, **backend.optimizer_kwargs())
     eval_steps = [split.steps for split in (splits.validation, splits.test) if split]
