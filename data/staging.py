@@ -42,9 +42,19 @@ def _free_bytes(folder: str) -> int:
   return shutil.disk_usage(folder).free
 
 
+def _row_bytes(dataset: h5py.Dataset) -> int:
+  return max(1, dataset.dtype.itemsize * int(np.prod(dataset.shape[1:])))
+
+
 def _needed_bytes(source: h5py.File, keys: tuple, start: int, stop: int) -> int:
-  return sum((stop - start) * source[key].dtype.itemsize * int(np.prod(source[key].shape[1:]))
-             for key in keys)
+  return sum((stop - start) * _row_bytes(source[key]) for key in keys)
+
+
+def _windows(dataset: h5py.Dataset, start: int, stop: int):
+  """Row ranges [first, last) of at most _COPY_BYTES each, covering [start, stop)."""
+  step = max(1, _COPY_BYTES // _row_bytes(dataset))
+  for first in range(start, stop, step):
+    yield first, min(first + step, stop)
 
 
 def stage_rows(path: str, keys: tuple, start: int, stop: int) -> str:
@@ -153,16 +163,16 @@ def _checksum(copy: h5py.File, keys: list) -> str:
   digest = hashlib.blake2b()
   for key in keys:
     dataset = copy[key]
-    step = max(1, _COPY_BYTES // max(1, dataset.dtype.itemsize * int(np.prod(dataset.shape[1:]))))
-    for first in range(0, dataset.shape[0], step):
-      digest.update(np.ascontiguousarray(dataset[first:first + step]).data)
+    for first, last in _windows(dataset, 0, dataset.shape[0]):
+      digest.update(np.ascontiguousarray(dataset[first:last]).data)
   return digest.hexdigest()
 
 
 def _copy(source: h5py.File, keys: tuple, start: int, stop: int, target_path: str, path: str,
           stamp: dict = None) -> str:
-  """Copies the rows into a new contiguous file; returns the checksum of the copied rows."""
-  digest = hashlib.blake2b()
+  """Copies the rows into a new contiguous file. With a `stamp` (node-local staging), the file is stamped
+  with it and the rows' checksum, which is returned; a temporary copy is not hashed."""
+  digest = hashlib.blake2b() if stamp is not None else None
   try:
     with h5py.File(target_path, "w") as target:
       for key in keys:
@@ -176,17 +186,15 @@ def _copy(source: h5py.File, keys: tuple, start: int, stop: int, target_path: st
                       "--stage_dir" % (folder, "/".join(keys), path)) from None
     raise UserError("%s: staging %s into %s failed (%s)" % (path, "/".join(keys), folder,
                                                            " ".join(str(error).split()))) from None
-  return digest.hexdigest()
+  return digest.hexdigest() if digest is not None else None
 
 
 def _copy_rows(dataset: h5py.Dataset, target: h5py.File, key: str, start: int, stop: int, digest) -> None:
   out = target.create_dataset(key, shape=(stop - start,) + dataset.shape[1:], dtype=dataset.dtype)
-  row_bytes = max(1, dataset.dtype.itemsize * int(np.prod(dataset.shape[1:])))
-  step = max(1, _COPY_BYTES // row_bytes)
-  for first in range(start, stop, step):
-    last = min(first + step, stop)
+  for first, last in _windows(dataset, start, stop):
     rows = np.ascontiguousarray(dataset[first:last])
-    digest.update(rows.data)
+    if digest is not None:
+      digest.update(rows.data)
     out[first - start:last - start] = rows
 
 
