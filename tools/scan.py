@@ -24,6 +24,9 @@ from absl import app
 from absl import flags
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from training.summary import write_yaml  # noqa: E402  pylint: disable=wrong-import-position
 MODES = ("serial", "slurm", "point", "report")
 FLAGS = flags.FLAGS
 
@@ -76,9 +79,7 @@ def save_grid(scan_dir: str, grid: dict) -> None:
                       "the same flags, or choose a fresh --scan_dir" % path)
     return
   os.makedirs(scan_dir, exist_ok=True)
-  with open(path + ".tmp", "w") as out:
-    yaml.safe_dump(grid, out, sort_keys=False)
-  os.replace(path + ".tmp", path)
+  write_yaml(path, grid)
 
 
 def load_grid(scan_dir: str) -> dict:
@@ -127,8 +128,8 @@ def run_point(scan_dir: str, grid: dict, point: dict) -> int:
   started = time.time()
   with open(log_path, "a") as log:
     returncode = subprocess.call(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-  with open(_status_path(scan_dir, point), "w") as out:
-    yaml.safe_dump({"returncode": returncode, "seconds": round(time.time() - started, 1)}, out)
+  write_yaml(_status_path(scan_dir, point), {"returncode": returncode,
+                                              "seconds": round(time.time() - started, 1)})
   print("point %d (%s): exit status %d" % (point["index"], point["name"], returncode), flush=True)
   return returncode
 
@@ -193,8 +194,7 @@ def report(scan_dir: str) -> int:
   best = min(finished, key=lambda row: row["best_val_loss"]) if finished else None
   table = {"points": rows, "best": best, "not_finished": [row["name"] for row in rows
                                                            if row["status"] != "finished"]}
-  with open(os.path.join(scan_dir, "scan.yaml"), "w") as out:
-    yaml.safe_dump(table, out, sort_keys=False)
+  write_yaml(os.path.join(scan_dir, "scan.yaml"), table)
   plot(rows, os.path.join(scan_dir, "scan.png"))
   print("%-24s %-9s %14s %10s" % ("point", "status", "best val loss", "test loss"))
   for row in rows:
