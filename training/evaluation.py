@@ -252,7 +252,8 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
   if export_dir:
     from training import export as export_lib  # pylint: disable=import-outside-toplevel
     files.append(export_lib.export_saved_model(net, config, info.input_shape, info.num_params,
-                                               export_dir, par_names=info.par_names))
+                                               export_dir, par_names=info.par_names,
+                                               model_options=backend.model_options()))
   return Evaluation(results=results, truth=truth, prediction=prediction, files=files)
 
 

@@ -4,9 +4,13 @@
     loaded = tf.saved_model.load("EXPORT_DIR")
     z = loaded.signatures["serving_default"](frames=tf.constant(x, tf.float32))["conductances"]
 
-The exported network is rebuilt with standard Keras layers only, under the precision policy the
-application computed with (float32, or mixed 16-bit for `--precision=16.32`, so that the export gives
-the application's predictions exactly), and the trained weights are copied in: float32 in, float32 out,
+The exported network is rebuilt outside any strategy with the same layers and the same backend options
+(convolution forms, channel padding) as the model it copies, under the precision policy the application
+computed with (float32, or mixed 16-bit for `--precision=16.32`), and the trained weights are copied in,
+so that it gives the application's predictions exactly. (Standard Keras layers would not: on CPUs with
+16-bit units oneDNN fuses a Conv1D's bias into the convolution and rounds once, so their bfloat16 results
+differ in the last bits.) The graph is saved, not the Python classes: loading needs none of this code.
+Float32 in, float32 out,
 inference graph (dropout off, BatchNorm moving statistics). The serving signature takes `frames` of shape (batch, time bins,
 probes) and returns `conductances` (batch, parameters) in the training targets' units (u*). The
 parameter names travel with it as `loaded.par_names()` (and in `export_info.yaml` beside the model).
@@ -24,24 +28,26 @@ SIGNATURE_INPUT = "frames"
 SIGNATURE_OUTPUT = "conductances"
 
 
-def plain_copy(net: tf.keras.Model, config: RunConfig, input_shape, num_outputs) -> tf.keras.Model:
+def plain_copy(net: tf.keras.Model, config: RunConfig, input_shape, num_outputs,
+               model_options=None) -> tf.keras.Model:
   """The same network rebuilt outside any strategy (and any IPU layer swap), with `net`'s weights.
 
-  It is built under the global precision policy in effect, the one `net` was built under, so it
-  computes exactly as the application does.
+  It is built with the `model_options` `net` was built with (the backend's) and under the global
+  precision policy in effect, the one `net` was built under, so it computes exactly as `net` does.
   """
   import model as model_registry  # pylint: disable=import-outside-toplevel
   with tf.distribute.get_strategy().scope():  # the default strategy: plain, single-device variables
     plain, _ = model_registry.build_network(model_registry.get_model_module(config.model), config,
-                                            input_shape, num_outputs, {"standard_layers": True})
+                                            input_shape, num_outputs, model_options or {})
   plain.set_weights(net.get_weights())
   return plain
 
 
 def export_saved_model(net: tf.keras.Model, config: RunConfig, input_shape, num_outputs, export_dir: str,
-                       par_names=()) -> str:
-  """Writes the SavedModel of `net` (float32 in and out) into `export_dir`; returns the folder."""
-  plain = plain_copy(net, config, input_shape, num_outputs)
+                       par_names=(), model_options=None) -> str:
+  """Writes the SavedModel of `net` (built with `model_options`; float32 in and out) into `export_dir`;
+  returns the folder."""
+  plain = plain_copy(net, config, input_shape, num_outputs, model_options)
 
   @tf.function(input_signature=[tf.TensorSpec((None,) + tuple(input_shape), tf.float32,
                                               name=SIGNATURE_INPUT)])
