@@ -138,11 +138,15 @@ def _unwritable(folder: str, error: OSError) -> UserError:
                    "a node-local disk such as /local/$USER" % (folder, error.strerror or error))
 
 
+def _size(count: int) -> str:
+  return "%.2f GB" % (count / 1e9) if count >= 1e9 else "%.1f MB" % (count / 1e6)
+
+
 def _check_space(path: str, keys: tuple, needed: int, folder: str, what_to_do: str) -> None:
   free = _free_bytes(folder)
   if needed > free:
-    raise UserError("%s: staging %s needs %.2f GB but %s has %.2f GB free; %s"
-                    % (path, "/".join(keys), needed / 1e9, folder, free / 1e9, what_to_do))
+    raise UserError("%s: staging %s needs %s but %s has %s free; %s"
+                    % (path, "/".join(keys), _size(needed), folder, _size(free), what_to_do))
 
 
 def _stale_reason(staged: str, identity: dict):
