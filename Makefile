@@ -9,7 +9,7 @@ RUN_ARGS ?=
 REFERENCE_VENV ?= .venv-torch
 PYTHON38 ?= $(shell for p in $$HOME/.pyenv/versions/3.8*/bin/python python3.8; do $$p -c "import sys; assert sys.version_info[:2] == (3, 8)" 2>/dev/null && { echo $$p; break; }; done)
 
-.PHONY: install run test test-slurm test-tf26 bench bench-reference parity print-python38 clean
+.PHONY: install run test test-unit test-slurm test-tf26 bench bench-reference parity print-python38 clean
 
 install: $(VENV)/.installed-$(BACKEND)
 
@@ -25,11 +25,15 @@ run: install
 test: install $(REFERENCE_VENV)/.installed
 	$(PY) -m pytest -q
 
+# The fast tier: everything but tests/e2e (which runs main.py and the tools as processes, as a user does).
+test-unit: install
+	$(PY) -m pytest -q --ignore=tests/e2e
+
 # The job scripts on a real one-node Slurm on localhost (tools/slurm/local_cluster.sh), which it installs
 # with apt-get when missing (root). Where it cannot, one line says the Slurm tests did not run.
 test-slurm: install
 	@reason=$$(tools/slurm/local_cluster.sh install 2>&1) || { echo "test-slurm: the Slurm tests did NOT run: $$(echo "$$reason" | tail -1)"; exit 0; }
-	$(PY) -m pytest -q -m slurm tests/test_slurm.py
+	$(PY) -m pytest -q -m slurm tests/e2e/test_slurm.py
 
 # The reference PyTorch model for side-by-side benchmarks, always on the default python3 (its wheel).
 bench-reference: $(REFERENCE_VENV)/.installed

@@ -20,8 +20,8 @@ from errors import UserError
 from model.designs import DESIGNS
 from run_config import RunConfig
 from strategies import pipeline_rules
+from strategies.registry import CHOICES as BACKENDS
 
-BACKENDS = ("auto", "cpu", "gpu", "ipu")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("grouped", "interleaved", "sequential")
 LR_SCHEDULES = ("plateau", "cosine")

@@ -23,9 +23,10 @@ def train_and_evaluate(config) -> dict:
   run's summary; a problem is a UserError."""
   # TensorFlow is imported only now, after its start-up environment is set.
   with environment.quiet_cuda_probe(config):
-    from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
+    from strategies.select import resolve, select_backend  # pylint: disable=import-outside-toplevel
+    config = resolve(config)  # --backend and --precision settled: what run_config.yaml and summary.yaml record
     backend = select_backend(config)
-  from training.evaluation import report  # pylint: disable=import-outside-toplevel
+  from analysis.evaluation import report  # pylint: disable=import-outside-toplevel
   from training.loop import run  # pylint: disable=import-outside-toplevel
   from training.summary import closing_report  # pylint: disable=import-outside-toplevel
   summary = run(config, backend)

@@ -13,13 +13,15 @@ import tensorflow as tf
 
 from data.splits import BatchLayout
 from run_config import RunConfig
-from strategies import accumulation
+from strategies import accumulation, environment
 
 
 def options_from_config(config: RunConfig) -> dict:
-  """The Backend fields that come straight from the run configuration."""
+  """The Backend fields that come straight from the run configuration (its precision resolved) and
+  from the start-up environment (the executable cache, strategies/environment.py)."""
   return {"replicas": config.replicas, "gradient_accumulation": config.gradient_accumulation,
-          "steps_per_execution": config.steps_per_execution or 1, "jit_compile": config.jit_compile}
+          "steps_per_execution": config.steps_per_execution or 1, "jit_compile": config.jit_compile,
+          "precision": config.precision, "cache_dir": environment.executable_cache_dir(config.backend)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +64,10 @@ class Backend:
     where this hardware cannot. Several CPU/GPU workers: the default strategy on the first device."""
     if self.world_size == 1:
       return self
-    return Backend(self.kind, tf.distribute.get_strategy(), tuple(self.devices[:1]))
+    fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(Backend)}
+    fields.update(strategy=tf.distribute.get_strategy(), devices=tuple(self.devices[:1]), replicas=1,
+                  gradient_accumulation=1, steps_per_execution=1)
+    return Backend(**fields)  # the same precision and hardware choices, on one device
 
   def any_process(self, flag: bool) -> bool:
     """Whether `flag` is set in any process of the run (a collective every process must reach)."""

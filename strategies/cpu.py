@@ -8,7 +8,16 @@ import tensorflow as tf
 
 from errors import UserError
 from run_config import RunConfig
+from strategies import device_pipelines, multiworker
 from strategies.backend import Backend, options_from_config
+
+# Keras policies per --precision: this CPU family computes 16-bit in bfloat16 (AVX-512 BF16 / AMX) and
+# has no fast float16.
+POLICIES = {"32.32": "float32", "16.32": "mixed_bfloat16", "16.16": "bfloat16"}
+
+
+def present() -> bool:
+  return True  # every machine has one: --backend=auto's last resort
 
 
 def _cpu_flags() -> set:
@@ -24,6 +33,11 @@ def has_bfloat16_units() -> bool:
   """Whether this CPU does bfloat16 arithmetic natively (AMX or AVX-512 BF16), from /proc/cpuinfo."""
   flags = _cpu_flags()
   return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def has_16bit_units() -> bool:
+  """Whether --precision=auto means mixed bfloat16 here: the units, and TensorFlow kernels for them."""
+  return has_bfloat16_units() and bfloat16_kernels_available()
 
 
 def bfloat16_kernels_available() -> bool:
@@ -79,19 +93,24 @@ def _ensure_logical_cpus(count: int) -> list:
 
 
 def create(config: RunConfig) -> Backend:
-  """Returns a CPU backend with `config.replicas` data-parallel replicas."""
-  replicas = config.replicas
+  """Returns a CPU backend with `config.replicas` data-parallel replicas (in this process), or one
+  worker's share of a multi-worker run when this process is one of several."""
   try:
     tf.config.set_visible_devices([], "GPU")  # A CPU run must not grab GPU memory or place ops there.
   except RuntimeError:
     pass
-  if replicas == 1:
+  device_pipelines.apply()
+  fields = dict(options_from_config(config), **conv_options(config.precision))
+  source = multiworker.cluster_source()
+  if source:
+    return multiworker.create(config, "cpu", source, **fields)
+  if config.replicas == 1:
     # The default strategy, not OneDeviceStrategy: on a 2-core AMD EPYC, Keras' fit ran the same
     # ontra4 step 1.35x slower under OneDeviceStrategy (and under a one-device MirroredStrategy), every
     # kernel stretched alike (docs/PERFORMANCE.md); one CPU has nothing to distribute.
-    return Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",), **options_from_config(config))
-  devices = _ensure_logical_cpus(replicas)
+    return Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",), **fields)
+  devices = _ensure_logical_cpus(config.replicas)
   # NCCL does not exist on CPU; reducing through one device is the CPU all-reduce.
   strategy = tf.distribute.MirroredStrategy(
       devices=devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
-  return Backend("cpu", strategy, tuple(devices), **options_from_config(config))
+  return Backend("cpu", strategy, tuple(devices), **fields)

@@ -4,11 +4,26 @@ import tensorflow as tf
 
 from errors import UserError
 from run_config import RunConfig
+from strategies import device_pipelines, multiworker
 from strategies.backend import Backend, options_from_config
+
+POLICIES = {"32.32": "float32", "16.32": "mixed_float16", "16.16": "float16"}
 
 
 def visible_gpus() -> list:
   return tf.config.list_physical_devices("GPU")
+
+
+def present() -> bool:
+  return bool(visible_gpus())
+
+
+def check_precision(precision: str) -> None:
+  del precision  # CUDA TensorFlow computes every --precision
+
+
+def has_16bit_units() -> bool:
+  return has_tensor_cores()
 
 
 def has_tensor_cores() -> bool:
@@ -19,7 +34,12 @@ def has_tensor_cores() -> bool:
 
 
 def create(config: RunConfig) -> Backend:
-  """Returns a GPU backend with one replica per GPU; a UserError if too few GPUs are visible."""
+  """Returns a GPU backend with one replica per GPU, or one worker's share of a multi-worker run; a
+  UserError if too few GPUs are visible."""
+  device_pipelines.apply()
+  source = multiworker.cluster_source()
+  if source:
+    return multiworker.create(config, "gpu", source, **options_from_config(config))
   replicas = config.replicas
   gpus = visible_gpus()
   if len(gpus) < replicas:

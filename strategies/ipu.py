@@ -34,6 +34,7 @@ from absl import logging
 from data.splits import BatchLayout
 from errors import UserError
 from run_config import RunConfig
+from strategies import environment
 from strategies.backend import Backend
 from strategies.pipeline_rules import ipu_count_problem, pipeline_overlap, pipeline_problem, stage_devices
 
@@ -53,8 +54,25 @@ def import_ipu():
     return None
 
 
+# IPUs compute 16-bit in float16.
+POLICIES = {"32.32": "float32", "16.32": "mixed_float16", "16.16": "float16"}
+
+
 def graphcore_tensorflow_available() -> bool:
   return import_ipu() is not None
+
+
+def present() -> bool:
+  """Whether --backend=auto takes the IPUs: Graphcore's TensorFlow is installed and IPUs are reachable."""
+  return graphcore_tensorflow_available() and ipus_present()
+
+
+def has_16bit_units() -> bool:
+  return True  # every IPU computes float16 natively
+
+
+def check_precision(precision: str) -> None:
+  del precision  # the IPU computes every --precision
 
 
 def ipus_present() -> bool:
@@ -397,6 +415,7 @@ def create(config: RunConfig) -> IPUBackend:
       pipeline_schedule=config.pipeline_schedule, ipus_per_replica=config.ipus_per_replica,
       requested_steps_per_execution=config.steps_per_execution,
       sums_replica_gradients=popdist is None, precision=config.precision,
+      cache_dir=environment.executable_cache_dir("ipu"),
       local_replicas=popdist.getNumLocalReplicas() if popdist else 0,
       rank=popdist.getInstanceIndex() if popdist else 0,
       world_size=popdist.getNumInstances() if popdist else 1)

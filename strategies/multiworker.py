@@ -23,7 +23,7 @@ from data.splits import BatchLayout
 from errors import UserError
 from run_config import RunConfig
 from strategies import slurm_cluster
-from strategies.backend import Backend, options_from_config
+from strategies.backend import Backend
 
 
 def cluster_source():
@@ -129,10 +129,10 @@ def _finish_collective_threads(strategy, timeout: float = 10.0) -> None:
       logging.warning("Could not stop the all-reduce threads: %s", error)
 
 
-def create(config: RunConfig, kind: str, source: str) -> MultiWorkerBackend:
-  """A multi-worker backend over the cluster described by `source`; local devices of `kind`."""
-  if kind == "cpu":
-    tf.config.set_visible_devices([], "GPU")
+def create(config: RunConfig, kind: str, source: str, **fields) -> MultiWorkerBackend:
+  """A multi-worker backend over the cluster described by `source`; local devices of `kind`; `fields`
+  are the calling backend's `Backend` fields (options and hardware choices), its replicas replaced by
+  the cluster's."""
   resolver = _resolver(source, kind)
   options = tf.distribute.experimental.CommunicationOptions(
       implementation=tf.distribute.experimental.CommunicationImplementation.NCCL if kind == "gpu"
@@ -148,7 +148,7 @@ def create(config: RunConfig, kind: str, source: str) -> MultiWorkerBackend:
                     % (config.replicas, world, total // world, total))
   logging.info("Multi-worker run (%s): rank %d of %d%s, %d replica(s) here, %d in total", source, rank,
                world, " (chief)" if rank == 0 else "", total // world, total)
-  fields = dict(options_from_config(config), replicas=total)
+  fields = dict(fields, replicas=total)
   return MultiWorkerBackend(kind=kind, strategy=strategy, devices=tuple(
       d.name for d in tf.config.list_logical_devices("GPU" if kind == "gpu" else "CPU")[:total // world]),
                             rank=rank, world_size=world, local_replicas=total // world, **fields)

@@ -1,34 +1,48 @@
-"""`select_backend(config)`: the one function that turns a run config into a `Backend`."""
+"""`select_backend(config)`: the one function that turns a run config into a `Backend`.
+
+A plain dispatcher over `strategies/registry.py`: `resolve` settles `--backend=auto` and
+`--precision=auto` from what the chosen backend's module says of its hardware, before anything is
+built; then that module creates the backend, and its Keras policy for the precision is set.
+"""
 
 import dataclasses
+import importlib
 
 import tensorflow as tf
 from absl import logging
 
 from errors import UserError
 from run_config import RunConfig
-from strategies import cpu, device_pipelines, environment, gpu, ipu, multiworker
 from strategies.backend import Backend
+from strategies.registry import BACKENDS
 
-_CREATORS = {"cpu": cpu.create, "gpu": gpu.create, "ipu": ipu.create}
-# Keras policies per --precision: IPUs and GPUs compute in float16; this CPU family has bfloat16
-# arithmetic (AVX-512 BF16 / AMX) but no fast float16.
-_POLICIES = {
-    "32.32": {"cpu": "float32", "gpu": "float32", "ipu": "float32"},
-    "16.32": {"cpu": "mixed_bfloat16", "gpu": "mixed_float16", "ipu": "mixed_float16"},
-    "16.16": {"cpu": "bfloat16", "gpu": "float16", "ipu": "float16"},
-}
+
+def backend_module(kind: str):
+  """The module of backend `kind` (a name of strategies/registry.py)."""
+  if kind not in BACKENDS:
+    raise UserError("unknown backend %r; valid backends: auto, %s" % (kind, ", ".join(BACKENDS)))
+  return importlib.import_module(BACKENDS[kind])
 
 
 def resolve_kind(requested: str) -> str:
-  """Maps "auto" to the best backend present: IPU, then GPU, then CPU."""
+  """Maps "auto" to the first backend of the registry present here (IPU, then GPU, then CPU)."""
   if requested != "auto":
     return requested
-  if ipu.graphcore_tensorflow_available() and ipu.ipus_present():
-    return "ipu"
-  if gpu.visible_gpus():
-    return "gpu"
-  return "cpu"
+  return next(kind for kind in BACKENDS if backend_module(kind).present())
+
+
+def resolve_precision(requested: str, kind: str) -> str:
+  """--precision=auto: mixed 16-bit where the processor has 16-bit arithmetic units, else float32."""
+  if requested != "auto":
+    return requested
+  return "16.32" if backend_module(kind).has_16bit_units() else "32.32"
+
+
+def resolve(config: RunConfig) -> RunConfig:
+  """`config` with its backend and precision settled: never "auto" from here on (run_config.yaml and
+  summary.yaml record these)."""
+  kind = resolve_kind(config.backend)
+  return dataclasses.replace(config, backend=kind, precision=resolve_precision(config.precision, kind))
 
 
 def keras_version() -> str:
@@ -47,17 +61,9 @@ def check_keras_2() -> None:
                     "set TF_USE_LEGACY_KERAS=1 before TensorFlow is imported" % version)
 
 
-def resolve_precision(requested: str, kind: str) -> str:
-  """--precision=auto: mixed 16-bit where the processor has 16-bit arithmetic units, else float32."""
-  if requested != "auto":
-    return requested
-  native = {"ipu": lambda: True, "gpu": gpu.has_tensor_cores,
-            "cpu": lambda: cpu.has_bfloat16_units() and cpu.bfloat16_kernels_available()}[kind]()
-  return "16.32" if native else "32.32"
-
-
 def set_precision(precision: str, kind: str) -> str:
-  policy = _POLICIES[precision][kind]
+  """Sets the Keras policy of `precision` on backend `kind`; returns its name."""
+  policy = backend_module(kind).POLICIES[precision]
   tf.keras.mixed_precision.set_global_policy(policy)
   return policy
 
@@ -65,24 +71,14 @@ def set_precision(precision: str, kind: str) -> str:
 def select_backend(config: RunConfig) -> Backend:
   """Returns the backend for `config.backend` with `config.replicas` data-parallel replicas."""
   check_keras_2()
-  kind = resolve_kind(config.backend)
-  if kind not in _CREATORS:
-    raise UserError("unknown backend %r; valid backends: auto, %s" % (kind, ", ".join(_CREATORS)))
-  source = multiworker.cluster_source() if kind in ("cpu", "gpu") else None
-  if kind in ("cpu", "gpu"):
-    device_pipelines.apply()
-  backend = multiworker.create(config, kind, source) if source else _CREATORS[kind](config)
-  precision = resolve_precision(config.precision, kind)
-  hardware = {}
-  if kind == "cpu":
-    cpu.check_precision(precision)
-    hardware = cpu.conv_options(precision)
-  backend = dataclasses.replace(backend, cache_dir=environment.executable_cache_dir(kind), precision=precision,
-                                **hardware)
-  policy = set_precision(precision, kind)
+  config = resolve(config)
+  module = backend_module(config.backend)
+  module.check_precision(config.precision)
+  backend = module.create(config)
+  policy = set_precision(config.precision, config.backend)
   logging.info("Backend %s, %d replica(s) on %s (TensorFlow %s, Keras %s, precision %s)", backend.label,
                backend.replicas, ", ".join(backend.devices), tf.__version__, keras_version(), policy)
-  if kind != "ipu" and config.pipeline_stages > 1:
+  if config.backend != "ipu" and config.pipeline_stages > 1:
     logging.info("Pipeline stages place the model on several IPUs; on %s the model runs whole, with the "
                  "same gradient accumulation (%d micro-batches per step)", backend.label,
                  backend.gradient_accumulation)

@@ -1,6 +1,6 @@
 """The worker cluster of a Slurm job step, as a tf.distribute cluster resolver.
 
-TensorFlow's own `SlurmClusterResolver` was tried on a real Slurm (tests/test_slurm.py) and does not
+TensorFlow's own `SlurmClusterResolver` was tried on a real Slurm (tests/e2e/test_slurm.py) and does not
 fit a CPU run: without `nvidia-smi` it fails; with no GPUs its port/GPU pairing has a zero step
 (`range(0, 0, 0)`), and any GPU count it is given becomes `num_accelerators`, which
 MultiWorkerMirroredStrategy then uses to place replicas on GPUs. Its fixed port 8888 also collides when

@@ -1,14 +1,10 @@
 """Gradient accumulation on CPU: the same mathematics as one large batch."""
 
-import os
-
 import numpy as np
 import pytest
 import tensorflow as tf
-import yaml
 
 from strategies.accumulation import accumulated_gradients, with_accumulation
-from tests.helpers import run_main
 
 
 def _model():
@@ -47,16 +43,3 @@ def test_one_accumulated_step_equals_one_large_batch_step():
     weights[name] = net.get_weights()
   for a, b in zip(weights["large"], weights["accumulated"]):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-
-
-def test_main_with_accumulation_reports_the_effective_batch(tmp_path):
-  logdir = str(tmp_path / "run")
-  result = run_main("--model=mnist", "--backend=cpu", "--replicas=2", "--batch_size=8",
-                    "--gradient_accumulation=4", "--epochs=1", "--steps_per_epoch=5", "--eval_steps=2",
-                    "--logdir=" + logdir)
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert "Global batch 64 = 8 per replica x 4 gradient accumulation x 2 replicas" in result.stderr
-  with open(os.path.join(logdir, "summary.yaml")) as f:
-    summary = yaml.safe_load(f)
-  assert summary["global_batch_size"] == 64 and summary["gradient_accumulation"] == 4
-  assert summary["train_samples_per_epoch"] == 5 * 64

@@ -8,7 +8,7 @@ import pytest
 
 from data import cellspike_file
 from errors import UserError
-from tests.cellspike_files import write_cellspike, write_meta_yaml
+from tests.support.cellspike_files import write_cellspike, write_meta_yaml
 
 
 def _edit(path, key, data):

@@ -12,7 +12,7 @@ from data import cellspike, hdf5_native
 from data.splits import BatchLayout
 from errors import UserError
 from run_config import RunConfig
-from tests.cellspike_files import write_cellspike, write_row_marked
+from tests.support.cellspike_files import write_cellspike, write_row_marked
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

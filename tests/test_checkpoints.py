@@ -1,6 +1,7 @@
 """Checkpoints: a diverged epoch never replaces the last good one; saves are atomic and keep the last two."""
 
 import dataclasses
+import errno
 import math
 import os
 
@@ -13,17 +14,7 @@ from training import checkpoints as checkpoints_lib
 from training import optimizers
 from training.checkpoints import CheckpointCallback, RunCheckpoints, read_index
 from training.lr_schedule import LearningRateSchedule
-
-
-def toy_checkpoints(tmp_path, optimizer="adam"):
-  """A trained toy model, its RunCheckpoints in `tmp_path`, and the checkpoint callback bound to it."""
-  net = tf.keras.Sequential([tf.keras.layers.Dense(2, input_shape=(3,))])
-  net.compile(optimizer=optimizer, loss="mse")
-  net.fit(np.zeros((4, 3)), np.zeros((4, 2)), verbose=0)
-  checkpoints = RunCheckpoints(str(tmp_path), net, {"model": "toy"})
-  callback = CheckpointCallback(checkpoints, LearningRateSchedule(1e-3, 0, 0.1, 1, 0))
-  callback.set_model(net)
-  return net, checkpoints, callback
+from tests.support.training_parts import readable_state, toy_checkpoints
 
 
 def test_nan_epoch_is_not_saved(tmp_path):
@@ -153,3 +144,54 @@ def test_evaluation_takes_the_best_checkpoint_else_the_last(tmp_path):
     os.remove(os.path.join(os.path.dirname(best), name))
   assert checkpoints_lib.best_or_last(str(tmp_path)) == os.path.join(str(tmp_path), "checkpoints", "last",
                                                                      "ckpt-2")
+
+
+def _enospc(*args, **kwargs):
+  raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("where", ["fsync", "staging", "tensorflow", "index"])
+def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, where):
+  net, checkpoints, callback = toy_checkpoints(tmp_path)
+  callback.on_epoch_end(0, {"loss": 0.5, "val_loss": 0.4})
+  folder = checkpoints.folder("last")
+  before = {name: open(os.path.join(folder, name), "rb").read() for name in os.listdir(folder)}
+  if where == "fsync":        # delayed allocation: ENOSPC surfaces when the data is flushed
+    monkeypatch.setattr(checkpoints_lib, "_fsync", _enospc)
+    reason = "No space left on device"
+  elif where == "staging":    # an unwritable folder (chmod has no effect for root, so simulated)
+    def _denied(*args, **kwargs):
+      raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    monkeypatch.setattr(checkpoints_lib.tempfile, "mkdtemp", _denied)
+    reason = "Permission denied"
+  elif where == "tensorflow":  # TensorFlow's own writer runs out of space
+    def _full(self, prefix, options=None):
+      with open(prefix + ".data-00000-of-00001", "wb") as f:
+        f.write(b"\0" * 100)
+      raise tf.errors.ResourceExhaustedError(None, None, "%s; No space left on device" % prefix)
+    monkeypatch.setattr(tf.train.Checkpoint, "write", _full)
+    reason = "No space left on device"
+  else:                        # the index rewrite fails after the files are in place
+    real = tf.io.gfile.GFile
+
+    def _index_full(path, mode="r"):
+      if os.path.basename(path).startswith("checkpoint.tmp") and "w" in mode:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+      return real(path, mode)
+    monkeypatch.setattr(checkpoints_lib.tf.io.gfile, "GFile", _index_full)
+    reason = "No space left on device"
+  with pytest.raises(checkpoints_lib.CheckpointSaveError) as error:
+    callback.on_epoch_end(1, {"loss": 0.4, "val_loss": 0.45})
+  monkeypatch.undo()
+  message = str(error.value)
+  assert isinstance(error.value, UserError) and "\n" not in message
+  assert reason in message and os.path.join(folder, "ckpt-2") in message
+  assert "previous checkpoint %s is intact" % os.path.join(folder, "ckpt-1") in message
+  assert read_index(folder) == ["ckpt-1"]
+  for name, content in before.items():
+    assert open(os.path.join(folder, name), "rb").read() == content
+  assert not [name for name in os.listdir(folder) if name.startswith(".saving-")]
+  readable_state(os.path.join(folder, "ckpt-1"))
+  # The next save, with space again, works and cleans up.
+  callback.on_epoch_end(2, {"loss": 0.3, "val_loss": 0.2})
+  assert read_index(folder) == ["ckpt-1", "ckpt-3"]

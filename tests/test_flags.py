@@ -9,7 +9,7 @@ from absl.testing import flagsaver
 
 import flags
 from run_config import RunConfig
-from tests.helpers import REPO_ROOT, assert_one_line_error, run_main
+from tests.support.helpers import REPO_ROOT, assert_one_line_error, run_main
 
 flags.define_flags()
 FLAGS = absl_flags.FLAGS

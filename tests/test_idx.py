@@ -8,7 +8,7 @@ import pytest
 
 from data import idx
 from errors import UserError
-from tests.idx_files import write_idx
+from tests.support.idx_files import write_idx
 
 
 @pytest.mark.parametrize("compress", [False, True])

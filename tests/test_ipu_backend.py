@@ -16,8 +16,8 @@ from data.splits import Arrays, Splits, count_steps, eval_layout, split_from_arr
 from errors import UserError
 from run_config import RunConfig
 from strategies import ipu as ipu_backend
-from tests import fake_ipu
-from tests.helpers import REPO_ROOT
+from tests.support import fake_ipu
+from tests.support.helpers import REPO_ROOT
 
 
 def _config(**kwargs):
@@ -335,7 +335,7 @@ def test_pipelined_evaluation_splits_are_trimmed_to_the_inference_pipeline_depth
 
 def test_prediction_places_the_model_as_training_does(monkeypatch):
   """An unpipelined model counts as one IPU per replica (extensions_base.py _get_shard_count)."""
-  from training import evaluation  # pylint: disable=import-outside-toplevel
+  from analysis import evaluation  # pylint: disable=import-outside-toplevel
   fake_ipu.install(monkeypatch)
   backend = ipu_backend.create(_config(ipus_per_replica=2, pipeline_stages=2, gradient_accumulation=8))
   evaluation.build_model(_config(), (1600, 4), 15, backend)
@@ -352,7 +352,7 @@ def test_prediction_places_the_model_as_training_does(monkeypatch):
     ("2.6", 2, 1, False)])
 def test_replicated_metrics_are_averaged_where_ipu_keras_can(monkeypatch, sdk, replicas, stages, reduced):
   """SDK 3.1+ defaults to ReplicatedMetricReductionMethod.NONE (the last replica's values)."""
-  from training import evaluation  # pylint: disable=import-outside-toplevel
+  from analysis import evaluation  # pylint: disable=import-outside-toplevel
   fake_ipu.install(monkeypatch, sdk=sdk)
   config = _config(replicas=replicas, ipus_per_replica=stages, pipeline_stages=stages,
                    gradient_accumulation=8)
@@ -619,7 +619,7 @@ def test_reported_losses_are_all_replicas_or_the_log_says_otherwise(monkeypatch,
 def test_prediction_returns_every_replicas_samples_in_order(monkeypatch):
   """extensions_util.py `merge_into_batch_dimension`; and MEAN, which the application never sets on an
   inference model, would average the replicas' predictions (SDK 3.1+ `_reduce_metric`)."""
-  from training import evaluation  # pylint: disable=import-outside-toplevel
+  from analysis import evaluation  # pylint: disable=import-outside-toplevel
   fake_ipu.install(monkeypatch)
   backend = ipu_backend.create(_config(replicas=2))
   net = _tiny_net(backend, inference=True)

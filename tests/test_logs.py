@@ -7,7 +7,7 @@ import sys
 
 import tensorflow as tf
 
-from tests.helpers import REPO_ROOT
+from tests.support.helpers import REPO_ROOT
 from training import logs
 
 

@@ -8,7 +8,7 @@ from data import mnist
 from data.splits import BatchLayout
 from errors import UserError
 from run_config import RunConfig
-from tests.idx_files import write_mnist_folder
+from tests.support.idx_files import write_mnist_folder
 
 
 def _digits(n, seed=0):

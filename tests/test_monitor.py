@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO_ROOT
-from training.events import read_scalars
+from tests.support.helpers import REPO_ROOT
+from analysis.events import read_scalars
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
 import monitor  # noqa: E402  pylint: disable=wrong-import-position,wrong-import-order

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from errors import UserError
-from tests.helpers import hold_lock
+from tests.support.helpers import hold_lock
 from training import run_folder
 
 

@@ -2,7 +2,6 @@
 
 import logging
 import os
-import subprocess
 
 import h5py
 import numpy as np
@@ -12,8 +11,7 @@ from data import cellspike, staging
 from data.splits import BatchLayout
 from errors import UserError
 from run_config import RunConfig
-from tests.cellspike_files import write_cellspike, write_row_marked
-from tests.helpers import assert_one_line_error, run_main
+from tests.support.cellspike_files import write_row_marked
 
 KEYS = ("train_frames", "train_unitStar_par")
 
@@ -108,25 +106,3 @@ def test_an_unwritable_stage_dir_names_what_to_do(tmp_path):
   with pytest.raises(UserError, match=r"--stage_dir=.*a_file/local cannot be written \(Not a directory\): "
                                       r"pass a folder this process can write"):
     staging.stage_to(path, KEYS, 0, 32, str(blocker / "local"))
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-  """A real 1 MB file system (tmpfs, mounted by root, as CI runs) for a staging folder that fills up."""
-  mount_point = tmp_path / "small_disk"
-  mount_point.mkdir()
-  mounted = os.geteuid() == 0 and subprocess.run(
-      ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True).returncode == 0
-  if not mounted:
-    pytest.skip("mounting a tmpfs needs root (the full-disk cases above run everywhere)")
-  yield mount_point
-  subprocess.run(["umount", str(mount_point)], check=True)
-
-
-def test_main_on_a_really_full_staging_disk_is_one_error_line_and_leaves_nothing(tmp_path, small_disk):
-  path = write_cellspike(str(tmp_path / "cell.h5"), sizes={"train": 256, "val": 32, "test": 32})
-  result = run_main("--model=neuron_inverter", "--design=dev", "--data_path=" + path, "--epochs=1",
-                    "--stage_dir=%s" % (small_disk / "local"), "--logdir=%s" % (tmp_path / "run"))
-  assert_one_line_error(result, "staging train_frames/train_unitStar_par needs 4.9 MB but",
-                        "has 1.0 MB free; free space there or choose a larger --stage_dir")
-  assert os.listdir(small_disk / "local") == []

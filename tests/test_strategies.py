@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from errors import UserError
 from run_config import RunConfig
-from strategies import environment, ipu, select
+from strategies import cpu, environment, gpu, ipu, select
 
 
 def test_auto_picks_cpu_here():
@@ -91,29 +91,29 @@ def test_precision_maps_to_keras_policies(precision, kind, policy):
 ])
 def test_auto_precision_is_mixed_only_where_the_processor_has_16_bit_units(monkeypatch, requested, kind,
                                                                            native, resolved):
-  monkeypatch.setattr(select.cpu, "has_bfloat16_units", lambda: native)
-  monkeypatch.setattr(select.cpu, "bfloat16_kernels_available", lambda: True)
-  monkeypatch.setattr(select.gpu, "has_tensor_cores", lambda: native)
+  monkeypatch.setattr(cpu, "has_bfloat16_units", lambda: native)
+  monkeypatch.setattr(cpu, "bfloat16_kernels_available", lambda: True)
+  monkeypatch.setattr(gpu, "has_tensor_cores", lambda: native)
   assert select.resolve_precision(requested, kind) == resolved
 
 
 def test_cpu_bfloat16_detection_reads_this_machines_cpu_flags():
   with open("/proc/cpuinfo") as cpuinfo:
     flags = next(line for line in cpuinfo if line.startswith("flags")).split()
-  assert select.cpu.has_bfloat16_units() == ("amx_bf16" in flags or "avx512_bf16" in flags)
+  assert cpu.has_bfloat16_units() == ("amx_bf16" in flags or "avx512_bf16" in flags)
 
 
 def test_auto_precision_stays_float32_where_tensorflow_lacks_cpu_bfloat16_kernels(monkeypatch):
-  monkeypatch.setattr(select.cpu, "has_bfloat16_units", lambda: True)
-  monkeypatch.setattr(select.cpu, "bfloat16_kernels_available", lambda: False)
+  monkeypatch.setattr(cpu, "has_bfloat16_units", lambda: True)
+  monkeypatch.setattr(cpu, "bfloat16_kernels_available", lambda: False)
   assert select.resolve_precision("auto", "cpu") == "32.32"
   with pytest.raises(UserError, match=r"--precision=16.32 on the CPU needs TensorFlow >= 2.9"):
-    select.cpu.check_precision("16.32")
+    cpu.check_precision("16.32")
 
 
 def test_cpu_bfloat16_kernels_are_known_from_the_tensorflow_version():
   major, minor = (int(part) for part in tf.__version__.split(".")[:2])
-  assert select.cpu.bfloat16_kernels_available() == ((major, minor) >= (2, 9))
+  assert cpu.bfloat16_kernels_available() == ((major, minor) >= (2, 9))
 
 
 def test_backend_reports_the_resolved_precision():
@@ -135,3 +135,34 @@ def test_mixed_precision_model_keeps_float32_outputs():
     assert net.output.dtype == tf.float32
   finally:
     tf.keras.mixed_precision.set_global_policy("float32")
+
+
+def test_every_registered_backend_module_states_what_select_asks_of_it():
+  import importlib  # pylint: disable=import-outside-toplevel
+  import flags  # pylint: disable=import-outside-toplevel
+  from strategies import registry  # pylint: disable=import-outside-toplevel
+  assert flags.BACKENDS == ("auto",) + tuple(registry.BACKENDS)
+  for kind, name in registry.BACKENDS.items():
+    module = importlib.import_module(name)
+    assert set(module.POLICIES) == {"32.32", "16.32", "16.16"}, kind
+    for function in ("present", "has_16bit_units", "check_precision", "create"):
+      assert callable(getattr(module, function)), (kind, function)
+
+
+def test_resolve_settles_auto_before_the_backend_is_built():
+  config = select.resolve(RunConfig(model="mnist", backend="auto", precision="auto"))
+  assert config.backend == select.resolve_kind("auto") and config.precision in ("16.32", "32.32")
+  assert config.precision == select.resolve_precision("auto", config.backend)
+  assert select.resolve(config) == config
+
+
+def test_a_worker_alone_keeps_the_runs_precision_and_hardware_choices():
+  """--predict after a multi-worker run evaluates in one process at the precision it trained with."""
+  from strategies.multiworker import MultiWorkerBackend  # pylint: disable=import-outside-toplevel
+  worker = MultiWorkerBackend("cpu", tf.distribute.get_strategy(), ("/cpu:0", "/cpu:1"), replicas=4,
+                              precision="16.32", conv_channel_multiple=32, conv_pooling="maximum",
+                              gradient_accumulation=2, rank=0, world_size=2, local_replicas=2)
+  alone = worker.alone()
+  assert type(alone).__name__ == "Backend" and alone.world_size == 1 and alone.replicas == 1
+  assert alone.devices == ("/cpu:0",) and alone.gradient_accumulation == 1
+  assert alone.precision == "16.32" and alone.model_options() == worker.model_options()

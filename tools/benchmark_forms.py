@@ -43,9 +43,9 @@ def _forms(config):
   from training import optimizers  # pylint: disable=import-outside-toplevel
   backend = select_backend(config)
   module = model.get_model_module("neuron_inverter")
-  standard = module.build(config, standard_layers=True)
+  standard, _ = model.build_network(module, config, (1600, 4), 15, {"standard_layers": True})
   standard.compile(tf.keras.optimizers.Adam(config.learning_rate), module.loss())
-  fast = module.build(config, **model.accepted_options(module.build, **backend.model_options()))
+  fast, _ = model.build_network(module, config, (1600, 4), 15, backend.model_options())
   fast.compile(optimizers.make_optimizer("adam", config.learning_rate), module.loss())
   optimizers.create_slots(fast.optimizer, fast.trainable_variables)
   rng = np.random.default_rng(0)

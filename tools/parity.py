@@ -5,7 +5,8 @@
         [--reference_python=.venv-torch/bin/python]   (`make parity` runs it with its defaults)
 
 Both train ontra4 on the same slice of the same cellSpike file (written once into OUT), on one
-process, with the same batch size, Adam learning rate, warm-up and reduce-on-plateau settings:
+process, with the same batch size, Adam learning rate, warm-up and reduce-on-plateau settings (ours
+with `--lr_schedule=plateau`, whatever the application's default schedule):
 the reference through `tools/reference_train.py` (its Trainer's loop in PyTorch), this application
 through `main.py --replicas=1 --in_memory` (in-memory mode shuffles the whole block each epoch, as the
 reference's DataLoader does). One run at a time, so that their wall times can be compared.
@@ -46,6 +47,9 @@ def parse_args(argv=None):
   parser.add_argument("--batch_size", type=int, default=192)
   parser.add_argument("--learning_rate", type=float, default=1e-3)
   parser.add_argument("--warmup_epochs", type=int, default=2)
+  parser.add_argument("--lr_factor", type=float, default=0.11, help="reduce-on-plateau factor (both sides)")
+  parser.add_argument("--lr_patience", type=int, default=8)
+  parser.add_argument("--lr_cooldown", type=int, default=2)
   parser.add_argument("--target", type=float, default=None, help="validation loss for the time to "
                       "quality (default: the reference's mean best)")
   parser.add_argument("--reference_python", default=os.path.join(REPO, ".venv-torch", "bin", "python"))
@@ -72,10 +76,28 @@ def write_slice(source: str, destination: str, train: int, val: int) -> str:
   return destination
 
 
+def shared_flags(args, data: str, seed: int) -> list:
+  """The settings both sides take, under the same flag names: the reference's schedule (linear warm-up,
+  then reduce-on-plateau of the validation loss), whatever this application's defaults are."""
+  return ["--data_path=" + data, "--epochs=%d" % args.epochs, "--seed=%d" % seed,
+          "--batch_size=%d" % args.batch_size, "--learning_rate=%g" % args.learning_rate,
+          "--warmup_epochs=%d" % args.warmup_epochs, "--lr_factor=%g" % args.lr_factor,
+          "--lr_patience=%d" % args.lr_patience, "--lr_cooldown=%d" % args.lr_cooldown]
+
+
+def reference_command(args, data: str, seed: int) -> list:
+  return [args.reference_python, os.path.join(REPO, "tools", "reference_train.py")] + shared_flags(args, data,
+                                                                                                     seed)
+
+
+def ours_command(args, data: str, seed: int, precision: str, logdir: str) -> list:
+  return [sys.executable, os.path.join(REPO, "main.py"), "--model=neuron_inverter", "--replicas=1",
+          "--in_memory", "--logdir=" + logdir, "--precision=" + precision, "--lr_schedule=plateau",
+          "--optimizer=adam"] + shared_flags(args, data, seed)
+
+
 def run_reference(args, data: str, seed: int) -> dict:
-  command = [args.reference_python, os.path.join(REPO, "tools", "reference_train.py"), "--data_path=" + data,
-             "--epochs=%d" % args.epochs, "--seed=%d" % seed, "--batch_size=%d" % args.batch_size,
-             "--learning_rate=%g" % args.learning_rate, "--warmup_epochs=%d" % args.warmup_epochs]
+  command = reference_command(args, data, seed)
   done = subprocess.run(command, capture_output=True, text=True, check=False)
   if done.returncode != 0:
     raise SystemExit("error: the reference failed (%s):\n%s" % (" ".join(command), done.stderr[-2000:]))
@@ -85,10 +107,7 @@ def run_reference(args, data: str, seed: int) -> dict:
 
 def run_ours(args, data: str, seed: int, precision: str) -> dict:
   logdir = os.path.join(args.out, "ours-%s-seed%d" % (precision, seed))
-  command = [sys.executable, os.path.join(REPO, "main.py"), "--model=neuron_inverter", "--replicas=1",
-             "--in_memory", "--data_path=" + data, "--logdir=" + logdir, "--precision=" + precision,
-             "--epochs=%d" % args.epochs, "--seed=%d" % seed, "--batch_size=%d" % args.batch_size,
-             "--learning_rate=%g" % args.learning_rate, "--warmup_epochs=%d" % args.warmup_epochs]
+  command = ours_command(args, data, seed, precision, logdir)
   done = subprocess.run(command, capture_output=True, text=True, check=False)
   if done.returncode != 0:
     raise SystemExit("error: main.py failed (%s):\n%s" % (" ".join(command), done.stderr[-2000:]))

@@ -69,7 +69,7 @@ def main(argv):
     with environment.quiet_cuda_probe(config):
       from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
       backend = select_backend(config)
-    from training import evaluation  # pylint: disable=import-outside-toplevel
+    from analysis import evaluation  # pylint: disable=import-outside-toplevel
     result = evaluation.evaluate_run(config, backend, split=FLAGS.split,
                                      max_samples=FLAGS.max_samples, outdir=FLAGS.outdir,
                                      plots=FLAGS.plots, export_dir=FLAGS.export_dir)

@@ -12,7 +12,6 @@
 Backend specifics stay behind `backend`.
 """
 
-import dataclasses
 import hashlib
 import os
 import random
@@ -279,7 +278,7 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
   # outputs of the run already in the logdir untouched. The writer locks the folder first.
   if outdir == config.logdir:
     run_folder.claim(config.logdir, config.resume)
-  write_run_config(outdir, dataclasses.replace(config, precision=backend.precision))
+  write_run_config(outdir, config)  # backend and precision resolved (strategies.select.resolve)
 
   # --- Training ---------------------------------------------------------------------------------------
   history, fit_seconds = _train(net, config, backend, splits, resume_state, callbacks, flag)

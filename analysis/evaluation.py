@@ -228,7 +228,7 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
       "split": split,
       "backend": backend.kind,
       "replicas": backend.replicas,
-      "precision": getattr(backend, "precision", None) or config.precision,  # resolved when "auto"
+      "precision": backend.precision,
       "input_shape": list(info.input_shape),
       "predict_seconds": seconds,
   }
@@ -244,13 +244,13 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
            par_names=np.array([str(name) for name in info.par_names]))
   files.append(os.path.join(outdir, PREDICTIONS))
   if plots:
-    from training import plots as plots_lib  # pylint: disable=import-outside-toplevel
+    from analysis import plots as plots_lib  # pylint: disable=import-outside-toplevel
     files += plots_lib.plot_prediction(truth, prediction, results, outdir, meta=info.meta)
     history = plots_lib.load_history(config.logdir)
     if history:
       files.append(plots_lib.plot_training_curves(history, outdir, title=_run_title(results)))
   if export_dir:
-    from training import export as export_lib  # pylint: disable=import-outside-toplevel
+    from analysis import export as export_lib  # pylint: disable=import-outside-toplevel
     files.append(export_lib.export_saved_model(net, config, info.input_shape, info.num_params,
                                                export_dir, par_names=info.par_names,
                                                model_options=backend.model_options()))

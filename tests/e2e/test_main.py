@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import yaml
 
-from training.events import read_scalars
-from tests.helpers import REPO_ROOT, assert_one_line_error, run_main
-from tests.idx_files import write_mnist_folder
+from analysis.events import read_scalars
+from tests.support.helpers import REPO_ROOT, assert_one_line_error, run_main
+from tests.support.idx_files import write_mnist_folder
 
 CONTRACT_KEYS = ("model", "backend", "replicas", "global_batch_size", "epochs", "train_loss", "val_loss",
                  "test_loss", "test_accuracy", "samples_per_sec_per_replica", "compile_seconds",
@@ -119,3 +119,16 @@ def test_profile_dir_gets_a_tensorboard_profile(tmp_path):
   missing = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "op_profile.py"),
                             "--profile_dir=" + str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
   assert missing.returncode == 2 and "holds no profile" in missing.stderr
+
+
+def test_main_with_accumulation_reports_the_effective_batch(tmp_path):
+  logdir = str(tmp_path / "run")
+  result = run_main("--model=mnist", "--backend=cpu", "--replicas=2", "--batch_size=8",
+                    "--gradient_accumulation=4", "--epochs=1", "--steps_per_epoch=5", "--eval_steps=2",
+                    "--logdir=" + logdir)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "Global batch 64 = 8 per replica x 4 gradient accumulation x 2 replicas" in result.stderr
+  with open(os.path.join(logdir, "summary.yaml")) as f:
+    summary = yaml.safe_load(f)
+  assert summary["global_batch_size"] == 64 and summary["gradient_accumulation"] == 4
+  assert summary["train_samples_per_epoch"] == 5 * 64

@@ -14,8 +14,8 @@ import time
 import pytest
 import yaml
 
-from tests.cellspike_files import write_cellspike
-from tests.helpers import REPO_ROOT
+from tests.support.cellspike_files import write_cellspike
+from tests.support.helpers import REPO_ROOT
 from training.checkpoints import read_index
 
 pytestmark = pytest.mark.slurm

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO_ROOT
+from tests.support.helpers import REPO_ROOT
 
 TOOLS = os.path.join(REPO_ROOT, "tools")
 

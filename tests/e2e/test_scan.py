@@ -7,8 +7,8 @@ import sys
 import pytest
 import yaml
 
-from tests.cellspike_files import write_cellspike
-from tests.helpers import REPO_ROOT
+from tests.support.cellspike_files import write_cellspike
+from tests.support.helpers import REPO_ROOT
 
 SCAN = os.path.join(REPO_ROOT, "tools", "scan.py")
 

@@ -212,7 +212,7 @@ def _series_by_epoch(pairs) -> dict:
 
 
 def _history_from_events(logdir: str) -> dict:
-  from training.events import read_scalars  # pylint: disable=import-outside-toplevel
+  from analysis.events import read_scalars  # pylint: disable=import-outside-toplevel
   train_dir, val_dir = os.path.join(logdir, "train"), os.path.join(logdir, "validation")
   if not os.path.isdir(train_dir):
     return {}

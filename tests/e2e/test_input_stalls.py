@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.cellspike_files import write_cellspike
-from tests.helpers import REPO_ROOT
+from tests.support.cellspike_files import write_cellspike
+from tests.support.helpers import REPO_ROOT
 
 ARGS = ("--model=neuron_inverter", "--backend=cpu", "--replicas=4", "--batch_size=8", "--warmup_epochs=1",
         "--precision=32.32", "--seed=5")

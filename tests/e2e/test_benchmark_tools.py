@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from tests.cellspike_files import write_cellspike
-from tests.helpers import REPO_ROOT
+from tests.support.cellspike_files import write_cellspike
+from tests.support.helpers import REPO_ROOT
 
 TORCH_PYTHON = os.path.join(REPO_ROOT, ".venv-torch", "bin", "python")
 
@@ -108,3 +108,28 @@ def test_parity_report_and_time_to_quality(tmp_path):
   text = parity.report(args, {"reference": [reference], "ours 32.32": [ours]})
   assert "| ours 32.32 | 0.2800 | 0.2800 | 0.933 | 6 (1/1 seeds) | 6.0 |" in text
   assert "| 2 | 0.4000 / 0.3000 | 0.3000 / 0.2800 |" in text
+
+
+def test_parity_runs_both_sides_on_the_references_schedule(tmp_path):
+  """Whatever this application's defaults become, ours trains with the settings the reference gets."""
+  from absl import flags as absl_flags  # pylint: disable=import-outside-toplevel
+  import flags  # pylint: disable=import-outside-toplevel
+  from tools import parity  # pylint: disable=import-outside-toplevel
+  data = write_cellspike(str(tmp_path / "d.h5"))
+  args = parity.parse_args(["--epochs=3", "--seeds=4", "--warmup_epochs=1", "--lr_patience=5"])
+  ours = parity.ours_command(args, data, 4, "32.32", str(tmp_path / "run"))
+  values = absl_flags.FlagValues()
+  flags.define_flags(values)
+  values(["main.py"] + ours[2:])
+  config = flags.to_config(values)
+  assert (config.lr_schedule, config.optimizer, config.replicas, config.in_memory) == ("plateau", "adam", 1, True)
+  assert (config.epochs, config.seed, config.batch_size, config.learning_rate, config.warmup_epochs) == (
+      3, 4, args.batch_size, args.learning_rate, 1)
+  assert (config.lr_factor, config.lr_patience, config.lr_cooldown) == (args.lr_factor, 5, args.lr_cooldown)
+  reference = parity.reference_command(args, data, 4)
+  shared = parity.shared_flags(args, data, 4)
+  assert reference[-len(shared):] == shared == ours[-len(shared):]
+  with open(os.path.join(REPO_ROOT, "tools", "reference_train.py")) as f:
+    source = f.read()
+  for flag in shared:   # the reference's own parser takes each of them
+    assert 'add_argument("%s"' % flag.split("=")[0] in source, flag

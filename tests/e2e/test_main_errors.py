@@ -12,6 +12,7 @@ to check the whole contract end to end (exit status, one stderr line, no traceba
 import hashlib
 import os
 import shutil
+import subprocess
 
 import h5py
 import numpy as np
@@ -23,8 +24,8 @@ from absl.testing import flagsaver
 import flags
 import main
 from errors import UserError
-from tests.cellspike_files import write_cellspike, write_meta_yaml
-from tests.helpers import assert_one_line_error, hold_lock, run_main
+from tests.support.cellspike_files import write_cellspike, write_meta_yaml
+from tests.support.helpers import assert_one_line_error, hold_lock, run_main
 
 flags.define_flags()
 FLAGS = absl_flags.FLAGS
@@ -399,3 +400,25 @@ def test_a_second_job_into_a_busy_folder_is_refused(tmp_path, good_file):
     holder.kill()
     holder.wait()
   assert not run_folder.holds_run(busy)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A real 1 MB file system (tmpfs, mounted by root, as CI runs) for a staging folder that fills up."""
+  mount_point = tmp_path / "small_disk"
+  mount_point.mkdir()
+  mounted = os.geteuid() == 0 and subprocess.run(
+      ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True).returncode == 0
+  if not mounted:
+    pytest.skip("mounting a tmpfs needs root (the full-disk cases above run everywhere)")
+  yield mount_point
+  subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_main_on_a_really_full_staging_disk_is_one_error_line_and_leaves_nothing(tmp_path, small_disk):
+  path = write_cellspike(str(tmp_path / "cell.h5"), sizes={"train": 256, "val": 32, "test": 32})
+  result = run_main("--model=neuron_inverter", "--design=dev", "--data_path=" + path, "--epochs=1",
+                    "--stage_dir=%s" % (small_disk / "local"), "--logdir=%s" % (tmp_path / "run"))
+  assert_one_line_error(result, "staging train_frames/train_unitStar_par needs 4.9 MB but",
+                        "has 1.0 MB free; free space there or choose a larger --stage_dir")
+  assert os.listdir(small_disk / "local") == []

@@ -1,4 +1,5 @@
-"""Neuron-Inverter end to end through `python main.py`: 2 replicas, checkpoints, resume, bad input."""
+"""The training loop (training/loop.py) end to end through `python main.py` on neuron_inverter: 2 replicas,
+checkpoints, resume, the learning-rate schedules, bad input met while training."""
 
 import os
 
@@ -6,9 +7,9 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.cellspike_files import write_cellspike
-from tests.helpers import assert_one_line_error, run_main
-from training.events import read_scalars
+from tests.support.cellspike_files import write_cellspike
+from tests.support.helpers import assert_one_line_error, run_main
+from analysis.events import read_scalars
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,9 @@ def test_two_replicas_one_epoch(tmp_path, fp16_file):
   assert "test_accuracy" not in summary
   assert summary["mean_predictor_val_loss"] == pytest.approx(1 / 3, rel=0.3)
   assert summary["best_val_epoch"] == 1 and summary["params"]["design"] == "dev"
+  with open(os.path.join(logdir, "run_config.yaml")) as f:   # --precision=auto, resolved once for both
+    recorded = yaml.safe_load(f)["precision"]
+  assert summary["precision"] == summary["params"]["precision"] == recorded and recorded in ("16.32", "32.32")
   ratio = summary["best_val_loss"] / summary["mean_predictor_val_loss"]
   assert ("validation: best %.4f (%.2f of the mean-predictor baseline %.4f), epoch 1" % (
       summary["best_val_loss"], ratio, summary["mean_predictor_val_loss"])) in result.stdout
@@ -67,14 +71,6 @@ def test_resume_continues_epochs_and_schedule(tmp_path, fp16_file):
   plateau_lr = before["history"]["lr"][-1]
   assert after["history"]["lr"][0] in (pytest.approx(plateau_lr), pytest.approx(plateau_lr * 0.5))
   assert after["history"]["loss"][0] < before["history"]["loss"][0]  # weights were restored, not re-initialised
-
-
-def test_resume_with_another_design_is_refused(tmp_path, fp16_file):
-  logdir = str(tmp_path / "run")
-  assert _run(fp16_file, logdir, "--epochs=1").returncode == 0
-  result = run_main("--model=neuron_inverter", "--design=ontra4", "--data_path=" + fp16_file,
-                    "--logdir=" + logdir, "--epochs=2", "--resume")
-  assert_one_line_error(result, "--resume", "design=dev", "design=ontra4")
 
 
 def test_bad_data_path_is_one_line_error(tmp_path):

@@ -3,12 +3,11 @@
 Real training processes (`python main.py`, dev design, a small file, 32 steps per epoch) are killed and
 resumed; each run's outputs are checked: every epoch accounted for, checkpoints readable, none lost,
 and the final losses close to those of an uninterrupted run (the data order is reproducible, dropout
-masks are not, so losses are close, not equal). In-process tests cover the skip of a resumed epoch's
-consumed batches, the atomic save and the failed-save paths.
+masks are not, so losses are close, not equal). A NaN run is poisoned in-process. The unit tests of the
+same parts: tests/test_interrupt.py (the signal flag, a resumed epoch's batches) and
+tests/test_checkpoints.py (failed saves).
 """
 
-import dataclasses
-import errno
 import json
 import os
 import random
@@ -18,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 
 import numpy as np
 import pytest
@@ -27,12 +25,9 @@ import yaml
 
 from errors import UserError
 from run_config import RunConfig
-from tests.cellspike_files import write_cellspike, write_row_marked
-from tests.helpers import REPO_ROOT
-from tests.test_checkpoints import toy_checkpoints
-from training import checkpoints as checkpoints_lib
-from training import interrupt as interrupt_lib
-from training import loop
+from tests.support.cellspike_files import write_cellspike
+from tests.support.helpers import REPO_ROOT
+from tests.support.training_parts import readable_state
 from training.checkpoints import read_index
 
 EPOCHS = 10
@@ -112,13 +107,6 @@ def last_state(logdir):
   path = tf.train.latest_checkpoint(os.path.join(logdir, "checkpoints", "last"))
   assert path is not None, os.listdir(os.path.join(logdir, "checkpoints", "last"))
   return readable_state(path)
-
-
-def readable_state(path):
-  reader = tf.train.load_checkpoint(path)
-  for key in reader.get_variable_to_shape_map():
-    reader.get_tensor(key)  # CRC-checked: a torn or corrupt file fails here
-  return checkpoints_lib.peek_state(path)
 
 
 def assert_checkpoints_sound(logdir):
@@ -240,41 +228,6 @@ def test_sigkill_at_random_points_then_sigterm_then_resume(tmp_path, data_file, 
   assert not leftovers
 
 
-def test_interrupt_flag_records_the_signal_and_restores_the_handlers(capfd):
-  previous = signal.getsignal(signal.SIGINT)
-  with interrupt_lib.InterruptFlag() as flag:
-    os.kill(os.getpid(), signal.SIGINT)   # no KeyboardInterrupt: the handler only records it
-    time.sleep(0.01)
-    os.kill(os.getpid(), signal.SIGINT)
-    time.sleep(0.01)
-    assert flag.requested and flag.signum == signal.SIGINT
-  assert signal.getsignal(signal.SIGINT) is previous
-  lines = capfd.readouterr().err.splitlines()
-  assert lines[0].startswith("SIGINT received: stopping after the current training step")
-  assert lines[1].startswith("SIGINT received again: still stopping")
-  stop = interrupt_lib.TrainingInterrupted(signal.SIGINT, "/x/ckpt-1-step3", "in epoch 2 after step 3 of 8")
-  assert isinstance(stop, SystemExit) and stop.code == 130 and stop.signal_name == "SIGINT"
-
-
-def test_interrupt_flag_ignores_more_signals_while_the_process_exits_on_one():
-  """Leaving on the stop's SystemExit, more signals are ignored (never the default action, which
-  would turn exit status 143 into "killed by SIGTERM" during the rest of the exit)."""
-  previous = {signum: signal.getsignal(signum) for signum in interrupt_lib.SIGNALS}
-  try:
-    with pytest.raises(interrupt_lib.TrainingInterrupted):
-      with interrupt_lib.InterruptFlag() as flag:
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.01)
-        assert flag.requested
-        raise interrupt_lib.TrainingInterrupted(flag.signum, "/x/ckpt-1-step3", "in epoch 2")
-    assert all(signal.getsignal(signum) == signal.SIG_IGN for signum in interrupt_lib.SIGNALS)
-    os.kill(os.getpid(), signal.SIGTERM)  # ignored: this process lives on
-    time.sleep(0.01)
-  finally:
-    for signum, handler in previous.items():
-      signal.signal(signum, handler)
-
-
 # ---------------------------------------------------------------------------------------------------
 # (d) Disk full on a real (tiny) file system, where the test may mount one.
 
@@ -330,95 +283,7 @@ exit $status
 
 
 # ---------------------------------------------------------------------------------------------------
-# In-process: the skipped batches of a resumed epoch, atomic saves, failed saves, NaN.
-
-class _RowRecorder(tf.keras.Model):
-  """Records the row ids (frames[:, 0, 0]) of every training batch Keras feeds it."""
-
-  def __init__(self):
-    super().__init__()
-    self.dense = tf.keras.layers.Dense(3)
-    self.rows = []
-
-  def call(self, inputs):  # pylint: disable=arguments-differ
-    return self.dense(tf.reshape(inputs, (-1, 64)))
-
-  def train_step(self, data):
-    self.rows.append(data[0].numpy()[:, 0, 0].astype(int).tolist())
-    return {"loss": 0.0}
-
-
-def test_resumed_epoch_skips_exactly_the_trained_batches(tmp_path):
-  from data import cellspike  # pylint: disable=import-outside-toplevel
-  from data.splits import BatchLayout  # pylint: disable=import-outside-toplevel
-  path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64)
-  config = RunConfig(model="neuron_inverter", data_path=path, batch_size=4, read_chunk=8,
-                     shuffle_buffer=16, seed=1)
-
-  backend = types.SimpleNamespace(fit_input=lambda dataset, steps: (dataset, steps), is_chief=False)
-
-  def batches(first_epoch, first_step):
-    splits = dataclasses.replace(cellspike.load(config, BatchLayout(1, 4), first_epoch), validation=None)
-    net = _RowRecorder()
-    net.compile(optimizer="sgd", run_eagerly=True)
-    loop._fit(net, dataclasses.replace(config, epochs=3), backend, splits, first_epoch, first_step, [])
-    return net.rows
-
-  uninterrupted = batches(0, 0)
-  assert len(uninterrupted) == 3 * 16
-  assert batches(1, 5) == uninterrupted[16 + 5:]
-
-
-def _enospc(*args, **kwargs):
-  raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-
-@pytest.mark.parametrize("where", ["fsync", "staging", "tensorflow", "index"])
-def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, where):
-  net, checkpoints, callback = toy_checkpoints(tmp_path)
-  callback.on_epoch_end(0, {"loss": 0.5, "val_loss": 0.4})
-  folder = checkpoints.folder("last")
-  before = {name: open(os.path.join(folder, name), "rb").read() for name in os.listdir(folder)}
-  if where == "fsync":        # delayed allocation: ENOSPC surfaces when the data is flushed
-    monkeypatch.setattr(checkpoints_lib, "_fsync", _enospc)
-    reason = "No space left on device"
-  elif where == "staging":    # an unwritable folder (chmod has no effect for root, so simulated)
-    def _denied(*args, **kwargs):
-      raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
-    monkeypatch.setattr(checkpoints_lib.tempfile, "mkdtemp", _denied)
-    reason = "Permission denied"
-  elif where == "tensorflow":  # TensorFlow's own writer runs out of space
-    def _full(self, prefix, options=None):
-      with open(prefix + ".data-00000-of-00001", "wb") as f:
-        f.write(b"\0" * 100)
-      raise tf.errors.ResourceExhaustedError(None, None, "%s; No space left on device" % prefix)
-    monkeypatch.setattr(tf.train.Checkpoint, "write", _full)
-    reason = "No space left on device"
-  else:                        # the index rewrite fails after the files are in place
-    real = tf.io.gfile.GFile
-
-    def _index_full(path, mode="r"):
-      if os.path.basename(path).startswith("checkpoint.tmp") and "w" in mode:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-      return real(path, mode)
-    monkeypatch.setattr(checkpoints_lib.tf.io.gfile, "GFile", _index_full)
-    reason = "No space left on device"
-  with pytest.raises(checkpoints_lib.CheckpointSaveError) as error:
-    callback.on_epoch_end(1, {"loss": 0.4, "val_loss": 0.45})
-  monkeypatch.undo()
-  message = str(error.value)
-  assert isinstance(error.value, UserError) and "\n" not in message
-  assert reason in message and os.path.join(folder, "ckpt-2") in message
-  assert "previous checkpoint %s is intact" % os.path.join(folder, "ckpt-1") in message
-  assert read_index(folder) == ["ckpt-1"]
-  for name, content in before.items():
-    assert open(os.path.join(folder, name), "rb").read() == content
-  assert not [name for name in os.listdir(folder) if name.startswith(".saving-")]
-  readable_state(os.path.join(folder, "ckpt-1"))
-  # The next save, with space again, works and cleans up.
-  callback.on_epoch_end(2, {"loss": 0.3, "val_loss": 0.2})
-  assert read_index(folder) == ["ckpt-1", "ckpt-3"]
-
+# In-process: a diverging run (NaN) keeps its last good checkpoint.
 
 class _PoisonAtEpoch(tf.keras.callbacks.Callback):
   """Makes the weights NaN when epoch `epoch` (0-based) begins, as a diverging run would."""
@@ -461,13 +326,13 @@ def test_nan_loss_keeps_the_last_good_checkpoint(tmp_path, data_file, monkeypatc
 
 # ---------------------------------------------------------------------------------------------------
 # Multi-worker: a signal to one worker stops all of them at the same point, however many epochs in
-# (tests/test_multiworker.py stops them mid-epoch and resumes).
+# (tests/e2e/test_multiworker.py stops them mid-epoch and resumes).
 
 def test_sigterm_to_one_worker_stops_all_workers_at_the_same_point(tmp_path):
-  from tests.test_multiworker import _free_ports  # pylint: disable=import-outside-toplevel
+  from tests.support.training_parts import free_ports  # pylint: disable=import-outside-toplevel
   data_path = write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 256, "val": 64, "test": 64})
   logdir = str(tmp_path / "run")
-  cluster = {"worker": ["127.0.0.1:%d" % port for port in _free_ports(2)]}
+  cluster = {"worker": ["127.0.0.1:%d" % port for port in free_ports(2)]}
   jobs = []
   try:
     for index in range(2):

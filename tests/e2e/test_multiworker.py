@@ -3,7 +3,6 @@
 import json
 import os
 import re
-import socket
 import subprocess
 import signal
 import sys
@@ -11,26 +10,17 @@ import time
 
 import yaml
 
-from tests.cellspike_files import write_cellspike
-from tests.helpers import REPO_ROOT
+from tests.support.cellspike_files import write_cellspike
+from tests.support.training_parts import free_ports
+from tests.support.helpers import REPO_ROOT
 from training.checkpoints import read_index
 
 TIMEOUT_SECONDS = 240
 
 
-def _free_ports(count):
-  sockets = [socket.socket() for _ in range(count)]
-  for s in sockets:
-    s.bind(("127.0.0.1", 0))
-  ports = [s.getsockname()[1] for s in sockets]
-  for s in sockets:
-    s.close()
-  return ports
-
-
 def _start_workers(data_path, logdir, count=2, steps=3, more=(), stderr_dir=None):
   """`count` workers on 127.0.0.1; their stderr goes to files in `stderr_dir` if given (to watch)."""
-  cluster = {"worker": ["127.0.0.1:%d" % port for port in _free_ports(count)]}
+  cluster = {"worker": ["127.0.0.1:%d" % port for port in free_ports(count)]}
   processes = []
   for index in range(count):
     env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker",

@@ -1,0 +1,87 @@
+"""The post-training analysis in-process (analysis/): metric and verdict maths on synthetic arrays, and
+an export that computes exactly as the application. End to end through the tools: tests/e2e/test_predict.py.
+"""
+
+import numpy as np
+import pytest
+
+from analysis import evaluation
+from run_config import RunConfig
+from tests.support.cellspike_files import PAR_NAMES
+
+
+# --- Metrics and verdicts on synthetic arrays ---------------------------------------------------------
+
+def test_perfect_predictions_are_learned():
+  truth = np.random.RandomState(0).uniform(-1, 1, size=(500, 3))
+  figures = evaluation.compute_metrics(truth, truth.copy(), ["a", "b", "c"])
+  assert figures["mse"] == 0.0 and figures["verdict_counts"] == {"learned": 3, "weak": 0, "not learned": 0}
+  for p in figures["parameters"]:
+    assert p["pearson_r"] == pytest.approx(1.0) and p["residual_std"] == 0.0 and p["verdict"] == "learned"
+
+
+def test_random_and_constant_predictions_are_not_learned():
+  rng = np.random.RandomState(1)
+  truth = rng.uniform(-1, 1, size=(5000, 2))
+  prediction = np.stack([rng.uniform(-1, 1, 5000), np.full(5000, 0.25)], axis=1)
+  figures = evaluation.compute_metrics(truth, prediction, ["random", "constant"])
+  random_par, constant_par = figures["parameters"]
+  assert abs(random_par["pearson_r"]) < 0.05 and random_par["verdict"] == "not learned"
+  assert constant_par["pearson_r"] == 0.0 and constant_par["verdict"] == "not learned"
+  assert constant_par["prediction_std"] == 0.0
+
+
+def test_hand_computed_figures():
+  truth = np.array([[0.0], [1.0], [2.0], [3.0]])
+  prediction = np.array([[1.0], [1.0], [3.0], [3.0]])   # residuals 1, 0, 1, 0
+  figures = evaluation.compute_metrics(truth, prediction, ["x"])
+  p = figures["parameters"][0]
+  assert p["mse"] == pytest.approx(0.5) and figures["mse"] == pytest.approx(0.5)
+  assert p["residual_mean"] == pytest.approx(0.5) and p["residual_std"] == pytest.approx(0.5)
+  # r = cov / (sd_u sd_z) = 1.0 / (sqrt(1.25) * 1.0)
+  assert p["pearson_r"] == pytest.approx(1.0 / np.sqrt(1.25))
+  assert figures["mean_predictor_mse"] == pytest.approx(1.25)
+  assert figures["num_samples"] == 4
+
+
+@pytest.mark.parametrize("r, expected", [(1.0, "learned"), (0.7, "learned"), (0.6999, "weak"), (0.3, "weak"),
+                                         (0.2999, "not learned"), (-0.9, "not learned"),
+                                         (float("nan"), "not learned")])
+def test_verdict_thresholds(r, expected):
+  assert evaluation.verdict(r) == expected
+  assert (evaluation.LEARNED_MIN_R, evaluation.WEAK_MIN_R) == (0.7, 0.3)
+
+
+def test_weak_correlation_is_weak():
+  rng = np.random.RandomState(2)
+  truth = rng.randn(20000, 1)
+  prediction = 0.5 * truth + np.sqrt(1 - 0.25) * rng.randn(20000, 1)    # r = 0.5 by construction
+  p = evaluation.compute_metrics(truth, prediction, ["half"])["parameters"][0]
+  assert p["pearson_r"] == pytest.approx(0.5, abs=0.02) and p["verdict"] == "weak"
+
+
+# --- End to end: a tiny trained run -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["32.32", "16.32"])
+def test_export_computes_as_the_application_at_its_precision(tmp_path, precision):
+  """A model trained at mixed 16-bit is exported at the same policy: the same predictions, exactly."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from strategies import cpu, select  # pylint: disable=import-outside-toplevel
+  from analysis import export  # pylint: disable=import-outside-toplevel
+  import model  # pylint: disable=import-outside-toplevel
+  if precision != "32.32" and not cpu.bfloat16_kernels_available():
+    precision = "32.32"  # TF 2.6 has no CPU bfloat16 kernels: the float32 case is the one it can run
+  config = RunConfig(model="neuron_inverter", design="dev", precision=precision)
+  try:
+    select.set_precision(precision, "cpu")
+    net = model.get_model_module("neuron_inverter").build(config, (1600, 4), 15)
+    frames = np.random.RandomState(0).randn(8, 1600, 4).astype(np.float32)
+    expected = net.predict(frames, verbose=0)
+    export_dir = export.export_saved_model(net, config, (1600, 4), 15, str(tmp_path / "export"), PAR_NAMES)
+  finally:
+    tf.keras.mixed_precision.set_global_policy("float32")
+  loaded = tf.saved_model.load(export_dir)
+  got = loaded.signatures["serving_default"](frames=tf.constant(frames))["conductances"].numpy()
+  assert got.dtype == np.float32
+  np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)

@@ -1,0 +1,90 @@
+"""Graceful stops (training/interrupt.py): the signal flag, and the exact batches a resumed epoch trains.
+
+The same through real processes, killed and signalled mid-run, is in tests/e2e/test_loop_faults.py.
+"""
+
+import dataclasses
+import os
+import signal
+import time
+import types
+
+import pytest
+import tensorflow as tf
+
+from run_config import RunConfig
+from tests.support.cellspike_files import write_row_marked
+from training import interrupt as interrupt_lib
+from training import loop
+
+
+def test_interrupt_flag_records_the_signal_and_restores_the_handlers(capfd):
+  previous = signal.getsignal(signal.SIGINT)
+  with interrupt_lib.InterruptFlag() as flag:
+    os.kill(os.getpid(), signal.SIGINT)   # no KeyboardInterrupt: the handler only records it
+    time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.01)
+    assert flag.requested and flag.signum == signal.SIGINT
+  assert signal.getsignal(signal.SIGINT) is previous
+  lines = capfd.readouterr().err.splitlines()
+  assert lines[0].startswith("SIGINT received: stopping after the current training step")
+  assert lines[1].startswith("SIGINT received again: still stopping")
+  stop = interrupt_lib.TrainingInterrupted(signal.SIGINT, "/x/ckpt-1-step3", "in epoch 2 after step 3 of 8")
+  assert isinstance(stop, SystemExit) and stop.code == 130 and stop.signal_name == "SIGINT"
+
+
+def test_interrupt_flag_ignores_more_signals_while_the_process_exits_on_one():
+  """Leaving on the stop's SystemExit, more signals are ignored (never the default action, which
+  would turn exit status 143 into "killed by SIGTERM" during the rest of the exit)."""
+  previous = {signum: signal.getsignal(signum) for signum in interrupt_lib.SIGNALS}
+  try:
+    with pytest.raises(interrupt_lib.TrainingInterrupted):
+      with interrupt_lib.InterruptFlag() as flag:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert flag.requested
+        raise interrupt_lib.TrainingInterrupted(flag.signum, "/x/ckpt-1-step3", "in epoch 2")
+    assert all(signal.getsignal(signum) == signal.SIG_IGN for signum in interrupt_lib.SIGNALS)
+    os.kill(os.getpid(), signal.SIGTERM)  # ignored: this process lives on
+    time.sleep(0.01)
+  finally:
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
+
+
+class _RowRecorder(tf.keras.Model):
+  """Records the row ids (frames[:, 0, 0]) of every training batch Keras feeds it."""
+
+  def __init__(self):
+    super().__init__()
+    self.dense = tf.keras.layers.Dense(3)
+    self.rows = []
+
+  def call(self, inputs):  # pylint: disable=arguments-differ
+    return self.dense(tf.reshape(inputs, (-1, 64)))
+
+  def train_step(self, data):
+    self.rows.append(data[0].numpy()[:, 0, 0].astype(int).tolist())
+    return {"loss": 0.0}
+
+
+def test_resumed_epoch_skips_exactly_the_trained_batches(tmp_path):
+  from data import cellspike  # pylint: disable=import-outside-toplevel
+  from data.splits import BatchLayout  # pylint: disable=import-outside-toplevel
+  path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64)
+  config = RunConfig(model="neuron_inverter", data_path=path, batch_size=4, read_chunk=8,
+                     shuffle_buffer=16, seed=1)
+
+  backend = types.SimpleNamespace(fit_input=lambda dataset, steps: (dataset, steps), is_chief=False)
+
+  def batches(first_epoch, first_step):
+    splits = dataclasses.replace(cellspike.load(config, BatchLayout(1, 4), first_epoch), validation=None)
+    net = _RowRecorder()
+    net.compile(optimizer="sgd", run_eagerly=True)
+    loop._fit(net, dataclasses.replace(config, epochs=3), backend, splits, first_epoch, first_step, [])
+    return net.rows
+
+  uninterrupted = batches(0, 0)
+  assert len(uninterrupted) == 3 * 16
+  assert batches(1, 5) == uninterrupted[16 + 5:]
