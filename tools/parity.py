@@ -1,12 +1,13 @@
 """Learning parity with the reference: the PyTorch reference and this application, trained side by side.
 
     python tools/parity.py [--data_path=FILE.h5] [--epochs=6] [--seeds=0,1,2] [--precisions=32.32]
-        [--train_samples=16384] [--val_samples=2048] [--out=parity]
+        [--schedules=plateau] [--train_samples=16384] [--val_samples=2048] [--out=parity]
         [--reference_python=.venv-torch/bin/python]   (`make parity` runs it with its defaults)
 
 Both train ontra4 on the same slice of the same cellSpike file (written once into OUT), on one
 process, with the same batch size, Adam learning rate, warm-up and reduce-on-plateau settings (ours
-with `--lr_schedule=plateau`, whatever the application's default schedule):
+with `--lr_schedule=plateau`, whatever the application's default schedule; `--schedules=plateau,cosine`
+adds runs of ours with its cosine decay after the same warm-up, a departure measured against the rest):
 the reference through `tools/reference_train.py` (its Trainer's loop in PyTorch), this application
 through `main.py --replicas=1 --in_memory` (in-memory mode shuffles the whole block each epoch, as the
 reference's DataLoader does). One run at a time, so that their wall times can be compared.
@@ -42,6 +43,8 @@ def parse_args(argv=None):
   parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, one run of each side each")
   parser.add_argument("--precisions", default="32.32", help="comma-separated --precision values for ours "
                       "(the reference runs float32)")
+  parser.add_argument("--schedules", default="plateau", help="comma-separated --lr_schedule values for "
+                      "ours: plateau (the reference's, default), cosine (the application's default)")
   parser.add_argument("--train_samples", type=int, default=16384)
   parser.add_argument("--val_samples", type=int, default=2048)
   parser.add_argument("--batch_size", type=int, default=192)
@@ -56,6 +59,10 @@ def parse_args(argv=None):
   args = parser.parse_args(argv)
   args.seeds = [int(s) for s in args.seeds.split(",")]
   args.precisions = args.precisions.split(",")
+  args.schedules = args.schedules.split(",")
+  unknown = sorted(set(args.schedules) - {"plateau", "cosine"})
+  if unknown:
+    parser.error("--schedules: %s is not plateau or cosine" % ",".join(unknown))
   return args
 
 
@@ -90,9 +97,9 @@ def reference_command(args, data: str, seed: int) -> list:
                                                                                                      seed)
 
 
-def ours_command(args, data: str, seed: int, precision: str, logdir: str) -> list:
+def ours_command(args, data: str, seed: int, precision: str, logdir: str, schedule: str = "plateau") -> list:
   return [sys.executable, os.path.join(REPO, "main.py"), "--model=neuron_inverter", "--replicas=1",
-          "--in_memory", "--logdir=" + logdir, "--precision=" + precision, "--lr_schedule=plateau",
+          "--in_memory", "--logdir=" + logdir, "--precision=" + precision, "--lr_schedule=" + schedule,
           "--optimizer=adam"] + shared_flags(args, data, seed)
 
 
@@ -105,9 +112,9 @@ def run_reference(args, data: str, seed: int) -> dict:
   return {"loss": history["loss"], "val_loss": history["val_loss"], "seconds": history["epoch_seconds"]}
 
 
-def run_ours(args, data: str, seed: int, precision: str) -> dict:
-  logdir = os.path.join(args.out, "ours-%s-seed%d" % (precision, seed))
-  command = ours_command(args, data, seed, precision, logdir)
+def run_ours(args, data: str, seed: int, precision: str, schedule: str) -> dict:
+  logdir = os.path.join(args.out, "ours-%s-%s-seed%d" % (precision, schedule, seed))
+  command = ours_command(args, data, seed, precision, logdir, schedule)
   done = subprocess.run(command, capture_output=True, text=True, check=False)
   if done.returncode != 0:
     raise SystemExit("error: main.py failed (%s):\n%s" % (" ".join(command), done.stderr[-2000:]))
@@ -159,7 +166,7 @@ def plot(runs: dict, path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   figure, (by_epoch, by_time) = plt.subplots(1, 2, figsize=(11, 4))
-  for color, (side, side_runs) in zip(("black", "tab:blue", "tab:orange", "tab:green"), runs.items()):
+  for color, (side, side_runs) in zip(("black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"), runs.items()):
     for i, run in enumerate(side_runs):
       epochs = np.arange(1, len(run["loss"]) + 1)
       label = side if i == 0 else None
@@ -193,10 +200,12 @@ def main(argv=None):
   for seed in args.seeds:
     print("reference, seed %d ..." % seed, flush=True)
     runs["reference"].append(run_reference(args, data, seed))
-    for precision in args.precisions:
-      print("ours --precision=%s, seed %d ..." % (precision, seed), flush=True)
-      run = run_ours(args, data, seed, precision)
-      runs.setdefault("ours %s (%s)" % (precision, run["precision"]), []).append(run)
+    for schedule in args.schedules:
+      for precision in args.precisions:
+        print("ours --precision=%s --lr_schedule=%s, seed %d ..." % (precision, schedule, seed), flush=True)
+        run = run_ours(args, data, seed, precision, schedule)
+        side = "ours %s (%s)%s" % (precision, run["precision"], "" if schedule == "plateau" else " " + schedule)
+        runs.setdefault(side, []).append(run)
   text = report(args, runs)
   with open(os.path.join(args.out, "parity.md"), "w") as f:
     f.write(text)

@@ -123,6 +123,10 @@ def test_parity_runs_both_sides_on_the_references_schedule(tmp_path):
   values(["main.py"] + ours[2:])
   config = flags.to_config(values)
   assert (config.lr_schedule, config.optimizer, config.replicas, config.in_memory) == ("plateau", "adam", 1, True)
+  cosine = parity.ours_command(args, data, 4, "32.32", str(tmp_path / "run"), schedule="cosine")
+  assert cosine == [a.replace("--lr_schedule=plateau", "--lr_schedule=cosine") for a in ours]
+  with pytest.raises(SystemExit):
+    parity.parse_args(["--schedules=plateau,linear"])
   assert (config.epochs, config.seed, config.batch_size, config.learning_rate, config.warmup_epochs) == (
       3, 4, args.batch_size, args.learning_rate, 1)
   assert (config.lr_factor, config.lr_patience, config.lr_cooldown) == (args.lr_factor, 5, args.lr_cooldown)
