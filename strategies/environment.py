@@ -125,9 +125,11 @@ def prepare(config: RunConfig) -> None:
 
 # What TensorFlow's CUDA probe writes to stderr, from C++, on a machine that has no NVIDIA driver: the
 # "tensorflow-cpu" wheels load the CUDA stubs too. TF_CPP_MIN_LOG_LEVEL cannot hide the lines that come
-# before absl's logging is initialised.
+# before absl's logging is initialised; among them is oneDNN's notice that it is on (it is, by default,
+# on every x86 CPU), twice, which says nothing a CPU user can act on.
 _CUDA_PROBE_LINES = ("All log messages before absl::InitializeLog() is called are written to STDERR",
-                     "Could not find cuda drivers on your machine", "failed call to cuInit")
+                     "Could not find cuda drivers on your machine", "failed call to cuInit",
+                     "oneDNN custom operations are on")
 
 
 def _cuda_probe_is_noise(config: RunConfig) -> bool:

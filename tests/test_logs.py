@@ -41,6 +41,7 @@ try:
     os.write(2, b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\\n")
     os.write(2, b"I0000 cudart_stub.cc:31] Could not find cuda drivers on your machine, GPU will not be used.\\n")
     os.write(2, b"E0000 cuda_platform.cc:52] failed call to cuInit: UNKNOWN ERROR (303)\\n")
+    os.write(2, b"I0000 port.cc:153] oneDNN custom operations are on. You may see slightly different\\n")
     os.write(2, b"W0000 a real warning\\n")
     sys.stderr.write("python line\\n")
     raise RuntimeError("inside")
