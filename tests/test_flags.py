@@ -104,4 +104,4 @@ def test_the_shipped_reference_flagfile_gives_the_references_schedule():
   assert (config.model, config.design, config.batch_size, config.epochs) == ("neuron_inverter", "ontra4", 192, 161)
   assert (config.warmup_epochs, config.lr_schedule, config.lr_factor, config.lr_patience) == (6, "plateau", 0.11, 8)
   default = _config("--model=neuron_inverter")
-  assert (default.epochs, default.warmup_epochs, default.lr_schedule) == (2, 0, "cosine")
+  assert (default.batch_size, default.epochs, default.warmup_epochs, default.lr_schedule) == (48, 4, 0, "cosine")

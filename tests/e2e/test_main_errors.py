@@ -418,7 +418,8 @@ def small_disk(tmp_path):
 def test_main_on_a_really_full_staging_disk_is_one_error_line_and_leaves_nothing(tmp_path, small_disk):
   path = write_cellspike(str(tmp_path / "cell.h5"), sizes={"train": 256, "val": 32, "test": 32})
   result = run_main("--model=neuron_inverter", "--design=dev", "--data_path=" + path, "--epochs=1",
-                    "--stage_dir=%s" % (small_disk / "local"), "--logdir=%s" % (tmp_path / "run"))
-  assert_one_line_error(result, "staging train_frames/train_unitStar_par needs 4.9 MB but",
+                    "--batch_size=64", "--stage_dir=%s" % (small_disk / "local"),
+                    "--logdir=%s" % (tmp_path / "run"))
+  assert_one_line_error(result, "staging train_frames/train_unitStar_par needs 6.6 MB but",
                         "has 1.0 MB free; free space there or choose a larger --stage_dir")
   assert os.listdir(small_disk / "local") == []
