@@ -130,15 +130,10 @@ def plot_truth_vs_prediction(truth, prediction, results: dict, path: str, bins: 
     if ax.get_subplotspec().is_first_col():
       ax.set_ylabel("prediction (u*)", fontsize=9)
   _info_panel(axes[len(parameters)], results)
-  for ax in axes[len(parameters) + 1:]:
-    ax.axis("off")
-  fig.suptitle("Truth vs prediction per parameter: %s split, %d samples, MSE %.4f\n(dashed: perfect "
-               "prediction; darker blue: more samples; resid = prediction - truth, mean ± std; frame colour: verdict)"
-               % (results["split"], results["num_samples"], results["mse"]), fontsize=13)
-  fig.tight_layout(rect=(0, 0, 1, 0.96))
-  fig.savefig(path, dpi=_DPI)
-  plt.close(fig)
-  return path
+  title = ("Truth vs prediction per parameter: %s split, %d samples, MSE %.4f\n(dashed: perfect "
+           "prediction; darker blue: more samples; resid = prediction - truth, mean ± std; frame colour: verdict)"
+           % (results["split"], results["num_samples"], results["mse"]))
+  return _finish_grid(fig, axes[len(parameters) + 1:], title, path, top=0.96)
 
 
 def plot_residuals(truth, prediction, results: dict, path: str, bins: int = 50) -> str:
@@ -168,12 +163,18 @@ def plot_residuals(truth, prediction, results: dict, path: str, bins: int = 50) 
     if ax.get_subplotspec().is_last_row() or ax is axes[len(parameters) - 1]:
       ax.set_xlabel("prediction - truth (u*)", fontsize=9)
   _correlation_bars(axes[len(parameters)], results)
-  for ax in axes[len(parameters) + 1:]:
+  title = ("Residuals (prediction - truth) per parameter: %s split, %d samples\n(dashed: mean; "
+           "colour: verdict; shared axis, the outer 0.5%% piled at the edges)"
+           % (results["split"], results["num_samples"]))
+  return _finish_grid(fig, axes[len(parameters) + 1:], title, path, top=0.95)
+
+
+def _finish_grid(fig, unused_axes, title: str, path: str, top: float) -> str:
+  """Blanks the grid's unused panels, titles the figure and writes it to `path`."""
+  for ax in unused_axes:
     ax.axis("off")
-  fig.suptitle("Residuals (prediction - truth) per parameter: %s split, %d samples\n(dashed: mean; "
-               "colour: verdict; shared axis, the outer 0.5%% piled at the edges)"
-               % (results["split"], results["num_samples"]), fontsize=13)
-  fig.tight_layout(rect=(0, 0, 1, 0.95))
+  fig.suptitle(title, fontsize=13)
+  fig.tight_layout(rect=(0, 0, 1, top))
   fig.savefig(path, dpi=_DPI)
   plt.close(fig)
   return path

@@ -14,6 +14,7 @@ import tempfile
 
 from errors import UserError
 from run_config import RunConfig
+from strategies import registry
 
 _TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tensorflow-intel", "tf-nightly")
 # The XLA persistent cache flag exists in current TensorFlow; TF 2.6 aborts on any unknown TF_XLA_FLAGS.
@@ -69,7 +70,9 @@ def _make_dir(path: str, flag: str) -> str:
   return os.path.abspath(path)
 
 
-def _ipu_variables(config: RunConfig) -> None:
+def ipu_variables(config: RunConfig) -> None:
+  """Poplar's start-up variables (strategies/registry.py START_UP): IPU Model, synthetic data, the
+  executable cache, profiling reports."""
   if config.ipu_model:
     _add_flag("TF_POPLAR_FLAGS", "--use_ipu_model")
   if config.synthetic_data:
@@ -118,8 +121,9 @@ def prepare(config: RunConfig) -> None:
   os.environ["TF2_BEHAVIOR"] = "1"
   # TensorFlow's C++ INFO lines (oneDNN notices, CPU feature banners) bury the progress output.
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-  if config.backend in ("ipu", "auto"):
-    _ipu_variables(config)
+  for kind, function in registry.START_UP.items():  # a backend's own start-up variables, by name
+    if config.backend in (kind, "auto"):
+      globals()[function](config)
   _xla_cache_variables(config)
 
 

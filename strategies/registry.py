@@ -12,12 +12,21 @@ backend is one module plus one entry. The module states what it knows about its 
                                       resolved (never "auto")
 
 The order is --backend=auto's preference: the first backend present wins (the CPU always is).
+
+A backend whose runtime reads environment variables once, when TensorFlow loads (Poplar's), cannot set
+them from its module, which imports TensorFlow: it names a TensorFlow-free function of
+`strategies/environment.py` in START_UP, which `environment.prepare` calls for `--backend=NAME` and
+for `--backend=auto`.
 """
 
 BACKENDS = {
     "ipu": "strategies.ipu",
     "gpu": "strategies.gpu",
     "cpu": "strategies.cpu",
+}
+
+START_UP = {
+    "ipu": "ipu_variables",
 }
 
 CHOICES = ("auto",) + tuple(BACKENDS)

@@ -147,6 +147,8 @@ def test_every_registered_backend_module_states_what_select_asks_of_it():
     assert set(module.POLICIES) == {"32.32", "16.32", "16.16"}, kind
     for function in ("present", "has_16bit_units", "check_precision", "create"):
       assert callable(getattr(module, function)), (kind, function)
+  for kind, function in registry.START_UP.items():   # set before TensorFlow loads, TensorFlow-free
+    assert kind in registry.BACKENDS and callable(getattr(environment, function)), (kind, function)
 
 
 def test_resolve_settles_auto_before_the_backend_is_built():
