@@ -27,7 +27,7 @@ def test_interrupt_flag_records_the_signal_and_restores_the_handlers(capfd):
     time.sleep(0.01)
     assert flag.requested and flag.signum == signal.SIGINT
   assert signal.getsignal(signal.SIGINT) is previous
-  lines = capfd.readouterr().err.splitlines()
+  lines = [line for line in capfd.readouterr().err.splitlines() if line]  # each on a line of its own
   assert lines[0].startswith("SIGINT received: stopping after the current training step")
   assert lines[1].startswith("SIGINT received again: still stopping")
   stop = interrupt_lib.TrainingInterrupted(signal.SIGINT, "/x/ckpt-1-step3", "in epoch 2 after step 3 of 8")

@@ -89,7 +89,9 @@ class InterruptFlag:
     else:
       message = "%s received again: still stopping and saving the checkpoint; please wait\n" % name
     try:
-      os.write(2, message.encode())
+      # On a line of its own: Keras' progress bar rewrites its line with "\r" and ends it only at the
+      # epoch's end.
+      os.write(2, ("\n" + message).encode())
     except OSError:
       pass
 
