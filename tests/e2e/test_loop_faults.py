@@ -12,7 +12,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import yaml
 from errors import UserError
 from run_config import RunConfig
 from tests.support.cellspike_files import write_cellspike
-from tests.support.helpers import REPO_ROOT
+from tests.support.helpers import REPO_ROOT, can_mount_tmpfs
 from tests.support.training_parts import readable_state
 from training.checkpoints import read_index
 
@@ -231,18 +230,10 @@ def test_sigkill_at_random_points_then_sigterm_then_resume(tmp_path, data_file, 
 # ---------------------------------------------------------------------------------------------------
 # (d) Disk full on a real (tiny) file system, where the test may mount one.
 
-def _can_mount_tmpfs(folder):
-  if not shutil.which("unshare") or not sys.platform.startswith("linux"):
-    return False
-  probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs '%s'" % folder],
-                         capture_output=True, timeout=30)
-  return probe.returncode == 0
-
-
 def test_disk_full_during_training_keeps_the_previous_checkpoint(tmp_path, data_file):
   mount = tmp_path / "mnt"
   mount.mkdir()
-  if not _can_mount_tmpfs(str(mount)):
+  if not can_mount_tmpfs(str(mount)):
     pytest.skip("cannot mount a tmpfs here (needs unshare and mount rights); the in-process test covers it")
   copy = str(tmp_path / "copied")
   logdir = os.path.join(str(mount), "run")

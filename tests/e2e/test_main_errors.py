@@ -12,7 +12,6 @@ to check the whole contract end to end (exit status, one stderr line, no traceba
 import hashlib
 import os
 import shutil
-import subprocess
 
 import h5py
 import numpy as np
@@ -25,7 +24,7 @@ import flags
 import main
 from errors import UserError
 from tests.support.cellspike_files import write_cellspike, write_meta_yaml
-from tests.support.helpers import assert_one_line_error, hold_lock, run_main
+from tests.support.helpers import assert_one_line_error, can_mount_tmpfs, hold_lock, run_main
 
 flags.define_flags()
 FLAGS = absl_flags.FLAGS
@@ -402,24 +401,21 @@ def test_a_second_job_into_a_busy_folder_is_refused(tmp_path, good_file):
   assert not run_folder.holds_run(busy)
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-  """A real 1 MB file system (tmpfs, mounted by root, as CI runs) for a staging folder that fills up."""
-  mount_point = tmp_path / "small_disk"
-  mount_point.mkdir()
-  mounted = os.geteuid() == 0 and subprocess.run(
-      ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True).returncode == 0
-  if not mounted:
-    pytest.skip("mounting a tmpfs needs root (the full-disk cases above run everywhere)")
-  yield mount_point
-  subprocess.run(["umount", str(mount_point)], check=True)
-
-
-def test_main_on_a_really_full_staging_disk_is_one_error_line_and_leaves_nothing(tmp_path, small_disk):
+def test_main_on_a_really_full_staging_disk_is_one_error_line_and_leaves_nothing(tmp_path):
+  mount = tmp_path / "small_disk"
+  mount.mkdir()
+  if not can_mount_tmpfs(str(mount)):
+    pytest.skip("cannot mount a tmpfs here (needs unshare and mount rights); tests/test_staging.py covers it")
   path = write_cellspike(str(tmp_path / "cell.h5"), sizes={"train": 256, "val": 32, "test": 32})
+  listing = tmp_path / "left_in_stage_dir.txt"
+  # A real 1 MB file system in a private mount namespace; what is left in the staging folder is listed
+  # before the namespace (and the tmpfs) goes away.
+  script = ('mount -t tmpfs -o size=1m tmpfs "$MNT" || exit 77; "$@"; status=$?; '
+            'ls -A "$MNT/local" > "$LISTING" || echo "no folder" > "$LISTING"; exit $status')
   result = run_main("--model=neuron_inverter", "--design=dev", "--data_path=" + path, "--epochs=1",
-                    "--batch_size=64", "--stage_dir=%s" % (small_disk / "local"),
-                    "--logdir=%s" % (tmp_path / "run"))
+                    "--batch_size=64", "--stage_dir=%s" % (mount / "local"), "--logdir=%s" % (tmp_path / "run"),
+                    prefix=("unshare", "-m", "sh", "-c", script, "sh"),
+                    env={"MNT": str(mount), "LISTING": str(listing)})
   assert_one_line_error(result, "staging train_frames/train_unitStar_par needs 6.6 MB but",
                         "has 1.0 MB free; free space there or choose a larger --stage_dir")
-  assert os.listdir(small_disk / "local") == []
+  assert listing.read_text().split() == []

@@ -2,19 +2,31 @@
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_main(*args, timeout=300):
-  """Runs `python main.py ARGS` as a user would; returns the CompletedProcess (text mode)."""
-  env = dict(os.environ)
+def run_main(*args, timeout=300, prefix=(), env=None):
+  """Runs `python main.py ARGS` as a user would (after a `prefix` command such as `unshare`, with `env`
+  added to the environment); returns the CompletedProcess (text mode)."""
+  environment = dict(os.environ, **(env or {}))
   for variable in ("TF_USE_LEGACY_KERAS", "TF2_BEHAVIOR"):  # set by importing TensorFlow in pytest:
-    env.pop(variable, None)                                  # main.py must set them itself.
-  return subprocess.run([sys.executable, os.path.join(REPO_ROOT, "main.py")] + list(args),
-                        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    environment.pop(variable, None)                          # main.py must set them itself.
+  return subprocess.run(list(prefix) + [sys.executable, os.path.join(REPO_ROOT, "main.py")] + list(args),
+                        cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=timeout)
+
+
+def can_mount_tmpfs(folder) -> bool:
+  """Whether this process may mount a tmpfs on `folder` in a private mount namespace (`unshare -m`:
+  root, as CI runs); the mount never shows outside the command run there."""
+  if not shutil.which("unshare") or not sys.platform.startswith("linux"):
+    return False
+  probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs '%s'" % folder],
+                         capture_output=True, timeout=30)
+  return probe.returncode == 0
 
 
 def hold_lock(logdir):
