@@ -4,6 +4,8 @@ Splitting the host CPU into logical devices lets a data-parallel command run unc
 each replica gets its own slice of the global batch and gradients are all-reduced exactly as on GPUs.
 """
 
+import os
+
 import tensorflow as tf
 
 from errors import UserError
@@ -20,13 +22,36 @@ def present() -> bool:
   return True  # every machine has one: --backend=auto's last resort
 
 
-def _cpu_flags() -> set:
+# oneDNN's `ONEDNN_MAX_CPU_ISA` values (`DNNL_MAX_CPU_ISA` in the oneDNN 2.x of TF 2.6) that hide
+# feature families from its kernels, and the /proc/cpuinfo flag prefixes each one hides. Names from
+# oneDNN's docs/advanced/cpu_isa_hints and src/cpu/x64/cpu_isa_traits.cpp; unknown values hide nothing.
+_NO_AVX512 = ("avx512", "amx")
+_ISA_CAP_HIDES = {
+    "SSE41": _NO_AVX512, "AVX": _NO_AVX512, "AVX2": _NO_AVX512, "AVX2_VNNI": _NO_AVX512,
+    "AVX2_VNNI_2": _NO_AVX512, "AVX512_CORE": ("avx512_bf16", "avx512_fp16", "amx"),
+    "AVX512_CORE_VNNI": ("avx512_bf16", "avx512_fp16", "amx"), "AVX512_CORE_BF16": ("amx",),
+    "AVX512_CORE_FP16": ("amx",), "AVX10_1_512": ("amx",),
+}
+
+
+def _proc_cpu_flags() -> set:
   """The feature flags of /proc/cpuinfo (empty where there is none: not Linux)."""
   try:
     with open("/proc/cpuinfo") as cpuinfo:
       return set(next((line for line in cpuinfo if line.startswith("flags")), "").split())
   except OSError:
     return set()
+
+
+def _cpu_flags(proc_flags=None, environ=None) -> set:
+  """The CPU features oneDNN's kernels may use: /proc/cpuinfo's, minus what a `ONEDNN_MAX_CPU_ISA` cap
+  hides. A capped run (e.g. AVX2 on an AVX-512 machine, to see what an older CPU would run) then
+  makes the choices of the CPU it imitates: float32 for `auto`, and that CPU's convolution options."""
+  flags = _proc_cpu_flags() if proc_flags is None else set(proc_flags)
+  environ = os.environ if environ is None else environ
+  cap = environ.get("ONEDNN_MAX_CPU_ISA") or environ.get("DNNL_MAX_CPU_ISA") or ""
+  hidden = _ISA_CAP_HIDES.get(cap.strip().upper(), ())
+  return {flag for flag in flags if not flag.startswith(hidden)} if hidden else flags
 
 
 def has_bfloat16_units() -> bool:

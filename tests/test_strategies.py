@@ -97,10 +97,25 @@ def test_auto_precision_is_mixed_only_where_the_processor_has_16_bit_units(monke
   assert select.resolve_precision(requested, kind) == resolved
 
 
-def test_cpu_bfloat16_detection_reads_this_machines_cpu_flags():
+def test_cpu_bfloat16_detection_reads_this_machines_cpu_flags(monkeypatch):
+  monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+  monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
   with open("/proc/cpuinfo") as cpuinfo:
     flags = next(line for line in cpuinfo if line.startswith("flags")).split()
   assert cpu.has_bfloat16_units() == ("amx_bf16" in flags or "avx512_bf16" in flags)
+
+
+def test_a_onednn_isa_cap_hides_the_features_it_caps():
+  zen4 = {"fma", "avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}
+  spr = zen4 | {"amx_bf16", "amx_tile"}
+  assert cpu._cpu_flags(zen4, {"ONEDNN_MAX_CPU_ISA": "avx2"}) == {"fma", "avx2"}
+  assert cpu._cpu_flags(spr, {"DNNL_MAX_CPU_ISA": "AVX512_CORE_BF16"}) == zen4
+  assert cpu._cpu_flags(spr, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}) == zen4 - {"avx512_bf16"}
+  assert cpu._cpu_flags(spr, {"ONEDNN_MAX_CPU_ISA": "ALL"}) == spr
+  assert cpu._cpu_flags(spr, {}) == spr
+  # What the capped CPU would choose: float32 for auto, and the AVX2 convolution options.
+  assert cpu.conv_options("32.32", cpu._cpu_flags(spr, {"ONEDNN_MAX_CPU_ISA": "AVX2"})) == \
+      cpu.conv_options("32.32", {"fma", "avx2"})
 
 
 def test_auto_precision_stays_float32_where_tensorflow_lacks_cpu_bfloat16_kernels(monkeypatch):
