@@ -21,6 +21,9 @@ which is faster depends on the processor's kernels:
   convolution of the zero-padded output gradient with the flipped, transposed kernel (the textbook
   identity), because oneDNN's backward-data convolution ran 3-4x slower than its forward convolution
   at these shapes.
+- `kernel_grad_by_matmul`: the kernel gradient is one matmul of the block's input, laid out as the
+  kernel's shifted windows (im2col), with the output gradient. oneDNN's AVX2 backward-filter kernel ran
+  1.4-1.7x slower than that at the ontra4 shapes; with AVX-512 it was the faster one.
 
 - `pooling`: how the maximum over each pool window is taken.
   - "max_pool": TensorFlow's MaxPool and, in training, MaxPoolGrad.
@@ -44,24 +47,52 @@ import tensorflow as tf
 from model import initializers
 
 
-@tf.custom_gradient
-def _conv1d_input_grad_by_forward_conv(x, kernel):
-  """VALID, stride-1 conv1d whose input gradient is a forward convolution (same values, faster)."""
-  outputs = tf.nn.conv1d(x, kernel, stride=1, padding="VALID")
+def _input_grad_by_forward_conv(upstream, kernel):
+  """dx[s] = sum_j dy[s - j] . kernel[j]^T: a VALID conv of dy padded by width-1 on both sides with the
+  kernel reversed in time and its channel axes swapped (the textbook identity)."""
+  width = kernel.shape[0]
+  padded = tf.pad(upstream, [[0, 0], [width - 1, width - 1], [0, 0]])
+  flipped = tf.transpose(tf.reverse(kernel, axis=[0]), [0, 2, 1])
+  return tf.nn.conv1d(padded, flipped, stride=1, padding="VALID")
 
-  def grad(upstream):
-    width, in_channels, out_channels = kernel.shape
-    # dx[s] = sum_j dy[s - j] . kernel[j]^T: a VALID conv of dy padded by width-1 on both sides with
-    # the kernel reversed in time and its channel axes swapped.
-    padded = tf.pad(upstream, [[0, 0], [width - 1, width - 1], [0, 0]])
-    flipped = tf.transpose(tf.reverse(kernel, axis=[0]), [0, 2, 1])
-    input_grad = tf.nn.conv1d(padded, flipped, stride=1, padding="VALID")
-    kernel_grad = tf.raw_ops.Conv2DBackpropFilter(
-        input=tf.expand_dims(x, 1), filter_sizes=tf.constant([1, width, in_channels, out_channels]),
-        out_backprop=tf.expand_dims(upstream, 1), strides=[1, 1, 1, 1], padding="VALID")
-    return input_grad, tf.squeeze(kernel_grad, 0)
 
-  return outputs, grad
+def _kernel_grad_by_matmul(x, upstream, width):
+  """dkernel[j, c, o] = sum_{b,t} x[b, t + j, c] dy[b, t, o], as one matmul of the `width` shifted
+  copies of x (im2col) with dy."""
+  positions, in_channels, out_channels = upstream.shape[1], x.shape[2], upstream.shape[2]
+  columns = tf.concat([x[:, j:j + positions] for j in range(width)], axis=-1)
+  product = tf.matmul(tf.reshape(columns, [-1, width * in_channels]),
+                      tf.reshape(upstream, [-1, out_channels]), transpose_a=True)
+  return tf.reshape(product, [width, in_channels, out_channels])
+
+
+def _conv1d_with_gradients(input_grad_by_forward_conv, kernel_grad_by_matmul):
+  """VALID, stride-1 conv1d(x, kernel) whose input and kernel gradients are computed in the forms
+  asked for (the same values as oneDNN's backward convolutions, up to summation order)."""
+
+  @tf.custom_gradient
+  def conv1d(x, kernel):
+    outputs = tf.nn.conv1d(x, kernel, stride=1, padding="VALID")
+
+    def grad(upstream):
+      width, in_channels, out_channels = kernel.shape
+      if input_grad_by_forward_conv:
+        input_grad = _input_grad_by_forward_conv(upstream, kernel)
+      else:
+        input_grad = tf.squeeze(tf.raw_ops.Conv2DBackpropInput(
+            input_sizes=tf.shape(tf.expand_dims(x, 1)), filter=tf.expand_dims(kernel, 0),
+            out_backprop=tf.expand_dims(upstream, 1), strides=[1, 1, 1, 1], padding="VALID"), 1)
+      if kernel_grad_by_matmul:
+        kernel_grad = _kernel_grad_by_matmul(x, upstream, width)
+      else:
+        kernel_grad = tf.squeeze(tf.raw_ops.Conv2DBackpropFilter(
+            input=tf.expand_dims(x, 1), filter_sizes=tf.constant([1, width, in_channels, out_channels]),
+            out_backprop=tf.expand_dims(upstream, 1), strides=[1, 1, 1, 1], padding="VALID"), 0)
+      return input_grad, kernel_grad
+
+    return outputs, grad
+
+  return conv1d
 
 
 POOLINGS = ("max_pool", "maximum", "phases")
@@ -114,7 +145,8 @@ class PooledConv1D(tf.keras.layers.Layer):
   """
 
   def __init__(self, filters, kernel_size, pool_size, in_channels, channel_multiple=1,
-               input_grad_by_forward_conv=False, pooling="max_pool", **kwargs):
+               input_grad_by_forward_conv=False, kernel_grad_by_matmul=False, pooling="max_pool",
+               **kwargs):
     super().__init__(**kwargs)
     self.filters = filters
     self.kernel_size = kernel_size
@@ -122,6 +154,7 @@ class PooledConv1D(tf.keras.layers.Layer):
     self.in_channels = in_channels
     self.channel_multiple = channel_multiple
     self.input_grad_by_forward_conv = input_grad_by_forward_conv
+    self.kernel_grad_by_matmul = kernel_grad_by_matmul
     if pooling not in POOLINGS:
       raise ValueError("pooling=%r is not one of %s" % (pooling, ", ".join(POOLINGS)))
     self.pooling = pooling
@@ -153,8 +186,9 @@ class PooledConv1D(tf.keras.layers.Layer):
     if self.pooling == "phases":
       x = _conv_pool_by_phases(inputs, kernel, self.pool_size)
     else:
-      if self.input_grad_by_forward_conv:
-        x = _conv1d_input_grad_by_forward_conv(inputs, kernel)
+      if self.input_grad_by_forward_conv or self.kernel_grad_by_matmul:
+        x = _conv1d_with_gradients(self.input_grad_by_forward_conv, self.kernel_grad_by_matmul)(inputs,
+                                                                                               kernel)
       else:
         x = tf.nn.conv1d(inputs, kernel, stride=1, padding="VALID")
       if self.pooling == "maximum":
@@ -167,7 +201,8 @@ class PooledConv1D(tf.keras.layers.Layer):
     config = super().get_config()
     config.update(filters=self.filters, kernel_size=self.kernel_size, pool_size=self.pool_size,
                   in_channels=self.in_channels, channel_multiple=self.channel_multiple,
-                  input_grad_by_forward_conv=self.input_grad_by_forward_conv, pooling=self.pooling)
+                  input_grad_by_forward_conv=self.input_grad_by_forward_conv,
+                  kernel_grad_by_matmul=self.kernel_grad_by_matmul, pooling=self.pooling)
     return config
 
 

@@ -58,12 +58,12 @@ def min_time_bins(design: dict) -> int:
 
 
 def build(config: RunConfig, input_shape=(1600, 4), num_outputs=15, channel_multiple=1,
-          input_grad_by_forward_conv=False, pooling="max_pool", phases_max_in_channels=0,
-          standard_layers=False) -> tf.keras.Model:
+          input_grad_by_forward_conv=False, kernel_grad_by_matmul=False, pooling="max_pool",
+          phases_max_in_channels=0, standard_layers=False) -> tf.keras.Model:
   """Builds the (uncompiled) model of design `config.design` for samples of `input_shape`.
 
-  `channel_multiple`, `input_grad_by_forward_conv`, `pooling` and `phases_max_in_channels` are the
-  backend's convolution options (see `model.conv_layers`: blocks with at most `phases_max_in_channels`
+  `channel_multiple`, `input_grad_by_forward_conv`, `kernel_grad_by_matmul`, `pooling` and
+  `phases_max_in_channels` are the backend's convolution options (see `model.conv_layers`: blocks with at most `phases_max_in_channels`
   real input channels pool by phases, the others by `pooling`); `standard_layers` builds the plain
   Keras layers instead, without options.
   """
@@ -77,7 +77,8 @@ def build(config: RunConfig, input_shape=(1600, 4), num_outputs=15, channel_mult
   x = layers.Reshape((probes, time_bins), name="reference_reshape")(inputs)  # reshape, not transpose
   x = layers.Permute((2, 1), name="channels_last")(x)
   x = _conv_blocks(x, design, standard_layers, pooling, phases_max_in_channels,
-                   channel_multiple=channel_multiple, input_grad_by_forward_conv=input_grad_by_forward_conv)
+                   channel_multiple=channel_multiple, input_grad_by_forward_conv=input_grad_by_forward_conv,
+                   kernel_grad_by_matmul=kernel_grad_by_matmul)
   x = layers.Flatten(name="flatten")(x)
   # PyTorch BatchNorm1d defaults: momentum 0.1 (Keras 0.9), eps 1e-5.
   x = layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name="batch_norm")(x)

@@ -38,14 +38,22 @@ class Backend:
   precision: str = "32.32"                 # resolved --precision (never "auto")
   # How this hardware's convolutions run fastest (the model computes the same function either way;
   # see model/conv_layers.py): channel counts padded to a multiple, input gradient as a forward conv,
-  # how windows are pooled, and up to how many input channels a block pools by phases.
+  # kernel gradient as a matmul, how windows are pooled, and up to how many input channels a block pools by phases.
   conv_channel_multiple: int = 1
   conv_input_grad_by_forward_conv: bool = False
+  conv_kernel_grad_by_matmul: bool = False
   conv_pooling: str = "max_pool"
   conv_phases_max_in_channels: int = 0
 
   rank = 0                                 # this process among all processes (workers, instances)
   world_size = 1                           # processes training together
+
+  # Whether this hardware places --pipeline_stages on devices of their own (IPUs); elsewhere the model
+  # runs whole, with the same gradient accumulation.
+  places_pipeline_stages = False  # class attributes, not dataclass fields
+  # Whether TensorFlow's profiler (`--profile_dir`, TensorBoard's profile plugin) sees this hardware's
+  # ops; IPU profiles come from Poplar's POPLAR_ENGINE_OPTIONS instead.
+  profiles_with_tensorflow = True
 
   @property
   def is_chief(self) -> bool:
@@ -96,6 +104,7 @@ class Backend:
     """Hardware options for model builders (each takes those it declares: model.accepted_options)."""
     return {"channel_multiple": self.conv_channel_multiple,
             "input_grad_by_forward_conv": self.conv_input_grad_by_forward_conv,
+            "kernel_grad_by_matmul": self.conv_kernel_grad_by_matmul,
             "pooling": self.conv_pooling, "phases_max_in_channels": self.conv_phases_max_in_channels}
 
   def prepare_model(self, model: tf.keras.Model, stage_boundaries=()) -> tf.keras.Model:

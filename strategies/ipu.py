@@ -263,6 +263,8 @@ def swap_ipu_layers(model: tf.keras.Model) -> tf.keras.Model:
 @dataclasses.dataclass(frozen=True)
 class IPUBackend(Backend):
   """IPUStrategy/PopDistStrategy with replication, pipelining and gradient accumulation on device."""
+  places_pipeline_stages = True
+  profiles_with_tensorflow = False
   pipeline_stages: int = 1
   pipeline_schedule: str = "grouped"
   ipus_per_replica: int = 1

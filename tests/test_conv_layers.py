@@ -17,6 +17,8 @@ OPTIONS = [{"channel_multiple": multiple, "input_grad_by_forward_conv": by_forwa
            for multiple, by_forward in itertools.product((1, 8, 32), (False, True))] + [
                {"pooling": "maximum", "phases_max_in_channels": 8},  # the float32 choice
                {"pooling": "maximum", "channel_multiple": 32, "input_grad_by_forward_conv": True},
+               {"pooling": "maximum", "phases_max_in_channels": 8, "kernel_grad_by_matmul": True},
+               {"channel_multiple": 32, "input_grad_by_forward_conv": True, "kernel_grad_by_matmul": True},
                {"phases_max_in_channels": 1000}]  # every block by phases
 
 
@@ -87,9 +89,11 @@ def test_fast_blocks_in_bfloat16_are_as_close_to_float32_as_the_standard_layers(
     assert error(new, truth) <= 2 * error(old, truth) + 0.02
 
 
+@pytest.mark.parametrize("by_forward_conv, by_matmul", [(True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("width, in_channels, out_channels, length", [(1, 3, 5, 9), (2, 4, 7, 16),
                                                                        (4, 30, 90, 40), (4, 5, 2, 4)])
-def test_input_gradient_by_forward_conv_equals_autodiff(width, in_channels, out_channels, length):
+def test_gradients_in_other_forms_equal_autodiff(width, in_channels, out_channels, length,
+                                                 by_forward_conv, by_matmul):
   rng = np.random.default_rng(width)
   x = tf.constant(rng.standard_normal((3, length, in_channels)), tf.float32)
   kernel = tf.constant(rng.standard_normal((width, in_channels, out_channels)), tf.float32)
@@ -102,7 +106,7 @@ def test_input_gradient_by_forward_conv_equals_autodiff(width, in_channels, out_
     return [y] + tape.gradient(y, [x, kernel], output_gradients=upstream)
 
   autodiff = grads(lambda a, b: tf.nn.conv1d(a, b, 1, "VALID"))
-  custom = grads(conv_layers._conv1d_input_grad_by_forward_conv)  # pylint: disable=protected-access
+  custom = grads(conv_layers._conv1d_with_gradients(by_forward_conv, by_matmul))  # pylint: disable=protected-access
   for expected, got in zip(autodiff, custom):
     np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
 
@@ -143,8 +147,8 @@ def test_backend_passes_only_the_options_a_builder_declares():
                     conv_input_grad_by_forward_conv=True)
   options = backend.model_options()
   assert model.accepted_options(_builder(), **options) == {
-      "channel_multiple": 32, "input_grad_by_forward_conv": True, "pooling": "max_pool",
-      "phases_max_in_channels": 0}
+      "channel_multiple": 32, "input_grad_by_forward_conv": True, "kernel_grad_by_matmul": False,
+      "pooling": "max_pool", "phases_max_in_channels": 0}
   assert model.accepted_options(model.get_model_module("mnist").build, **options) == {}
 
 

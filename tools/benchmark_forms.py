@@ -2,11 +2,14 @@
 application's form, with timed windows alternating so that both see the machine in the same state.
 
     python tools/benchmark_forms.py [--design=ontra4] [--precision=16.32] [--rounds=8] [--steps=10]
+    python tools/benchmark_forms.py --precision=32.32 --variant=kernel_grad_by_matmul=true
 
 - `standard`: the reference's layers as stock Keras builds them (Conv1D -> MaxPooling1D -> ReLU) and
   Keras' default Adam (the TF >= 2.11 class): the application as it was before the fused blocks.
 - `application`: what `main.py` trains on this backend: `model.conv_layers.PooledConv1D` blocks with
   the backend's convolution options, the fused legacy Adam, optimizer slots created before tracing.
+- `variant` (with `--variant=OPTION=VALUE,...`, in place of `standard`): the application with some of
+  the backend's model options changed (`Backend.model_options()` names them), to decide an option.
 
 Both train on the same random batch (the input is not measured). Prints the median and 10th
 percentile of the step time of each and their ratio. Nothing in the test suite asserts a speed.
@@ -32,6 +35,20 @@ def define_flags():
   flags.DEFINE_integer("batch_size", 192, "Batch size.", lower_bound=1)
   flags.DEFINE_integer("rounds", 8, "Alternating rounds (one window of each form per round).", lower_bound=1)
   flags.DEFINE_integer("steps", 10, "Timed steps per window.", lower_bound=1)
+  flags.DEFINE_list("variant", [], "OPTION=VALUE model options of a variant of the application to time "
+                    "against it instead of the standard form (e.g. pooling=max_pool).")
+
+
+def _variant_options(base: dict) -> dict:
+  """`base` with --variant's OPTION=VALUE pairs applied, each value parsed as its base value's type."""
+  options = dict(base)
+  for pair in FLAGS.variant:
+    name, _, text = pair.partition("=")
+    if name not in base:
+      raise app.UsageError("--variant: unknown model option %r; options: %s" % (name, ", ".join(base)))
+    kind = type(base[name])
+    options[name] = text.lower() in ("1", "true", "yes") if kind is bool else kind(text)
+  return options
 
 
 def _forms(config):
@@ -43,16 +60,27 @@ def _forms(config):
   from training import optimizers  # pylint: disable=import-outside-toplevel
   backend = select_backend(config)
   module = model.get_model_module("neuron_inverter")
-  standard, _ = model.build_network(module, config, (1600, 4), 15, {"standard_layers": True})
-  standard.compile(tf.keras.optimizers.Adam(config.learning_rate), module.loss())
-  fast, _ = model.build_network(module, config, (1600, 4), 15, backend.model_options())
-  fast.compile(optimizers.make_optimizer("adam", config.learning_rate), module.loss())
-  optimizers.create_slots(fast.optimizer, fast.trainable_variables)
+  options = backend.model_options()
+  print("application options: %s" % options, flush=True)
+
+  def application(model_options):
+    network, _ = model.build_network(module, config, (1600, 4), 15, model_options)
+    network.compile(optimizers.make_optimizer("adam", config.learning_rate), module.loss())
+    optimizers.create_slots(network.optimizer, network.trainable_variables)
+    return network
+
+  if FLAGS.variant:
+    other_name, other = "variant", application(_variant_options(options))
+  else:
+    other_name, other = "standard", model.build_network(module, config, (1600, 4), 15,
+                                                        {"standard_layers": True})[0]
+    other.compile(tf.keras.optimizers.Adam(config.learning_rate), module.loss())
+  fast = application(options)
   rng = np.random.default_rng(0)
   batch = (rng.standard_normal((config.batch_size, 1600, 4), dtype=np.float32),
            rng.standard_normal((config.batch_size, 15), dtype=np.float32))
   batches = iter(tf.data.Dataset.from_tensors(batch).repeat())
-  return {"standard": standard.make_train_function(), "application": fast.make_train_function()}, batches
+  return {other_name: other.make_train_function(), "application": fast.make_train_function()}, batches
 
 
 def main(argv):
@@ -81,8 +109,9 @@ def main(argv):
     print("%-12s median %.1f ms/step, p10 %.1f ms (%s, %s, batch %d)" % (
         name, 1e3 * statistics.median(samples), 1e3 * ordered[len(ordered) // 10], FLAGS.design,
         FLAGS.precision, FLAGS.batch_size))
-  print("standard / application: %.2fx" % (statistics.median(times["standard"])
-                                           / statistics.median(times["application"])))
+  other_name = "variant" if FLAGS.variant else "standard"
+  print("%s / application: %.2fx" % (other_name, statistics.median(times[other_name])
+                                     / statistics.median(times["application"])))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def define_flags() -> None:
   flags.DEFINE_string("probe_type", None, "With a folder --data_path: the meta yaml's probe type "
                       "(default: the run's).")
   flags.DEFINE_enum("split", "test", SPLITS, "Which split of the file to evaluate.")
-  flags.DEFINE_enum("backend", "auto", ("auto", "cpu", "gpu", "ipu"), "Where to run the model.")
+  flags.DEFINE_enum("backend", "auto", app_flags.BACKENDS, "Where to run the model.")
   flags.DEFINE_integer("replicas", 1, "Data-parallel replicas for the evaluation.", lower_bound=1)
   flags.DEFINE_integer("batch_size", None, "Batch per replica (default: the run's).", lower_bound=1)
   flags.DEFINE_integer("max_samples", 0, "Evaluate at most this many samples (0: the whole split).",

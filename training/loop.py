@@ -158,7 +158,7 @@ def _make_callbacks(config, backend, schedule, checkpointing, state, global_batc
   callbacks = [resumed, throughput, schedule, callbacks_lib.EpochLogger(), checkpointing,
                tf.keras.callbacks.TerminateOnNaN(),
                tf.keras.callbacks.TensorBoard(log_dir=outdir, profile_batch=0)]
-  if config.profile_dir and backend.kind != "ipu":  # IPU profiles come from POPLAR_ENGINE_OPTIONS
+  if config.profile_dir and backend.profiles_with_tensorflow:
     callbacks.append(tf.keras.callbacks.TensorBoard(log_dir=config.profile_dir, profile_batch=(2, 4),
                                                     write_graph=False))
   callbacks.append(graceful)
