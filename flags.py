@@ -19,7 +19,7 @@ import model
 from errors import UserError
 from model.designs import DESIGNS
 from run_config import RunConfig
-from strategies import pipeline_rules
+from strategies import pipeline_rules, registry
 from strategies.registry import CHOICES as BACKENDS
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -61,7 +61,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   _on.flag_values = flag_values
   _on.DEFINE_enum("model", "mnist", sorted(model.MODELS), "Which model to train.")
   _on.DEFINE_enum("backend", _default("backend"), BACKENDS,
-                    "Where to run: auto picks IPU if Graphcore's TensorFlow sees IPUs, else GPU, else CPU.")
+                    "Where to run: auto picks the first of %s that this machine has (IPUs: with "
+                    "Graphcore's TensorFlow)." % ", ".join(BACKENDS[1:]))
   _on.DEFINE_integer("replicas", _default("replicas"), "Data-parallel replicas (IPUs, GPUs or logical CPU devices).",
                        lower_bound=1)
   _on.DEFINE_integer("batch_size", None, "Batch size per replica (default: the model's).", lower_bound=1)
@@ -174,10 +175,9 @@ def _register_validators() -> None:
   def _idx_needs_path(values):  # pylint: disable=unused-variable
     return values["mnist_source"] != "idx" or values["data_path"] is not None
 
-  @_on.multi_flags_validator(["backend", "replicas", "ipus_per_replica"])
-  def _power_of_two(values):  # pylint: disable=unused-variable
-    problem = values["backend"] == "ipu" and pipeline_rules.ipu_count_problem(values["replicas"],
-                                                                              values["ipus_per_replica"])
+  @_on.multi_flags_validator(list(registry.FLAG_RULE_FLAGS))
+  def _backend_rules(values):  # pylint: disable=unused-variable
+    problem = registry.flag_problem(values)  # the chosen backend's own rules
     if problem:
       raise flags.ValidationError(problem)
     return True
@@ -226,6 +226,9 @@ def to_config(values: flags.FlagValues) -> RunConfig:
   fields = {name: values[name].value for name in RUN_CONFIG_FIELDS}
   for name in MODEL_DEFAULTED:
     if fields[name] is None:
+      if name not in info.defaults:
+        raise UserError("model %r has no default for --%s: its MODELS entry (model/__init__.py) must "
+                        "give defaults for %s" % (values.model, name, ", ".join(MODEL_DEFAULTED)))
       fields[name] = info.defaults[name]
   for name in PATH_FLAGS:
     fields[name] = os.path.abspath(fields[name]) if fields[name] else fields[name]

@@ -18,7 +18,7 @@ DEFAULT_EXECUTABLE_CACHE = os.path.join(_CACHE_ROOT, "executables")
 class RunConfig:
   """Everything one run needs to know, resolved (no `None` meaning "model default" is left)."""
   model: str
-  backend: str = "auto"            # auto | cpu | gpu | ipu, as requested; strategies/ resolves auto
+  backend: str = "auto"            # auto or a name of strategies/registry.py; select.resolve settles auto
   replicas: int = 1                # data-parallel replicas on every backend
   batch_size: int = 64             # per replica (micro-batch)
   epochs: int = 3

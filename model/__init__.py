@@ -7,9 +7,12 @@ imported only when a run asks for it.
 Adding a model: one module here, one entry in `MODELS` (and, for new data, one loader in `data.DATASETS`).
 - The module (see `model/mnist.py`, the smallest) defines:
   - `build(config, input_shape, num_outputs, **options) -> tf.keras.Model`, uncompiled. `input_shape`
-    and `num_outputs` come from the data's splits. `options` are the backend's model options (e.g.
-    the convolution options of `model/conv_layers.py`): a builder declares, as keyword parameters,
-    the ones it honours, and receives only those (`accepted_options`);
+    and `num_outputs` come from the data's splits; give them defaults for the model's own data (the
+    tests build every registered model as `build(RunConfig(model=name))`). Inputs arrive in the
+    file's dtype (float16 frames for cellSpike: half the bytes per batch) and Keras casts them to the
+    first layer's compute dtype. `options` are the backend's model options (e.g. the convolution
+    options of `model/conv_layers.py`): a builder declares, as keyword parameters, the ones it
+    honours, and receives only those (`accepted_options`);
   - `loss()` and `metrics()` for `compile`;
   - optionally `STAGE_BOUNDARIES`, the names of the first layers of pipeline stages 2, 3, ... (IPU
     pipelining and sharding split the model there; without it the model runs as one stage).
@@ -17,7 +20,8 @@ Adding a model: one module here, one entry in `MODELS` (and, for new data, one l
   at full precision.
 - The `ModelInfo` entry names the module, its dataset (a key of `data.DATASETS`: a loader module with
   `load(config, layout, first_epoch) -> data.splits.Splits`), its task ("classification" reports
-  accuracy, "regression" allows `--predict`), the banner title and the defaults of the flags that
+  accuracy; "regression" on the cellSpike data allows `--predict` and `tools/predict.py`, whose
+  report is per conductance), the banner title and the defaults of the flags that
   are left unset (`flags.MODEL_DEFAULTED`). Set `uses_design` if `--design` picks its network.
 """
 
@@ -84,7 +88,8 @@ def get_model_info(name: str) -> ModelInfo:
 
 def accepted_options(builder, **options) -> dict:
   """The `options` that `builder` declares as keyword parameters: a builder names the options it
-  honours (the backend's convolution options, `standard_layers`); the others do not apply to it."""
+  honours (the backend's convolution options; `standard_layers` for the benchmark of forms); the
+  others do not apply to it."""
   parameters = inspect.signature(builder).parameters
   return {name: value for name, value in options.items() if name in parameters}
 

@@ -12,7 +12,8 @@ of each later stage). Where they run is the backend's business.
 
 Training builds each conv block as one `model.conv_layers.PooledConv1D`: the same function and the same
 weights, computed faster, with the backend's convolution options. `standard_layers=True` builds the
-plain Keras form of the reference (Conv1D, MaxPooling1D, ReLU layers), which the export uses.
+plain Keras form of the reference (Conv1D, MaxPooling1D, ReLU layers), which the tests and
+`tools/benchmark_forms.py` hold the fast blocks against.
 """
 
 import tensorflow as tf

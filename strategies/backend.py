@@ -27,7 +27,7 @@ def options_from_config(config: RunConfig) -> dict:
 @dataclasses.dataclass(frozen=True)
 class Backend:
   """A resolved backend for one run."""
-  kind: str                                # "cpu", "gpu" or "ipu"
+  kind: str                                # its name in strategies/registry.py BACKENDS
   strategy: tf.distribute.Strategy
   devices: tuple                           # device names the replicas run on
   replicas: int = 1                        # data-parallel replicas (global: all processes)

@@ -82,25 +82,52 @@ def check_precision(precision: str) -> None:
                     "TensorFlow %s: use --precision=32.32" % (precision, tf.__version__))
 
 
-def conv_options(precision: str, cpu_flags=None) -> dict:
-  """Backend fields for oneDNN's convolutions on this CPU, each chosen by a measurement
-  (docs/PERFORMANCE.md; `cpu_flags` defaults to this machine's).
+def _cpu_generation() -> tuple:
+  """(vendor_id, cpu family) of /proc/cpuinfo, e.g. ("AuthenticAMD", 23) for Zen 1 and 2; ("", 0)
+  where there is none."""
+  fields = {}
+  try:
+    with open("/proc/cpuinfo") as cpuinfo:
+      for line in cpuinfo:
+        key, _, value = line.partition(":")
+        if not line.strip():
+          break  # the first processor's block is enough
+        fields[key.strip()] = value.strip()
+  except OSError:
+    pass
+  family = fields.get("cpu family", "0")
+  return fields.get("vendor_id", ""), int(family) if family.isdigit() else 0
 
-  - On a Sapphire Rapids (AVX-512, AMX) oneDNN's backward-data convolution ran 3-4x slower than its
-    forward one at the Neuron-Inverter's shapes, in float32 and bfloat16 alike, so the input gradient
-    is a forward conv there; on an AVX2 EPYC the backward-data kernel was the faster one.
+
+# Where float32 pooled by elementwise maxima, and by phases in the first block, was measured faster
+# than MaxPool: the AVX2 EPYC of family 23 (Zen), 1.2x per step (docs/PERFORMANCE.md). On a Zen 4
+# (family 25), with and without AVX-512, MaxPool everywhere was the faster form (1.05-1.1x).
+_MAXIMA_POOLING_CPUS = (("AuthenticAMD", 23),)
+
+
+def conv_options(precision: str, cpu_flags=None, generation=None) -> dict:
+  """Backend fields for oneDNN's convolutions on this CPU, each chosen by a measurement
+  (docs/PERFORMANCE.md; `cpu_flags` and `generation` default to this machine's).
+
+  - On AVX-512 CPUs (a Sapphire Rapids, a Zen 4) oneDNN's backward-data convolution ran 3-4x slower
+    than its forward one at the Neuron-Inverter's shapes, so the input gradient is a forward conv
+    there; on an AVX2 EPYC the backward-data kernel was the faster one.
+  - With AVX2 code (a Zen 4 under ONEDNN_MAX_CPU_ISA=AVX2), oneDNN's backward-filter kernel ran
+    1.4-1.7x slower than one im2col matmul; with AVX-512 it was the faster one.
   - AMX bfloat16 kernels take their fast path only for channel counts that are multiples of 32
     (float32 gained nothing from padding).
-  - In float32 on an AVX2 EPYC, pooling by elementwise maxima, and by phases in the first block,
-    made the training step 1.2x faster (MaxPoolGrad is memory-bound, which no vector unit changes).
-    bfloat16 keeps MaxPool, as measured on AMX.
+  - Pooling: MaxPool, except in float32 on the CPUs of _MAXIMA_POOLING_CPUS, where MaxPoolGrad is
+    slow (memory-bound) and elementwise maxima, by phases in the first block, were faster.
   """
   flags = _cpu_flags() if cpu_flags is None else set(cpu_flags)
+  generation = _cpu_generation() if generation is None else tuple(generation)
   sixteen_bit = precision != "32.32"
+  maxima = not sixteen_bit and generation in _MAXIMA_POOLING_CPUS
   return {"conv_channel_multiple": 32 if sixteen_bit else 1,
           "conv_input_grad_by_forward_conv": "avx512f" in flags,
-          "conv_pooling": "max_pool" if sixteen_bit else "maximum",
-          "conv_phases_max_in_channels": 0 if sixteen_bit else 8}
+          "conv_kernel_grad_by_matmul": "avx512f" not in flags,
+          "conv_pooling": "maximum" if maxima else "max_pool",
+          "conv_phases_max_in_channels": 8 if maxima else 0}
 
 
 def _ensure_logical_cpus(count: int) -> list:

@@ -138,7 +138,7 @@ _CUDA_PROBE_LINES = ("All log messages before absl::InitializeLog() is called ar
 
 def _cuda_probe_is_noise(config: RunConfig) -> bool:
   """No NVIDIA device node: no GPU can be used, so the probe's failure says nothing to the user."""
-  return config.backend in ("cpu", "auto") and not glob.glob("/dev/nvidia[0-9]*")
+  return config.backend not in registry.USES_CUDA and not glob.glob("/dev/nvidia[0-9]*")
 
 
 @contextlib.contextmanager

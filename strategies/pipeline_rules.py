@@ -17,6 +17,11 @@ def ipu_count_problem(replicas: int, ipus_per_replica: int):
           "(1, 2, 4, 8, ...)" % (replicas, ipus_per_replica, total))
 
 
+def ipu_flag_problem(values: dict):
+  """The IPU backend's flag rule (strategies/registry.py FLAG_RULES) over the parsed flag values."""
+  return ipu_count_problem(values["replicas"], values["ipus_per_replica"])
+
+
 def stage_devices(stages: int, ipus_per_replica: int) -> list:
   """The pipeline's device mapping: stage i on IPU i mod ipus_per_replica."""
   return [i % ipus_per_replica for i in range(stages)]

@@ -11,6 +11,14 @@ backend is one module plus one entry. The module states what it knows about its 
     create(config) -> Backend         the backend for `config`, whose backend and precision are
                                       resolved (never "auto")
 
+`create` builds the Backend's fields with `backend.options_from_config(config)` (plus its own), and
+does what its hardware needs of the process; for a tf.distribute strategy, as cpu.py and gpu.py do:
+hide the devices it must not use (`tf.config.set_visible_devices`), call `device_pipelines.apply()`
+(tf.distribute's per-device input otherwise stalls at the end of every fit) and, where a cluster is
+described (`multiworker.cluster_source()`), return `multiworker.create(...)`. Setting the Keras
+policy is select.py's (from POLICIES); POLICIES names a policy for every precision that
+`check_precision` accepts.
+
 The order is --backend=auto's preference: the first backend present wins (the CPU always is).
 
 A backend whose runtime reads environment variables once, when TensorFlow loads (Poplar's), cannot set
@@ -18,6 +26,8 @@ them from its module, which imports TensorFlow: it names a TensorFlow-free funct
 `strategies/environment.py` in START_UP, which `environment.prepare` calls for `--backend=NAME` and
 for `--backend=auto`.
 """
+
+import importlib
 
 BACKENDS = {
     "ipu": "strategies.ipu",
@@ -29,4 +39,25 @@ START_UP = {
     "ipu": "ipu_variables",
 }
 
+# Flag rules a backend imposes, checked when the flags are parsed (before TensorFlow loads): backend
+# name -> "module:function" of a TensorFlow-free function(values) -> problem text or None, where
+# `values` maps the flags of FLAG_RULE_FLAGS to their parsed values.
+FLAG_RULE_FLAGS = ("backend", "replicas", "ipus_per_replica", "precision")
+FLAG_RULES = {
+    "ipu": "strategies.pipeline_rules:ipu_flag_problem",
+}
+
+# The backends that use CUDA: for the others, TensorFlow's failed CUDA probe is noise, dropped from
+# the log on machines without an NVIDIA device (strategies/environment.py).
+USES_CUDA = ("gpu",)
+
 CHOICES = ("auto",) + tuple(BACKENDS)
+
+
+def flag_problem(values: dict):
+  """What is wrong with the parsed flag `values` for their --backend, by its FLAG_RULES (or None)."""
+  rule = FLAG_RULES.get(values["backend"])
+  if not rule:
+    return None
+  module_name, _, function = rule.partition(":")
+  return getattr(importlib.import_module(module_name), function)(values)

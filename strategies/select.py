@@ -21,7 +21,13 @@ def backend_module(kind: str):
   """The module of backend `kind` (a name of strategies/registry.py)."""
   if kind not in BACKENDS:
     raise UserError("unknown backend %r; valid backends: auto, %s" % (kind, ", ".join(BACKENDS)))
-  return importlib.import_module(BACKENDS[kind])
+  try:
+    return importlib.import_module(BACKENDS[kind])
+  except ModuleNotFoundError as error:
+    if error.name != BACKENDS[kind]:
+      raise  # a module it imports is missing: its own traceback says which
+    raise UserError("strategies/registry.py names module %r for backend %r, and there is no such "
+                    "module" % (BACKENDS[kind], kind)) from None
 
 
 def resolve_kind(requested: str) -> str:

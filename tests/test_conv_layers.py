@@ -159,11 +159,24 @@ def test_cpu_pads_channels_only_for_16_bit_precision():
 
 def test_cpu_options_follow_the_measurements_per_cpu():
   avx2, amx = {"avx2", "fma"}, {"avx2", "avx512f", "amx_bf16"}
-  assert not cpu.conv_options("32.32", avx2)["conv_input_grad_by_forward_conv"]
-  assert all(cpu.conv_options(p, amx)["conv_input_grad_by_forward_conv"] for p in ("32.32", "16.32"))
-  assert cpu.conv_options("32.32", avx2)["conv_pooling"] == "maximum"
-  assert cpu.conv_options("32.32", avx2)["conv_phases_max_in_channels"] >= 4  # the 4-probe block
-  assert cpu.conv_options("16.32", amx)["conv_pooling"] == "max_pool"
+  zen1, zen4, xeon = ("AuthenticAMD", 23), ("AuthenticAMD", 25), ("GenuineIntel", 6)
+  assert not cpu.conv_options("32.32", avx2, zen1)["conv_input_grad_by_forward_conv"]
+  assert all(cpu.conv_options(p, amx, xeon)["conv_input_grad_by_forward_conv"] for p in ("32.32", "16.32"))
+  assert cpu.conv_options("32.32", avx2, zen1)["conv_kernel_grad_by_matmul"]
+  assert not cpu.conv_options("32.32", amx, xeon)["conv_kernel_grad_by_matmul"]
+  assert cpu.conv_options("32.32", avx2, zen1)["conv_pooling"] == "maximum"
+  assert cpu.conv_options("32.32", avx2, zen1)["conv_phases_max_in_channels"] >= 4  # the 4-probe block
+  assert cpu.conv_options("16.32", amx, zen1)["conv_pooling"] == "max_pool"
+  for other in (zen4, xeon):
+    assert cpu.conv_options("32.32", avx2, other)["conv_pooling"] == "max_pool"
+    assert cpu.conv_options("32.32", avx2, other)["conv_phases_max_in_channels"] == 0
+
+
+def test_cpu_generation_is_read_from_this_machine():
+  vendor, family = cpu._cpu_generation()  # pylint: disable=protected-access
+  with open("/proc/cpuinfo") as cpuinfo:
+    text = cpuinfo.read()
+  assert vendor and vendor in text and "cpu family\t: %d" % family in text
 
 
 @pytest.mark.parametrize("pooling,phases", [("maximum", 0), ("max_pool", 1000), ("maximum", 1000)])

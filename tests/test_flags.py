@@ -46,6 +46,26 @@ def test_every_config_field_is_a_flag_with_the_same_default():
     assert default == field.default, field.name
 
 
+def test_every_model_entry_is_complete():
+  """A new model's registry entry gives every model-defaulted flag and names a real dataset; a
+  missing default is an error naming the model and the flag, not a KeyError."""
+  import data  # pylint: disable=import-outside-toplevel
+  import model  # pylint: disable=import-outside-toplevel
+  for name, info in model.MODELS.items():
+    assert set(flags.MODEL_DEFAULTED) <= set(info.defaults), name
+    assert info.dataset in data.DATASETS, name
+
+
+def test_a_missing_model_default_is_named(monkeypatch):
+  import model  # pylint: disable=import-outside-toplevel
+  from errors import UserError  # pylint: disable=import-outside-toplevel
+  info = model.MODELS["mnist"]
+  defaults = {key: value for key, value in info.defaults.items() if key != "warmup_epochs"}
+  monkeypatch.setitem(model.MODELS, "mnist", dataclasses.replace(info, defaults=defaults))
+  with pytest.raises(UserError, match=r"model 'mnist' has no default for --warmup_epochs"):
+    _config("--model=mnist")
+
+
 def test_flagfile_is_read(tmp_path):
   flagfile = tmp_path / "run.flags"
   flagfile.write_text("--model=mnist\n--epochs=7\n--seed=3\n")

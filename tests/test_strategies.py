@@ -114,8 +114,9 @@ def test_a_onednn_isa_cap_hides_the_features_it_caps():
   assert cpu._cpu_flags(spr, {"ONEDNN_MAX_CPU_ISA": "ALL"}) == spr
   assert cpu._cpu_flags(spr, {}) == spr
   # What the capped CPU would choose: float32 for auto, and the AVX2 convolution options.
-  assert cpu.conv_options("32.32", cpu._cpu_flags(spr, {"ONEDNN_MAX_CPU_ISA": "AVX2"})) == \
-      cpu.conv_options("32.32", {"fma", "avx2"})
+  zen4_generation = ("AuthenticAMD", 25)
+  assert cpu.conv_options("32.32", cpu._cpu_flags(spr, {"ONEDNN_MAX_CPU_ISA": "AVX2"}), zen4_generation) == \
+      cpu.conv_options("32.32", {"fma", "avx2"}, zen4_generation)
 
 
 def test_auto_precision_stays_float32_where_tensorflow_lacks_cpu_bfloat16_kernels(monkeypatch):
@@ -159,11 +160,33 @@ def test_every_registered_backend_module_states_what_select_asks_of_it():
   assert flags.BACKENDS == ("auto",) + tuple(registry.BACKENDS)
   for kind, name in registry.BACKENDS.items():
     module = importlib.import_module(name)
-    assert set(module.POLICIES) == {"32.32", "16.32", "16.16"}, kind
+    for precision in ("32.32", "16.32", "16.16"):  # a policy for every precision it accepts
+      try:
+        module.check_precision(precision)
+      except UserError:
+        continue
+      assert precision in module.POLICIES, (kind, precision)
     for function in ("present", "has_16bit_units", "check_precision", "create"):
       assert callable(getattr(module, function)), (kind, function)
   for kind, function in registry.START_UP.items():   # set before TensorFlow loads, TensorFlow-free
     assert kind in registry.BACKENDS and callable(getattr(environment, function)), (kind, function)
+  for kind in registry.FLAG_RULES:
+    values = {"backend": kind, "replicas": 1, "ipus_per_replica": 1, "precision": "auto"}
+    assert kind in registry.BACKENDS and registry.flag_problem(values) is None, kind
+
+
+def test_a_backends_flag_rules_apply_to_it_alone():
+  from strategies import registry  # pylint: disable=import-outside-toplevel
+  values = {"replicas": 3, "ipus_per_replica": 1, "precision": "auto"}
+  assert "powers of two" in registry.flag_problem(dict(values, backend="ipu"))
+  assert registry.flag_problem(dict(values, backend="cpu")) is None
+
+
+def test_a_registry_entry_without_its_module_is_named(monkeypatch):
+  from strategies import registry  # pylint: disable=import-outside-toplevel
+  monkeypatch.setitem(registry.BACKENDS, "cpu", "strategies.no_such_module")
+  with pytest.raises(UserError, match=r"registry.py names module 'strategies.no_such_module' for backend 'cpu'"):
+    select.backend_module("cpu")
 
 
 def test_resolve_settles_auto_before_the_backend_is_built():
