@@ -10,10 +10,10 @@ import json
 import os
 import re
 import sys
-import tempfile
 
 from errors import UserError
 from run_config import RunConfig
+from stderr_lines import DroppedLines
 from strategies import registry
 
 _TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tensorflow-intel", "tf-nightly")
@@ -152,20 +152,8 @@ def quiet_cuda_probe(config: RunConfig):
   if not _cuda_probe_is_noise(config):
     yield
     return
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with tempfile.TemporaryFile() as capture:
-    os.dup2(capture.fileno(), 2)
-    try:
-      yield
-    finally:
-      sys.stderr.flush()
-      os.dup2(saved, 2)
-      os.close(saved)
-      capture.seek(0)
-      lines = capture.read().decode("utf-8", "replace").splitlines(True)
-      sys.stderr.write("".join(line for line in lines if not any(p in line for p in _CUDA_PROBE_LINES)))
-      sys.stderr.flush()
+  with DroppedLines(_CUDA_PROBE_LINES):
+    yield
 
 
 def executable_cache_dir(kind: str):

@@ -15,6 +15,22 @@ def _cache_entries(folder) -> set:
           if not name.endswith((".compile_lock", ".read_lock"))}
 
 
+class QuietFirstStep(tf.keras.callbacks.Callback):
+  """Keeps a `stderr_lines.DroppedLines` window open from the start of each fit to the end of its first
+  training step, where TensorFlow's one-off C++ lines are printed. The caller closes the window too
+  (`stop()` is idempotent), so that a fit that raises in its first step still shows its stderr."""
+
+  def __init__(self, window):
+    super().__init__()
+    self.window = window
+
+  def on_train_begin(self, logs=None):
+    self.window.start()
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.window.stop()
+
+
 class ThroughputCallback(tf.keras.callbacks.Callback):
   """Measures first-step (trace + compile) time and steady training throughput.
 

@@ -25,10 +25,12 @@ import data
 import model
 from errors import UserError
 from run_config import RunConfig
+from stderr_lines import DroppedLines
 from strategies.backend import Backend
 from training import callbacks as callbacks_lib
 from training import checkpoints as checkpoints_lib
 from training import interrupt as interrupt_lib
+from training import logs
 from training import run_folder
 from training.lr_schedule import Cosine, LearningRateSchedule
 from training.optimizers import create_slots, make_optimizer
@@ -146,8 +148,10 @@ def _make_callbacks(config, backend, schedule, checkpointing, state, global_batc
   if config.lr_schedule == "cosine":
     schedule.cosine = Cosine(config.epochs, steps_per_epoch, state.get("epoch"), state.get("step", 0))
   throughput = callbacks_lib.ThroughputCallback(global_batch_size, backend.replicas, backend.cache_dir)
+  # After `throughput`, whose "Compiling..." line must show while the first step compiles.
+  quiet = callbacks_lib.QuietFirstStep(DroppedLines(logs.ONE_OFF_NATIVE_LINES))
   if config.compile_only:
-    return [throughput, callbacks_lib.StopAfterFirstStep()], throughput
+    return [throughput, quiet, callbacks_lib.StopAfterFirstStep()], throughput
   resumed = interrupt_lib.ResumedEpochLogs(state.get("step", 0), state.get("partial_logs"))
   # Several processes agree at every batch end whether any of them was signalled (one collective).
   graceful = interrupt_lib.GracefulStop(flag, checkpointing, steps_per_epoch, config.epochs, resumed,
@@ -155,7 +159,7 @@ def _make_callbacks(config, backend, schedule, checkpointing, state, global_batc
   # Order matters: each callback may add to the epoch logs that the later ones record; `resumed`
   # completes a resumed epoch's metrics before anything records them, `graceful` acts after the
   # epoch's checkpoint and TensorBoard scalars are written.
-  callbacks = [resumed, throughput, schedule, callbacks_lib.EpochLogger(), checkpointing,
+  callbacks = [resumed, throughput, quiet, schedule, callbacks_lib.EpochLogger(), checkpointing,
                tf.keras.callbacks.TerminateOnNaN(),
                tf.keras.callbacks.TensorBoard(log_dir=outdir, profile_batch=0)]
   if config.profile_dir and backend.profiles_with_tensorflow:
@@ -224,6 +228,12 @@ def _fit(net, config, backend, splits, first_epoch, first_step, callbacks) -> di
                              steps_per_epoch=train_steps, validation_data=val_x,
                              validation_steps=val_steps, callbacks=callbacks, verbose=verbose).history)
   return _merge_histories(*histories)
+
+
+def _end_quiet_windows(callbacks) -> None:
+  for callback in callbacks:
+    if isinstance(callback, callbacks_lib.QuietFirstStep):
+      callback.window.stop()
 
 
 def _close_writers(callbacks) -> None:
@@ -318,6 +328,8 @@ def _train(net, config, backend, splits, resume_state, callbacks, flag):
                      callbacks)
     except interrupt_lib.TrainingInterrupted as stop:
       interrupted = stop.with_traceback(None)  # frees fit's frames (and its data iterators) below
+    finally:
+      _end_quiet_windows(callbacks)  # a fit that raised in its first step shows all of its stderr
     if interrupted is not None:
       # Still inside `with flag`: a further signal is only noted while the run winds down, and the
       # flag ignores signals (instead of restoring the default action) once this raise leaves it.
@@ -336,6 +348,7 @@ def _test(net, config, backend, splits, checkpointing, outdir, last_epoch):
   test_epoch = _use_best_weights(checkpointing, last_epoch)
   print("\nEvaluation", flush=True)
   test_x, test_steps = backend.fit_input(splits.test.dataset, splits.test.steps)
-  test_results = net.evaluate(test_x, steps=test_steps, return_dict=True, verbose=1)
+  with DroppedLines(logs.ONE_OFF_NATIVE_LINES):
+    test_results = net.evaluate(test_x, steps=test_steps, return_dict=True, verbose=1)
   write_test_scalars(outdir, test_results, step=config.epochs)
   return test_results, test_epoch

@@ -1,0 +1,52 @@
+"""Known lines that native code writes straight to file descriptor 2, dropped from what a user reads.
+
+absl's Python logging can be filtered by level and source (training/logs.py), but TensorFlow's C++
+core writes to the process's stderr itself, below Python. `DroppedLines` sends descriptor 2 to a
+temporary file for a window and, when the window closes, writes everything back to stderr in order,
+without the lines that contain one of its patterns. Closing is idempotent and also happens when the
+block raises, so nothing but those lines is lost. A process killed inside a window loses that
+window's lines: the windows are kept short (TensorFlow's import, a first step).
+"""
+
+import os
+import sys
+import tempfile
+
+
+class DroppedLines:
+  """A window, opened by `start()` (or `with`) and closed by `stop()`, in which lines containing any
+  of `patterns` never reach stderr."""
+
+  def __init__(self, patterns):
+    self.patterns = tuple(patterns)
+    self._saved = None
+    self._capture = None
+
+  def start(self) -> None:
+    if self._saved is not None:
+      return
+    sys.stderr.flush()
+    self._capture = tempfile.TemporaryFile()
+    self._saved = os.dup(2)
+    os.dup2(self._capture.fileno(), 2)
+
+  def stop(self) -> None:
+    if self._saved is None:
+      return
+    sys.stderr.flush()
+    os.dup2(self._saved, 2)
+    os.close(self._saved)
+    self._saved = None
+    with self._capture:
+      self._capture.seek(0)
+      lines = self._capture.read().decode("utf-8", "replace").splitlines(True)
+    sys.stderr.write("".join(line for line in lines if not any(p in line for p in self.patterns)))
+    sys.stderr.flush()
+
+  def __enter__(self):
+    self.start()
+    return self
+
+  def __exit__(self, *exc_info):
+    self.stop()
+    return False
