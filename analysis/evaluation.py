@@ -30,8 +30,10 @@ from data import cellspike
 from data.splits import eval_layout
 from errors import UserError
 from run_config import RunConfig
+from stderr_lines import DroppedLines
 from strategies.backend import Backend
 from training import checkpoints as checkpoints_lib
+from training import logs
 from training import summary as summary_lib
 
 LEARNED_MIN_R = 0.7
@@ -145,8 +147,9 @@ def collect_predictions(net: tf.keras.Model, dataset: tf.data.Dataset, steps: in
   element order, so the truth is read from the same elements. Evaluation splits are not shuffled, so
   the second pass over the dataset repeats the first.
   """
-  truth = np.concatenate([y.numpy() for _, y in dataset], axis=0)
-  prediction = net.predict(dataset.map(lambda x, y: x), steps=steps, verbose=0)
+  with DroppedLines(logs.ONE_OFF_NATIVE_LINES):  # TensorFlow's one-off lines; verbose=0 prints none
+    truth = np.concatenate([y.numpy() for _, y in dataset], axis=0)
+    prediction = net.predict(dataset.map(lambda x, y: x), steps=steps, verbose=0)
   prediction = np.asarray(prediction, np.float32)
   if prediction.shape != truth.shape:
     raise RuntimeError("predict returned %s for truth %s" % (prediction.shape, truth.shape))
