@@ -2,10 +2,23 @@
 
 Anything a user can cause (a bad flag combination, a missing or malformed data file, a backend that is
 not installed) is raised as `UserError` with a message naming the flag, file or key and what was
-expected. `main.py` prints it on one line and exits non-zero; any other exception is a bug and keeps
-its traceback.
+expected. `main.py` and the tools print it on one line and exit non-zero (`reported_on_one_line`); any
+other exception is a bug and keeps its traceback.
 """
+
+import contextlib
+import sys
 
 
 class UserError(Exception):
   """A problem with the user's input or environment, reported without a traceback."""
+
+
+@contextlib.contextmanager
+def reported_on_one_line(status: int = 1):
+  """Runs the block; a UserError from it becomes one `error: ...` line on stderr and exit `status`."""
+  try:
+    yield
+  except UserError as error:
+    sys.stderr.write("error: %s\n" % error)
+    sys.exit(status)

@@ -5,12 +5,10 @@ then `train_and_evaluate(config)` (tests call it too). A UserError anywhere belo
 stderr and exit status 1.
 """
 
-import sys
-
 from absl import app
 from absl import flags as absl_flags
 import flags
-from errors import UserError
+from errors import reported_on_one_line
 from strategies import environment
 from training import logs
 
@@ -21,11 +19,7 @@ def train_and_evaluate(config) -> dict:
   """Everything after the flags: the backend, training and test, the --predict report, the closing
   report. TensorFlow's start-up environment must already be set (`environment.prepare`). Returns the
   run's summary; a problem is a UserError."""
-  # TensorFlow is imported only now, after its start-up environment is set.
-  with environment.quiet_cuda_probe(config):
-    from strategies.select import resolve, select_backend  # pylint: disable=import-outside-toplevel
-    config = resolve(config)  # --backend and --precision settled: what run_config.yaml and summary.yaml record
-    backend = select_backend(config)
+  config, backend = environment.start_backend(config)  # imports TensorFlow
   from analysis.evaluation import report  # pylint: disable=import-outside-toplevel
   from training.loop import run  # pylint: disable=import-outside-toplevel
   from training.summary import closing_report  # pylint: disable=import-outside-toplevel
@@ -40,13 +34,10 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
   logs.setup()
-  try:
+  with reported_on_one_line():
     config = flags.to_config(FLAGS)
     environment.prepare(config)
     train_and_evaluate(config)
-  except UserError as error:
-    sys.stderr.write("error: %s\n" % error)
-    sys.exit(1)
 
 
 if __name__ == "__main__":

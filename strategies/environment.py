@@ -156,6 +156,16 @@ def quiet_cuda_probe(config: RunConfig):
     yield
 
 
+def start_backend(config: RunConfig):
+  """Imports TensorFlow (its CUDA probe quiet) and returns `(config, backend)`: the config with
+  --backend and --precision resolved (what run_config.yaml and summary.yaml record) and its Backend.
+  `prepare(config)` must have run: the one way in for main.py and the tools."""
+  with quiet_cuda_probe(config):
+    from strategies.select import resolve, select_backend  # pylint: disable=import-outside-toplevel
+    config = resolve(config)
+    return config, select_backend(config)
+
+
 def executable_cache_dir(kind: str):
   """The executable cache folder in effect for a backend kind, read back from the environment."""
   variable, prefix = (("TF_POPLAR_FLAGS", "--executable_cache_path=") if kind == "ipu" else

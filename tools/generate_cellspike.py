@@ -20,7 +20,7 @@ from absl import logging  # noqa: E402  pylint: disable=wrong-import-position
 
 from data import cellspike_generate  # noqa: E402  pylint: disable=wrong-import-position
 from data import neuron_sim  # noqa: E402  pylint: disable=wrong-import-position
-from errors import UserError  # noqa: E402  pylint: disable=wrong-import-position
+from errors import UserError, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 
@@ -46,7 +46,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
   logging.set_verbosity(logging.INFO)
-  try:
+  with reported_on_one_line():
     if FLAGS.out_dir is None and not FLAGS.sensitivity:
       raise UserError("--out_dir is required (or --sensitivity alone for the table)")
     if FLAGS.sensitivity_draws < 1:
@@ -64,9 +64,6 @@ def main(argv):
       print("Relative RMS change of the traces, u_k = -0.8 vs +0.8, %d random base cells (seed %d):"
             % (FLAGS.sensitivity_draws, FLAGS.seed))
       print(neuron_sim.format_sensitivity(result))
-  except UserError as error:
-    sys.stderr.write("error: %s\n" % error)
-    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
 
 import flags as app_flags  # noqa: E402  pylint: disable=wrong-import-position
-from errors import UserError  # noqa: E402  pylint: disable=wrong-import-position
+from errors import UserError, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 SPLITS = ("test", "validation", "train")
@@ -55,7 +55,7 @@ def main(argv):
     raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
   from training import logs  # pylint: disable=import-outside-toplevel
   logs.setup()
-  try:
+  with reported_on_one_line():
     # Plain Python first: the saved configuration decides TensorFlow's start-up environment.
     from strategies import environment  # pylint: disable=import-outside-toplevel
     from training.summary import load_run_config  # pylint: disable=import-outside-toplevel
@@ -66,16 +66,11 @@ def main(argv):
                              cell_name=FLAGS.cell_name, probe_type=FLAGS.probe_type,
                              batch_size=FLAGS.batch_size)
     environment.prepare(config)
-    with environment.quiet_cuda_probe(config):
-      from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
-      backend = select_backend(config)
+    config, backend = environment.start_backend(config)  # imports TensorFlow
     from analysis import evaluation  # pylint: disable=import-outside-toplevel
     result = evaluation.evaluate_run(config, backend, split=FLAGS.split,
                                      max_samples=FLAGS.max_samples, outdir=FLAGS.outdir,
                                      plots=FLAGS.plots, export_dir=FLAGS.export_dir)
-  except UserError as error:
-    sys.stderr.write("error: %s\n" % error)
-    sys.exit(1)
   print(evaluation.format_table(result.results))
   print("Wrote " + ", ".join(result.files), flush=True)
 
