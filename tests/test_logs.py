@@ -77,11 +77,16 @@ class Native(tf.keras.callbacks.Callback):  # writes to descriptor 2 as TensorFl
     os.write(2, b"E0000 util.cc:131] oneDNN supports DT_HALF only on platforms with AVX-512. x\\n")
     os.write(2, b"W0000 batch %d real warning\\n" % batch)
 
+  def on_test_batch_begin(self, batch, logs=None):
+    os.write(2, b"E0000 util.cc:131] oneDNN supports DT_HALF only on platforms with AVX-512. x\\n")
+    os.write(2, b"W0000 validation real warning\\n")
+
 net = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(2,))])
 net.compile("sgd", "mse")
 window = DroppedLines(["oneDNN supports DT_HALF"])
 data = (np.zeros((4, 2), np.float32), np.zeros((4, 1), np.float32))
-net.fit(*data, batch_size=2, epochs=1, verbose=0, callbacks=[QuietFirstStep(window), Native()])
+net.fit(*data, batch_size=2, epochs=1, verbose=0, validation_data=data, validation_batch_size=4,
+        callbacks=[QuietFirstStep(window), Native()])
 sys.stderr.write("fit done\\n")
 try:
   with window:
@@ -92,11 +97,11 @@ except RuntimeError:
 """
 
 
-def test_one_off_lines_are_dropped_in_the_first_step_only_and_the_rest_kept_in_order():
+def test_one_off_lines_are_dropped_in_the_first_step_and_validation_only_and_the_rest_kept_in_order():
   result = subprocess.run([sys.executable, "-c", _FIRST_STEP_SCRIPT], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=120, check=True)
   lines = [line for line in result.stderr.splitlines() if "real warning" in line or "DT_HALF" in line
            or line in ("fit done", "after")]
   assert lines == ["W0000 batch 0 real warning",   # the first step: its one-off line dropped
                    "E0000 util.cc:131] oneDNN supports DT_HALF only on platforms with AVX-512. x",
-                   "W0000 batch 1 real warning", "fit done", "after"]
+                   "W0000 batch 1 real warning", "W0000 validation real warning", "fit done", "after"]

@@ -16,9 +16,10 @@ def _cache_entries(folder) -> set:
 
 
 class QuietFirstStep(tf.keras.callbacks.Callback):
-  """Keeps a `stderr_lines.DroppedLines` window open from the start of each fit to the end of its first
-  training step, where TensorFlow's one-off C++ lines are printed. The caller closes the window too
-  (`stop()` is idempotent), so that a fit that raises in its first step still shows its stderr."""
+  """Keeps a `stderr_lines.DroppedLines` window open where TensorFlow's one-off C++ lines are printed:
+  from the start of each fit to the end of its first training step, and through each epoch's
+  validation (a second or two, in which Keras prints nothing). The caller closes the window too
+  (`stop()` is idempotent), so that a fit that raises inside a window still shows its stderr."""
 
   def __init__(self, window):
     super().__init__()
@@ -28,6 +29,12 @@ class QuietFirstStep(tf.keras.callbacks.Callback):
     self.window.start()
 
   def on_train_batch_end(self, batch, logs=None):
+    self.window.stop()
+
+  def on_test_begin(self, logs=None):
+    self.window.start()
+
+  def on_test_end(self, logs=None):
     self.window.stop()
 
 
