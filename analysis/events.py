@@ -1,5 +1,7 @@
 """Reading scalar series back from TensorBoard event files (for tools, plots and tests)."""
 
+import logging
+
 import numpy as np
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.util import tensor_util
@@ -12,7 +14,15 @@ def read_scalars(folder: str) -> dict:
   tensors (the model graph's JSON config, for instance) are skipped.
   """
   accumulator = event_accumulator.EventAccumulator(folder, size_guidance={"tensors": 0, "scalars": 0})
-  accumulator.Reload()
+  # A resumed run's folder holds one graph per fit; the accumulator warns that it keeps the newest.
+  # Only scalars are read here, so that warning says nothing to the reader.
+  accumulator_log = event_accumulator.logger  # TensorBoard's own logger (tensorboard.util.tb_logging)
+  level = accumulator_log.level
+  accumulator_log.setLevel(logging.ERROR)
+  try:
+    accumulator.Reload()
+  finally:
+    accumulator_log.setLevel(level)
   series = {tag: [(e.step, float(e.value)) for e in accumulator.Scalars(tag)]
             for tag in accumulator.Tags()["scalars"]}
   for tag in accumulator.Tags()["tensors"]:

@@ -66,7 +66,8 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
     self._cached_before = _cache_entries(self.cache_dir)
     self._train_start = time.perf_counter()
     self._previous_epoch_end = self._train_start
-    logging.info("Compiling the training step (first step includes tracing and compilation)...")
+    if self.compile_seconds is None:  # a resumed run's second fit reuses the traced step
+      logging.info("Compiling the training step (first step includes tracing and compilation)...")
 
   def on_epoch_begin(self, epoch, logs=None):
     self._epoch_start = time.perf_counter()
