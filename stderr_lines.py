@@ -5,7 +5,7 @@ core writes to the process's stderr itself, below Python. `DroppedLines` sends d
 temporary file for a window and, when the window closes, writes everything back to stderr in order,
 without the lines that contain one of its patterns. Closing is idempotent and also happens when the
 block raises, so nothing but those lines is lost. A process killed inside a window loses that
-window's lines: the windows are kept short (TensorFlow's import, a first step).
+window's lines: the windows are kept short (TensorFlow's import, a first step, a validation).
 """
 
 import os

@@ -23,7 +23,7 @@ which is faster depends on the processor's kernels:
   at these shapes.
 - `kernel_grad_by_matmul`: the kernel gradient is one matmul of the block's input, laid out as the
   kernel's shifted windows (im2col), with the output gradient. oneDNN's AVX2 backward-filter kernel ran
-  1.4-1.7x slower than that at the ontra4 shapes; with AVX-512 it was the faster one.
+  1.1-1.7x slower than that at the ontra4 shapes; with AVX-512 it was the faster one.
 
 - `pooling`: how the maximum over each pool window is taken.
   - "max_pool": TensorFlow's MaxPool and, in training, MaxPoolGrad.

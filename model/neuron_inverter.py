@@ -64,9 +64,9 @@ def build(config: RunConfig, input_shape=(1600, 4), num_outputs=15, channel_mult
   """Builds the (uncompiled) model of design `config.design` for samples of `input_shape`.
 
   `channel_multiple`, `input_grad_by_forward_conv`, `kernel_grad_by_matmul`, `pooling` and
-  `phases_max_in_channels` are the backend's convolution options (see `model.conv_layers`: blocks with at most `phases_max_in_channels`
-  real input channels pool by phases, the others by `pooling`); `standard_layers` builds the plain
-  Keras layers instead, without options.
+  `phases_max_in_channels` are the backend's convolution options (see `model.conv_layers`: blocks
+  with at most `phases_max_in_channels` real input channels pool by phases, the others by `pooling`);
+  `standard_layers` builds the plain Keras layers instead, without options.
   """
   design = DESIGNS[config.design]
   layers = tf.keras.layers

@@ -38,7 +38,8 @@ class Backend:
   precision: str = "32.32"                 # resolved --precision (never "auto")
   # How this hardware's convolutions run fastest (the model computes the same function either way;
   # see model/conv_layers.py): channel counts padded to a multiple, input gradient as a forward conv,
-  # kernel gradient as a matmul, how windows are pooled, and up to how many input channels a block pools by phases.
+  # kernel gradient as a matmul, how windows are pooled, and up to how many input channels a block
+  # pools by phases.
   conv_channel_multiple: int = 1
   conv_input_grad_by_forward_conv: bool = False
   conv_kernel_grad_by_matmul: bool = False

@@ -113,7 +113,7 @@ def conv_options(precision: str, cpu_flags=None, generation=None) -> dict:
     than its forward one at the Neuron-Inverter's shapes, so the input gradient is a forward conv
     there; on an AVX2 EPYC the backward-data kernel was the faster one.
   - With AVX2 code (a Zen 4 under ONEDNN_MAX_CPU_ISA=AVX2), oneDNN's backward-filter kernel ran
-    1.4-1.7x slower than one im2col matmul; with AVX-512 it was the faster one.
+    1.1-1.7x slower than one im2col matmul; with AVX-512 it was the faster one.
   - AMX bfloat16 kernels take their fast path only for channel counts that are multiples of 32
     (float32 gained nothing from padding).
   - Pooling: MaxPool, except in float32 on the CPUs of _MAXIMA_POOLING_CPUS, where MaxPoolGrad is

@@ -70,7 +70,7 @@ import os, sys
 import numpy as np
 import tensorflow as tf
 from stderr_lines import DroppedLines
-from training.callbacks import QuietFirstStep
+from training.callbacks import QuietNativeLines
 
 class Native(tf.keras.callbacks.Callback):  # writes to descriptor 2 as TensorFlow's C++ core does
   def on_train_batch_begin(self, batch, logs=None):
@@ -86,7 +86,7 @@ net.compile("sgd", "mse")
 window = DroppedLines(["oneDNN supports DT_HALF"])
 data = (np.zeros((4, 2), np.float32), np.zeros((4, 1), np.float32))
 net.fit(*data, batch_size=2, epochs=1, verbose=0, validation_data=data, validation_batch_size=4,
-        callbacks=[QuietFirstStep(window), Native()])
+        callbacks=[QuietNativeLines(window), Native()])
 sys.stderr.write("fit done\\n")
 try:
   with window:

@@ -15,7 +15,7 @@ def _cache_entries(folder) -> set:
           if not name.endswith((".compile_lock", ".read_lock"))}
 
 
-class QuietFirstStep(tf.keras.callbacks.Callback):
+class QuietNativeLines(tf.keras.callbacks.Callback):
   """Keeps a `stderr_lines.DroppedLines` window open where TensorFlow's one-off C++ lines are printed:
   from the start of each fit to the end of its first training step, and through each epoch's
   validation (a second or two, in which Keras prints nothing). The caller closes the window too

@@ -3,9 +3,9 @@
 TensorFlow and Keras log at INFO through the same absl logger as the application, some of it once per
 call: MirroredStrategy's "Reduce to ... then broadcast to" for every all-reduce it builds, the
 checkpoint saver's "Sharding callback duration", TensorBoard's directory watcher. A user reads those
-as noise between the epoch lines. Warnings and errors from anywhere still show, except the few
-one-off lines of TensorFlow's C++ core in ONE_OFF_NATIVE_LINES, dropped while a first step or the
-test evaluation runs (stderr_lines.DroppedLines).
+as noise between the epoch lines. Warnings and errors from anywhere still show, except the few lines
+of TensorFlow's C++ core in ONE_OFF_NATIVE_LINES, dropped while a first step, a validation, the test
+evaluation or a prediction pass runs (stderr_lines.DroppedLines).
 """
 
 import logging as python_logging
@@ -13,14 +13,14 @@ import os
 
 from absl import logging
 
-# Lines TensorFlow's C++ core prints once, while it optimizes a first step's graph, that no user can
-# act on (each seen on TF 2.21 with the application's own input pipeline):
+# Lines TensorFlow's C++ core prints while it builds a step's or an input's graph (a first step, a
+# validation, the test), that no user can act on; each seen on TF 2.21 in the main job's log:
 ONE_OFF_NATIVE_LINES = (
-    # ERROR level, on every CPU without AVX-512 FP16, for the Cast of the float16 frames to the
-    # compute dtype: oneDNN leaves that Cast to Eigen's kernel, which is what runs anyway.
+    # ERROR level, once, also on AVX-512 CPUs (a Zen 4), for the Cast of the float16 frames to the
+    # compute dtype: oneDNN leaves that Cast to Eigen's kernel, as the line itself says.
     "oneDNN supports DT_HALF only on platforms with AVX-512",
-    # tf.distribute feeds each device through a GeneratorDataset of its MultiDeviceIterator, which
-    # tf.data's graph rewrites skip, as designed.
+    # A GeneratorDataset in tf.distribute's input path (MultiDeviceIterator feeds each device through
+    # one) that tf.data's graph rewrites cannot see into; printed at the validations of full epochs.
     "will not be optimized because the dataset does not implement the AsGraphDefInternal()",
     # tf.distribute's auto-shard rewrite drops the test split's assert_cardinality; the evaluation
     # runs an explicit number of steps, so nothing depends on it there.

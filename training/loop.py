@@ -149,7 +149,7 @@ def _make_callbacks(config, backend, schedule, checkpointing, state, global_batc
     schedule.cosine = Cosine(config.epochs, steps_per_epoch, state.get("epoch"), state.get("step", 0))
   throughput = callbacks_lib.ThroughputCallback(global_batch_size, backend.replicas, backend.cache_dir)
   # After `throughput`, whose "Compiling..." line must show while the first step compiles.
-  quiet = callbacks_lib.QuietFirstStep(DroppedLines(logs.ONE_OFF_NATIVE_LINES))
+  quiet = callbacks_lib.QuietNativeLines(DroppedLines(logs.ONE_OFF_NATIVE_LINES))
   if config.compile_only:
     return [throughput, quiet, callbacks_lib.StopAfterFirstStep()], throughput
   resumed = interrupt_lib.ResumedEpochLogs(state.get("step", 0), state.get("partial_logs"))
@@ -232,7 +232,7 @@ def _fit(net, config, backend, splits, first_epoch, first_step, callbacks) -> di
 
 def _end_quiet_windows(callbacks) -> None:
   for callback in callbacks:
-    if isinstance(callback, callbacks_lib.QuietFirstStep):
+    if isinstance(callback, callbacks_lib.QuietNativeLines):
       callback.window.stop()
 
 
