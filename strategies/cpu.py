@@ -34,20 +34,27 @@ _ISA_CAP_HIDES = {
 }
 
 
-def _proc_cpu_flags() -> set:
-  """The feature flags of /proc/cpuinfo (empty where there is none: not Linux)."""
+def _first_processor() -> dict:
+  """The fields of the first processor's block of /proc/cpuinfo (empty where there is none: not
+  Linux), e.g. {"vendor_id": "AuthenticAMD", "cpu family": "25", "flags": "fpu ... avx512f ..."}."""
+  fields = {}
   try:
     with open("/proc/cpuinfo") as cpuinfo:
-      return set(next((line for line in cpuinfo if line.startswith("flags")), "").split())
+      for line in cpuinfo:
+        if not line.strip():
+          break
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
   except OSError:
-    return set()
+    pass
+  return fields
 
 
 def _cpu_flags(proc_flags=None, environ=None) -> set:
   """The CPU features oneDNN's kernels may use: /proc/cpuinfo's, minus what a `ONEDNN_MAX_CPU_ISA` cap
   hides. A capped run (e.g. AVX2 on an AVX-512 machine, to see what an older CPU would run) then
   makes the choices of the CPU it imitates: float32 for `auto`, and that CPU's convolution options."""
-  flags = _proc_cpu_flags() if proc_flags is None else set(proc_flags)
+  flags = set(_first_processor().get("flags", "").split() if proc_flags is None else proc_flags)
   environ = os.environ if environ is None else environ
   cap = environ.get("ONEDNN_MAX_CPU_ISA") or environ.get("DNNL_MAX_CPU_ISA") or ""
   hidden = _ISA_CAP_HIDES.get(cap.strip().upper(), ())
@@ -85,16 +92,7 @@ def check_precision(precision: str) -> None:
 def _cpu_generation() -> tuple:
   """(vendor_id, cpu family) of /proc/cpuinfo, e.g. ("AuthenticAMD", 23) for Zen 1 and 2; ("", 0)
   where there is none."""
-  fields = {}
-  try:
-    with open("/proc/cpuinfo") as cpuinfo:
-      for line in cpuinfo:
-        key, _, value = line.partition(":")
-        if not line.strip():
-          break  # the first processor's block is enough
-        fields[key.strip()] = value.strip()
-  except OSError:
-    pass
+  fields = _first_processor()
   family = fields.get("cpu family", "0")
   return fields.get("vendor_id", ""), int(family) if family.isdigit() else 0
 

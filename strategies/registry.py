@@ -27,7 +27,7 @@ them from its module, which imports TensorFlow: it names a TensorFlow-free funct
 for `--backend=auto`.
 """
 
-import importlib
+from strategies import pipeline_rules
 
 BACKENDS = {
     "ipu": "strategies.ipu",
@@ -40,11 +40,11 @@ START_UP = {
 }
 
 # Flag rules a backend imposes, checked when the flags are parsed (before TensorFlow loads): backend
-# name -> "module:function" of a TensorFlow-free function(values) -> problem text or None, where
-# `values` maps the flags of FLAG_RULE_FLAGS to their parsed values.
+# name -> a TensorFlow-free function(values) -> problem text or None, where `values` maps the flags
+# of FLAG_RULE_FLAGS to their parsed values.
 FLAG_RULE_FLAGS = ("backend", "replicas", "ipus_per_replica", "precision")
 FLAG_RULES = {
-    "ipu": "strategies.pipeline_rules:ipu_flag_problem",
+    "ipu": pipeline_rules.ipu_flag_problem,
 }
 
 # The backends that use CUDA: for the others, TensorFlow's failed CUDA probe is noise, dropped from
@@ -57,7 +57,4 @@ CHOICES = ("auto",) + tuple(BACKENDS)
 def flag_problem(values: dict):
   """What is wrong with the parsed flag `values` for their --backend, by its FLAG_RULES (or None)."""
   rule = FLAG_RULES.get(values["backend"])
-  if not rule:
-    return None
-  module_name, _, function = rule.partition(":")
-  return getattr(importlib.import_module(module_name), function)(values)
+  return rule(values) if rule else None
