@@ -48,7 +48,8 @@ def _default(name: str):
 
 RUN_CONFIG_FIELDS = {field.name: field for field in dataclasses.fields(RunConfig)}
 # Flags whose unset value (None) means "the model's default" (ModelInfo.defaults).
-MODEL_DEFAULTED = ("batch_size", "epochs", "learning_rate", "optimizer", "warmup_epochs", "lr_schedule")
+MODEL_DEFAULTED = ("batch_size", "epochs", "learning_rate", "optimizer", "dropout", "warmup_epochs",
+                   "lr_schedule")
 # Paths made absolute: run_config.yaml must work from any working directory (tools/predict.py).
 PATH_FLAGS = ("data_path", "data_cache", "stage_dir", "cache_dir")
 
@@ -69,6 +70,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   _on.DEFINE_integer("epochs", None, "Training epochs (default: the model's).", lower_bound=1)
   _on.DEFINE_float("learning_rate", None, "Optimizer learning rate (default: the model's).")
   _on.DEFINE_enum("optimizer", None, OPTIMIZERS, "Optimizer (default: the model's).")
+  _on.DEFINE_float("dropout", None, "Dropout rate after each hidden dense layer, in [0, 1) (default: the "
+                   "model's; neuron_inverter's is 0 for its short default job, the reference's 0.05 is in "
+                   "configs/neuron_inverter_reference.flags).", lower_bound=0.0, upper_bound=1.0)
   _on.DEFINE_string("data_path", None, "Dataset location. mnist: a folder with the four IDX files. "
                       "neuron_inverter: a cellSpike .h5 file, or a folder with the meta yaml (needs "
                       "--cell_name); default: the built-in generated dataset.")
@@ -150,7 +154,7 @@ def _define_placement_flags() -> None:
                       "profile on CPU/GPU.")
 
 
-FLOAT_FLAGS = ("learning_rate", "lr_factor", "available_memory_proportion")
+FLOAT_FLAGS = ("learning_rate", "dropout", "lr_factor", "available_memory_proportion")
 
 
 def _register_validators() -> None:
@@ -159,6 +163,8 @@ def _register_validators() -> None:
                              message="--%s must be a finite number (not inf or nan)" % name)
   _on.register_validator("learning_rate", lambda v: v is None or v > 0,
                            message="--learning_rate must be a positive number")
+  _on.register_validator("dropout", lambda v: v is None or v < 1,
+                           message="--dropout must be below 1 (a rate of 1 drops every unit)")
   _on.register_validator(
       "data_path", lambda v: v is None or os.path.exists(v),
       message="--data_path does not exist (give an existing file or folder)")

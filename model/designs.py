@@ -1,7 +1,9 @@
 """Neuron-Inverter network designs (plain data, so flags can list them without TensorFlow).
 
 From the reference hyper-parameter files: `ontra4` is the production design `a2f791f3a_ontra4`
-(2,988,843 trainable parameters), `dev` the small fast-compiling test design (431,683).
+(2,988,843 trainable parameters), `dev` the small fast-compiling test design (431,683). `dropout` is
+the reference's rate: its PyTorch model (tools/reference_torch.py) and the side-by-side tools use it,
+while the application takes its rate from `--dropout`.
 """
 
 DESIGNS = {

@@ -16,7 +16,6 @@ STAGE_BOUNDARIES = ("flatten",)
 
 def build(config: RunConfig, input_shape=INPUT_SHAPE, num_outputs=NUM_CLASSES) -> tf.keras.Model:
   """Builds the (uncompiled) MNIST classifier."""
-  del config  # The check network has no size options.
   layers = tf.keras.layers
   inputs = layers.Input(shape=input_shape, name="image")
   x = layers.Conv2D(32, kernel_size=(3, 3), activation="relu", name="conv1")(inputs)
@@ -24,7 +23,7 @@ def build(config: RunConfig, input_shape=INPUT_SHAPE, num_outputs=NUM_CLASSES) -
   x = layers.Conv2D(64, kernel_size=(3, 3), activation="relu", name="conv2")(x)
   x = layers.MaxPooling2D(pool_size=(2, 2), name="pool2")(x)
   x = layers.Flatten(name="flatten")(x)
-  x = layers.Dropout(0.5, name="dropout")(x)
+  x = layers.Dropout(config.dropout, name="dropout")(x)
   # float32 under mixed precision: softmax and cross-entropy at full precision.
   outputs = layers.Dense(num_outputs, activation="softmax", dtype="float32", name="digit")(x)
   return tf.keras.Model(inputs, outputs, name="mnist_cnn")

@@ -4,7 +4,8 @@ Faithful to the reference PyTorch model, including its input quirk: the (1600 ti
 sample is *reshaped* row-major to (4, 1600) and used as 4 channels of 1600 positions, so each "channel"
 holds 400 consecutive time bins with the probes interleaved. Keras' channels-last Conv1D then needs the
 transpose back to (1600, 4). Each conv block is Conv1D(valid) -> MaxPool -> ReLU; one BatchNormalization
-on the flattened features; Dense+ReLU+Dropout layers; a linear output. Weights start as PyTorch's
+on the flattened features; Dense+ReLU+Dropout layers (rate `--dropout`; the reference's is the design's
+`dropout`); a linear output. Weights start as PyTorch's
 defaults would (`model.initializers`).
 
 Pipeline stages: the CNN block and the fully connected head (`STAGE_BOUNDARIES` names the first layer
@@ -86,7 +87,7 @@ def build(config: RunConfig, input_shape=(1600, 4), num_outputs=15, channel_mult
   for i, dim in enumerate(design["fc_dims"], start=1):
     x = layers.Dense(dim, activation="relu", name="fc%d" % i, kernel_initializer=initializers.kernel(),
                      bias_initializer=initializers.bias(int(x.shape[-1])))(x)
-    x = layers.Dropout(design["dropout"], name="dropout%d" % i)(x)
+    x = layers.Dropout(config.dropout, name="dropout%d" % i)(x)
   # Linear (u* is unbounded); float32 under mixed precision so the loss is computed at full precision.
   outputs = layers.Dense(num_outputs, dtype="float32", name="conductances",
                          kernel_initializer=initializers.kernel(),

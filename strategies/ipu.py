@@ -248,7 +248,8 @@ def swap_ipu_layers(model: tf.keras.Model) -> tf.keras.Model:
     return model
 
   def clone(layer):
-    if type(layer) is tf.keras.layers.Dropout:  # pylint: disable=unidiomatic-typecheck
+    # A rate of 0 stays Keras' Dropout, an identity; the IPU's would still draw a mask on the device.
+    if type(layer) is tf.keras.layers.Dropout and layer.rate > 0:  # pylint: disable=unidiomatic-typecheck
       # IPU Dropout takes a pair of int32 seeds (ipu_tensorflow_addons keras/layers/dropout.py ->
       # tensorflow/python/ipu/ops/rand_ops.py dropout); Keras' is one int.
       seed = None if layer.seed is None else [layer.seed, 0]

@@ -103,6 +103,13 @@ def test_non_finite_floats_are_refused_when_parsed(arg):
     _config("--model=mnist", arg)
 
 
+@pytest.mark.parametrize("arg, message", [("--dropout=1", "--dropout must be below 1"),
+                                          ("--dropout=-0.1", r"-0.1 is not a number in the range \[0.0")])
+def test_a_dropout_rate_outside_0_to_1_is_refused(arg, message):
+  with pytest.raises(absl_flags.IllegalFlagValueError, match=message):
+    _config("--model=neuron_inverter", arg)
+
+
 def test_a_pipe_as_data_path_is_one_line_not_a_hang(tmp_path):
   fifo = tmp_path / "data.h5"
   os.mkfifo(str(fifo))
@@ -123,5 +130,7 @@ def test_the_shipped_reference_flagfile_gives_the_references_schedule():
   config = _config("--flagfile=" + os.path.join(REPO_ROOT, "configs", "neuron_inverter_reference.flags"))
   assert (config.model, config.design, config.batch_size, config.epochs) == ("neuron_inverter", "ontra4", 192, 161)
   assert (config.warmup_epochs, config.lr_schedule, config.lr_factor, config.lr_patience) == (6, "plateau", 0.11, 8)
+  assert config.dropout == 0.05
   default = _config("--model=neuron_inverter")
-  assert (default.batch_size, default.epochs, default.warmup_epochs, default.lr_schedule) == (48, 4, 0, "cosine")
+  assert (default.batch_size, default.epochs, default.warmup_epochs, default.lr_schedule) == (48, 3, 0, "cosine")
+  assert (default.dropout, _config("--model=mnist").dropout) == (0.0, 0.5)

@@ -77,6 +77,16 @@ def test_ipu_dropout_gets_a_seed_pair_and_the_noise_shape(monkeypatch):
   assert swapped(tf.ones((2, 6)), training=False).shape == (2, 6)
 
 
+def test_a_zero_dropout_rate_stays_an_identity_on_the_ipu(monkeypatch):
+  fake_ipu.install(monkeypatch)
+  for name, module in fake_ipu.build_addons().items():
+    monkeypatch.setitem(sys.modules, name, module)
+  inputs = tf.keras.Input((6,))
+  swapped = ipu_backend.swap_ipu_layers(tf.keras.Model(inputs, tf.keras.layers.Dropout(0.0)(inputs)))
+  assert not _calls("ipu_layers.Dropout")
+  assert type(swapped.layers[-1]) is tf.keras.layers.Dropout  # pylint: disable=unidiomatic-typecheck
+
+
 def test_no_ipu_attached_is_one_clear_line(monkeypatch):
   fake_ipu.install(monkeypatch)
   monkeypatch.setattr(fake_ipu, "FAIL_CONFIGURE", "Target configuration failed: model disabled and no "

@@ -40,6 +40,13 @@ def test_neuron_inverter_parameter_counts_match_the_reference(design, trainable)
   assert net.output_shape == (None, 15)
 
 
+@pytest.mark.parametrize("name, rate", [("neuron_inverter", 0.05), ("mnist", 0.3)])
+def test_dropout_layers_take_the_configured_rate(name, rate):
+  net = model.get_model_module(name).build(RunConfig(model=name, design="dev", dropout=rate))
+  rates = [layer.rate for layer in net.layers if isinstance(layer, tf.keras.layers.Dropout)]
+  assert rates and set(rates) == {rate}
+
+
 def test_neuron_inverter_input_is_reshaped_not_transposed():
   """Conv "channel" c at position j must be the flat element c*1600 + j of the (1600, 4) sample."""
   net = model.get_model_module("neuron_inverter").build(RunConfig(model="neuron_inverter", design="dev"))

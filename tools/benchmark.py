@@ -91,7 +91,10 @@ def _model_and_batches(config, design):
   from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
   from training.loop import build_and_compile  # pylint: disable=import-outside-toplevel
   import model  # pylint: disable=import-outside-toplevel
-  config = dataclasses.replace(config, design=design, steps_per_epoch=8, eval_steps=1)
+  from model.designs import DESIGNS  # pylint: disable=import-outside-toplevel
+  # The reference's network, dropout included, as the PyTorch side trains it.
+  config = dataclasses.replace(config, design=design, dropout=DESIGNS[design]["dropout"], steps_per_epoch=8,
+                               eval_steps=1)
   backend = select_backend(config)
   splits = cellspike.load(config, BatchLayout(1, config.batch_size))
   net = build_and_compile(config, backend, model.get_model_module("neuron_inverter"), splits)

@@ -25,6 +25,7 @@ sys.path.insert(0, REPO_ROOT)
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
+from model.designs import DESIGNS  # noqa: E402  pylint: disable=wrong-import-position  (plain data)
 
 FLAGS = flags.FLAGS
 
@@ -88,7 +89,7 @@ def main(argv):
   from run_config import RunConfig  # pylint: disable=import-outside-toplevel
   from strategies import environment  # pylint: disable=import-outside-toplevel
   config = RunConfig(model="neuron_inverter", design=FLAGS.design, backend="cpu", precision=FLAGS.precision,
-                     batch_size=FLAGS.batch_size)
+                     batch_size=FLAGS.batch_size, dropout=DESIGNS[FLAGS.design]["dropout"])
   environment.prepare(config)
   steps, batches = _forms(config)
   for step in steps.values():  # tracing and first allocations

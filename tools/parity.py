@@ -33,6 +33,8 @@ import yaml
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from model.designs import DESIGNS  # noqa: E402  pylint: disable=wrong-import-position  (plain data)
+
 
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -100,7 +102,7 @@ def reference_command(args, data: str, seed: int) -> list:
 def ours_command(args, data: str, seed: int, precision: str, logdir: str, schedule: str = "plateau") -> list:
   return [sys.executable, os.path.join(REPO, "main.py"), "--model=neuron_inverter", "--replicas=1",
           "--in_memory", "--logdir=" + logdir, "--precision=" + precision, "--lr_schedule=" + schedule,
-          "--optimizer=adam"] + shared_flags(args, data, seed)
+          "--optimizer=adam", "--dropout=%g" % DESIGNS["ontra4"]["dropout"]] + shared_flags(args, data, seed)
 
 
 def run_reference(args, data: str, seed: int) -> dict:
