@@ -35,10 +35,14 @@ def define_flags():
 
 
 def _xplane_module():
-  try:  # TF >= 2.12
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=import-outside-toplevel
-  except ImportError:  # TF 2.6
-    from tensorflow.core.profiler.protobuf import xplane_pb2  # pylint: disable=import-outside-toplevel
+  """The profiler's protobuf module; importing it imports TensorFlow, whose CUDA probe stays quiet."""
+  from run_config import RunConfig  # pylint: disable=import-outside-toplevel
+  from strategies.environment import quiet_cuda_probe  # pylint: disable=import-outside-toplevel
+  with quiet_cuda_probe(RunConfig(model="neuron_inverter", backend="cpu")):
+    try:  # TF >= 2.12
+      from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=import-outside-toplevel
+    except ImportError:  # TF 2.6
+      from tensorflow.core.profiler.protobuf import xplane_pb2  # pylint: disable=import-outside-toplevel
   return xplane_pb2
 
 
