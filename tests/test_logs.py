@@ -105,3 +105,15 @@ def test_one_off_lines_are_dropped_in_the_first_step_and_validation_only_and_the
   assert lines == ["W0000 batch 0 real warning",   # the first step: its one-off line dropped
                    "E0000 util.cc:131] oneDNN supports DT_HALF only on platforms with AVX-512. x",
                    "W0000 batch 1 real warning", "W0000 validation real warning", "fit done", "after"]
+
+
+def test_the_rest_of_a_resumed_epoch_is_headed_with_the_runs_epoch_count(capsys):
+  """A resumed run trains the rest of epoch 2 as a fit of its own: Keras' bar would say "Epoch 2/2"."""
+  from training.callbacks import RunProgbar  # pylint: disable=import-outside-toplevel
+  net = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
+  net.compile(optimizer="sgd", loss="mse")
+  data = tf.data.Dataset.from_tensors((tf.ones((4, 3)), tf.ones((4, 1)))).repeat()
+  net.fit(data, epochs=2, initial_epoch=1, steps_per_epoch=2, callbacks=[RunProgbar(5)], verbose=1)
+  net.fit(data, epochs=3, initial_epoch=2, steps_per_epoch=2, callbacks=[RunProgbar(5)], verbose=2)
+  headers = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Epoch ")]
+  assert headers == ["Epoch 2/5", "Epoch 3/5"]

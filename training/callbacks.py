@@ -15,6 +15,19 @@ def _cache_entries(folder) -> set:
           if not name.endswith((".compile_lock", ".read_lock"))}
 
 
+class RunProgbar(tf.keras.callbacks.ProgbarLogger):
+  """Keras' progress bar, headed with the run's epoch count. The rest of an epoch that a resumed run
+  trains is a fit of its own (training/loop.py `_fit`), which Keras' own bar would head "Epoch 2/2"
+  before the next fit's "Epoch 3/3". Given among a fit's callbacks, it replaces Keras' default bar."""
+
+  def __init__(self, epochs: int):
+    super().__init__(count_mode="steps")
+    self.run_epochs = epochs
+
+  def set_params(self, params):
+    super().set_params(dict(params, epochs=self.run_epochs))
+
+
 class QuietNativeLines(tf.keras.callbacks.Callback):
   """Keeps a `stderr_lines.DroppedLines` window open where TensorFlow's one-off C++ lines are printed:
   from the start of each fit to the end of its first training step, and through each epoch's

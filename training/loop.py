@@ -165,7 +165,8 @@ def _make_callbacks(config, backend, schedule, checkpointing, state, global_batc
   if config.profile_dir and backend.profiles_with_tensorflow:
     callbacks.append(tf.keras.callbacks.TensorBoard(log_dir=config.profile_dir, profile_batch=(2, 4),
                                                     write_graph=False))
-  callbacks.append(graceful)
+  # Last, where Keras (tf_keras) puts its own bar, so that its epoch line shows every callback's logs.
+  callbacks += [graceful, callbacks_lib.RunProgbar(config.epochs)]
   return callbacks, throughput
 
 
