@@ -4,7 +4,9 @@ and for node-local staging (`--stage_dir`).
 Two uses, one copy routine (h5py, window by window, so memory stays bounded):
 - **Not memory-mappable.** Chunked, compressed, virtual or externally stored datasets have no single
   byte offset, so `data/hdf5_native.py` cannot gather from them. Without `--stage_dir`, such a split is
-  copied at start-up into a temporary folder, removed at exit (`stage_rows`).
+  copied at start-up into a temporary folder, removed at exit (`stage_rows`). A process killed with
+  SIGKILL cannot remove it; the next run on the same host removes the folders of processes that no
+  longer exist (their names carry host and PID).
 - **Node-local staging** (`--stage_dir`, e.g. ALCF's `/local/$USER`, as MLPerf-HPC applications stage
   their share of the data before training). Every split is copied, whatever its layout, so the run
   never reads the shared file system after start-up (`stage_to`):
@@ -24,7 +26,9 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 import time
 
@@ -57,6 +61,31 @@ def _windows(dataset: h5py.Dataset, start: int, stop: int):
     yield first, min(first + step, stop)
 
 
+def _host_prefix() -> str:
+  """Temporary copies are named cellspike-stage-<host>-<pid>-<random>."""
+  return "cellspike-stage-%s-" % socket.gethostname()
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's process
+    return True
+  return True
+
+
+def remove_orphans(folder: str) -> None:
+  """Removes this host's temporary copies (`stage_rows`) whose process no longer exists."""
+  pattern = re.compile(re.escape(_host_prefix()) + r"(\d+)-")
+  for name in os.listdir(folder):
+    match = pattern.match(name)
+    if match and not _alive(int(match.group(1))):
+      shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+      logging.info("removed %s, left by a process that was killed", os.path.join(folder, name))
+
+
 def stage_rows(path: str, keys: tuple, start: int, stop: int) -> str:
   """Copies rows [start, stop) of datasets `keys` of `path` into a contiguous file in a temporary folder.
 
@@ -64,8 +93,9 @@ def stage_rows(path: str, keys: tuple, start: int, stop: int) -> str:
   exit. Returns its path.
   """
   folder = tempfile.gettempdir()
+  remove_orphans(folder)
   try:
-    staged_dir = tempfile.mkdtemp(prefix="cellspike-stage-", dir=folder)
+    staged_dir = tempfile.mkdtemp(prefix="%s%d-" % (_host_prefix(), os.getpid()), dir=folder)
   except OSError as error:
     raise UserError("cannot stage data into %s (%s); pass --stage_dir=<a writable folder>"
                     % (folder, error.strerror)) from None

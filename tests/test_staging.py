@@ -2,6 +2,8 @@
 
 import logging
 import os
+import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -106,3 +108,23 @@ def test_an_unwritable_stage_dir_names_what_to_do(tmp_path):
   with pytest.raises(UserError, match=r"--stage_dir=.*a_file/local cannot be written \(Not a directory\): "
                                       r"pass a folder this process can write"):
     staging.stage_to(path, KEYS, 0, 32, str(blocker / "local"))
+
+
+def test_temporary_copies_of_killed_processes_are_removed_by_the_next_run(tmp_path, monkeypatch, caplog):
+  """SIGKILL skips atexit: the next run on the host removes the copies whose process is gone."""
+  monkeypatch.setattr(staging.tempfile, "tempdir", str(tmp_path))
+  path = write_row_marked(str(tmp_path / "chunked.h5"), 64, chunks=(8, 16, 4))
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  orphan = tmp_path / ("%s%d-abc" % (staging._host_prefix(), dead.pid))  # pylint: disable=protected-access
+  live = tmp_path / ("%s%d-abc" % (staging._host_prefix(), os.getppid()))  # pylint: disable=protected-access
+  other_host = tmp_path / ("cellspike-stage-elsewhere-%d-abc" % dead.pid)
+  for folder in (orphan, live, other_host):
+    folder.mkdir()
+  with caplog.at_level(logging.INFO):
+    staged = staging.stage_rows(path, ("train_frames",), 0, 64)
+  assert not orphan.exists() and live.exists() and other_host.exists()
+  assert "left by a process that was killed" in caplog.text
+  own = "%s%d-" % (staging._host_prefix(), os.getpid())  # pylint: disable=protected-access
+  assert os.path.dirname(os.path.dirname(staged)) == str(tmp_path)
+  assert os.path.basename(os.path.dirname(staged)).startswith(own)
