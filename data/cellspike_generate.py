@@ -34,7 +34,6 @@ from errors import UserError
 H5_NAME_TEMPLATE = "*_excite.cellSpike_4prB8kHz.data.h5"
 DOMAINS = ("train", "val", "test")
 NORM_SAMPLES = 2048          # frames behind fnorm_mean / fnorm_std, as the real packing's first shard
-CHUNK_ROWS = 256             # samples per HDF5 chunk: large contiguous reads for the loader
 _SEED_SALT = 0xCE115         # keeps these streams apart from other users of the same --seed
 
 
@@ -183,13 +182,13 @@ def _data_info(cell_name, counts, seed, fp16, probe_type):
 
 
 def _create_datasets(h5, counts, dtype):
+  """Contiguous datasets, as the reference's files are written: the loader memory-maps them
+  (data/hdf5_native.py), where chunked ones would be copied to a temporary folder at every run."""
   for domain, count in zip(DOMAINS, counts):
-    rows = min(count, CHUNK_ROWS)
     h5.create_dataset(domain + "_frames", shape=(count, neuron_sim.NUM_TIME_BINS, neuron_sim.NUM_FEATURES),
-                      dtype=dtype, chunks=(rows, neuron_sim.NUM_TIME_BINS, neuron_sim.NUM_FEATURES))
+                      dtype=dtype)
     for key in ("_unitStar_par", "_phys_par"):
-      h5.create_dataset(domain + key, shape=(count, neuron_sim.NUM_PAR), dtype=dtype,
-                        chunks=(min(count, 16 * CHUNK_ROWS), neuron_sim.NUM_PAR))
+      h5.create_dataset(domain + key, shape=(count, neuron_sim.NUM_PAR), dtype=dtype)
 
 
 def _write_batch(h5, domain, start, u, traces, norm, dtype):
@@ -260,10 +259,8 @@ def generate_dataset(out_dir: str, cell_name: str = "synth", num_train: int = 20
   logging.info("generating %s: %d train, %d val, %d test samples, seed %d, %s, %d worker(s)",
                path, num_train, num_val, num_test, seed, "fp16" if fp16 else "fp32", workers)
   tmp = _temporary_name(path)
-  chunk_bytes = CHUNK_ROWS * neuron_sim.NUM_TIME_BINS * neuron_sim.NUM_FEATURES * np.dtype(dtype).itemsize
   try:
-    # A chunk cache holding a few chunks, so batches that end inside a chunk do not rewrite it.
-    h5 = h5py.File(tmp, "w", rdcc_nbytes=4 * chunk_bytes)
+    h5 = h5py.File(tmp, "w")
   except OSError as error:
     raise UserError("out_dir %s: cannot write %s (%s)" % (out_dir, tmp, error)) from None
   try:
