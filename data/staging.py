@@ -34,6 +34,7 @@ import time
 
 import h5py
 import numpy as np
+import psutil
 from absl import logging
 
 from errors import UserError
@@ -66,22 +67,12 @@ def _host_prefix() -> str:
   return "cellspike-stage-%s-" % socket.gethostname()
 
 
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:  # another user's process
-    return True
-  return True
-
-
 def remove_orphans(folder: str) -> None:
   """Removes this host's temporary copies (`stage_rows`) whose process no longer exists."""
   pattern = re.compile(re.escape(_host_prefix()) + r"(\d+)-")
   for name in os.listdir(folder):
     match = pattern.match(name)
-    if match and not _alive(int(match.group(1))):
+    if match and not psutil.pid_exists(int(match.group(1))):
       shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
       logging.info("removed %s, left by a process that was killed", os.path.join(folder, name))
 
