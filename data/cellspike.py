@@ -34,7 +34,7 @@ from run_config import RunConfig
 # the simulation makes identifiable (docs/GENERATOR.md). float16, as the production cellSpike files.
 DEFAULT_SAMPLES = {"train": 65536, "val": 2048, "test": 2048}
 DEFAULT_CELL = "synth"
-DEFAULT_DATA_VERSION = "v2"  # bump whenever the built-in dataset changes (simulation, size, dtype)
+DEFAULT_DATA_VERSION = "v3"  # bump whenever the built-in dataset changes (simulation, size, dtype)
 
 
 def shard_blocks(num_samples: int, num_shards: int, batch_size: int, split: str) -> list:
