@@ -485,9 +485,12 @@ def _kernel_source() -> str:
       ""])
 
 
+_KERNEL = {}     # "integrate": the kernel, once loaded in this process
+
+
 def _kernel():
   """The compiled kernel. Its source is written to a file named by its hash so that numba can cache the
-  machine code there (3 s of compilation otherwise in every process that simulates)."""
+  machine code there (about 4 s of compilation otherwise in every process that simulates)."""
   if "integrate" not in _KERNEL:
     source = _kernel_source()
     name = "neuron_kernel_%s" % hashlib.sha1(source.encode()).hexdigest()[:16]
@@ -507,9 +510,6 @@ def _kernel():
     spec.loader.exec_module(module)
     _KERNEL["integrate"] = module.integrate
   return _KERNEL["integrate"]
-
-
-_KERNEL = {}
 
 
 def _write_once(folder: str, filename: str, text: str) -> str:
