@@ -488,6 +488,13 @@ def _kernel_source() -> str:
 _KERNEL = {}     # "integrate": the kernel, once loaded in this process
 
 
+def _kernel_folders():
+  """Where the kernel's source may go: beside this module, else (a read-only tree, as in a container
+  image) the temporary folder."""
+  return (os.path.join(os.path.dirname(os.path.abspath(__file__)), "__pycache__"),
+          os.path.join(tempfile.gettempdir(), "neuron_sim_kernels"))
+
+
 def _kernel():
   """The compiled kernel. Its source is written to a file named by its hash so that numba can cache the
   machine code there (about 4 s of compilation otherwise in every process that simulates)."""
@@ -495,15 +502,14 @@ def _kernel():
     source = _kernel_source()
     name = "neuron_kernel_%s" % hashlib.sha1(source.encode()).hexdigest()[:16]
     path = None
-    for folder in (os.path.join(os.path.dirname(os.path.abspath(__file__)), "__pycache__"),
-                   os.path.join(tempfile.gettempdir(), "neuron_sim_kernels")):
+    for folder in _kernel_folders():
       try:
         path = _write_once(folder, name + ".py", source)
         break
       except OSError:
         continue
     if path is None:
-      raise OSError("no writable folder for the simulation kernel (data/__pycache__ or the temp folder)")
+      raise OSError("no writable folder for the simulation kernel: %s" % " or ".join(_kernel_folders()))
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module      # numba's cache finds the module again by its name
