@@ -28,6 +28,7 @@ import numpy as np
 import yaml
 from absl import logging
 
+from data import atomic_files
 from data import neuron_sim
 from errors import UserError
 
@@ -229,24 +230,6 @@ def _fill(h5, batches, num_norm, dtype, progress):
   return norm
 
 
-def _temporary_name(path: str) -> str:
-  """A hidden name next to `path`, unique to this process, renamed to `path` once complete."""
-  folder, name = os.path.split(path)
-  return os.path.join(folder, ".%s.%d.tmp" % (name, os.getpid()))
-
-
-def _write_text_atomic(path: str, text: str):
-  tmp = _temporary_name(path)
-  try:
-    with open(tmp, "w") as f:
-      f.write(text)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
-
-
 def generate_dataset(out_dir: str, cell_name: str = "synth", num_train: int = 20000, num_val: int = 2000,
                      num_test: int = 2000, seed: int = 0, fp16: bool = False,
                      probe_type: str = "excite_4prB8kHz", batch_size: int = 1024, progress: bool = True,
@@ -267,7 +250,7 @@ def generate_dataset(out_dir: str, cell_name: str = "synth", num_train: int = 20
   started = time.time()
   logging.info("generating %s: %d train, %d val, %d test samples, seed %d, %s, %d worker(s)",
                path, num_train, num_val, num_test, seed, "fp16" if fp16 else "fp32", workers)
-  tmp = _temporary_name(path)
+  tmp = atomic_files.temporary_name(path)
   try:
     h5 = h5py.File(tmp, "w")
   except OSError as error:
@@ -286,7 +269,7 @@ def generate_dataset(out_dir: str, cell_name: str = "synth", num_train: int = 20
     if os.path.exists(tmp):
       os.remove(tmp)
     raise
-  _write_text_atomic(os.path.join(out_dir, meta_yaml_name(probe_type)),
+  atomic_files.write_text(os.path.join(out_dir, meta_yaml_name(probe_type)),
                      yaml.safe_dump(meta, default_flow_style=None, sort_keys=False, width=110))
   elapsed = time.time() - started
   logging.info("wrote %s (%.1f MB) in %.1f s: %.1f samples/s", path, os.path.getsize(path) / 1e6, elapsed,

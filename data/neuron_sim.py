@@ -33,6 +33,8 @@ import tempfile
 
 import numpy as np
 
+from data import atomic_files
+
 PAR_NAMES = (
     "gNaTs2.tbar.NaTs2.t.api", "gSKv3.1bar.SKv3.1.api", "gImbar.Im.api", "gNaTa.tbar.NaTa.t.axn",
     "gK.Tstbar.K.Tst.axn", "gNap.Et2bar.Nap.Et2.axn", "gSK.E2bar.SK.E2.axn", "gCa.HVAbar.Ca.HVA.axn",
@@ -401,7 +403,8 @@ def _step_lines():
   lines += _voltage_lines()
   for pool, k in enumerate(CA_COMPARTMENTS):   # entry through the Ca channels at the new voltage
     lines += ["ica_L = ca%d_L * (v%d_L - %r)" % (pool, k, E_CA),
-              "influx_L = -1e4 * (ica_L * 1e-3) * %r / %r" % (CA_GAMMA[pool], 2.0 * FARADAY * CA_DEPTH_UM),
+              "influx_L = -1e4 * (ica_L * 1e-3) * %r / %r" % (float(CA_GAMMA[pool]),
+                                                                 2.0 * FARADAY * CA_DEPTH_UM),
               "c%d_L = max(%r + (c%d_L - %r) * ca_decay%d + dt * influx_L, 1e-6)" % (
                   pool, CA_MIN, pool, CA_MIN, pool)]
   return lines
@@ -429,8 +432,9 @@ def _current_lines():
 def _voltage_lines():
   """Backward Euler for C dV/dt = -gt V + sr + axial + stimulus. The compartments are a star around the
   soma: eliminating the three branches gives the soma's voltage, then each branch's follows from it."""
-  g_couple = G_AXIAL_NS * 100.0 / AREA_UM2
-  g_couple_soma = G_AXIAL_NS * 100.0 / AREA_UM2[SOMA]
+  # Python floats: numpy 2 writes a float64 as "np.float64(...)" (%r), numpy 1 as the number.
+  g_couple = [float(g) for g in G_AXIAL_NS * 100.0 / AREA_UM2]
+  g_couple_soma = [float(g) for g in G_AXIAL_NS * 100.0 / AREA_UM2[SOMA]]
   leak_rev = G_LEAK * E_LEAK
   lines = []
   for k in range(1, NUM_FEATURES):
@@ -439,7 +443,7 @@ def _voltage_lines():
               "branch_L = %r / gt%d_L" % (g_couple_soma[k], k),
               "num_L %s branch_L * sr%d_L" % ("= 0.0 +" if k == 1 else "+=", k),
               "den_L %s branch_L * %r" % ("= 0.0 +" if k == 1 else "+=", g_couple[k])]
-  lines += ["diag0_L = (c_dt + (gt0_L + %r)) + %r" % (G_LEAK, g_couple_soma[1:].sum()),
+  lines += ["diag0_L = (c_dt + (gt0_L + %r)) + %r" % (G_LEAK, float(np.sum(g_couple_soma[1:]))),
             "rhs0_L = (c_dt * v0_L + (sr0_L + %r)) + stim_now" % leak_rev,
             "v0_L = (rhs0_L + num_L) / (diag0_L - den_L)"]
   lines += ["v%d_L = (sr%d_L + %r * v0_L) / gt%d_L" % (k, k, g_couple[k], k) for k in range(1, NUM_FEATURES)]
@@ -495,39 +499,34 @@ def _kernel_folders():
           os.path.join(tempfile.gettempdir(), "neuron_sim_kernels"))
 
 
+def _kernel_file(filename: str, source: str) -> str:
+  """The kernel's module file in the first of `_kernel_folders()` that can hold it; the name is the
+  content's hash, so an existing file is the right one."""
+  for folder in _kernel_folders():
+    path = os.path.join(folder, filename)
+    try:
+      if not os.path.exists(path):
+        os.makedirs(folder, exist_ok=True)
+        atomic_files.write_text(path, source)
+      return path
+    except OSError:
+      continue
+  raise OSError("no writable folder for the simulation kernel: %s" % " or ".join(_kernel_folders()))
+
+
 def _kernel():
   """The compiled kernel. Its source is written to a file named by its hash so that numba can cache the
   machine code there (about 4 s of compilation otherwise in every process that simulates)."""
   if "integrate" not in _KERNEL:
     source = _kernel_source()
     name = "neuron_kernel_%s" % hashlib.sha1(source.encode()).hexdigest()[:16]
-    path = None
-    for folder in _kernel_folders():
-      try:
-        path = _write_once(folder, name + ".py", source)
-        break
-      except OSError:
-        continue
-    if path is None:
-      raise OSError("no writable folder for the simulation kernel: %s" % " or ".join(_kernel_folders()))
+    path = _kernel_file(name + ".py", source)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module      # numba's cache finds the module again by its name
     spec.loader.exec_module(module)
     _KERNEL["integrate"] = module.integrate
   return _KERNEL["integrate"]
-
-
-def _write_once(folder: str, filename: str, text: str) -> str:
-  """folder/filename with this text, written atomically unless it exists (processes may race here)."""
-  path = os.path.join(folder, filename)
-  if not os.path.exists(path):
-    os.makedirs(folder, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(handle, "w") as f:
-      f.write(text)
-    os.replace(temporary, path)
-  return path
 
 
 def simulate(u: np.ndarray) -> np.ndarray:
