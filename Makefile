@@ -7,6 +7,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 RUN_ARGS ?=
 REFERENCE_VENV ?= .venv-torch
+# pytest-xdist workers for make test / test-unit. Alone, the suite keeps about 1.1 of 2 cores busy
+# (process start-up, TensorFlow imports and Python run on one core); two workers use both. Each
+# worker holds its own TensorFlow (about 1 GB).
+TEST_WORKERS ?= 2
 PYTHON38 ?= $(shell for p in $$HOME/.pyenv/versions/3.8*/bin/python python3.8; do $$p -c "import sys; assert sys.version_info[:2] == (3, 8)" 2>/dev/null && { echo $$p; break; }; done)
 
 .PHONY: install run test test-unit test-slurm test-tf26 bench bench-reference parity print-python38 clean
@@ -23,11 +27,11 @@ run: install
 	$(PY) main.py --model=neuron_inverter --replicas=4 $(RUN_ARGS)
 
 test: install $(REFERENCE_VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 # The fast tier: everything but tests/e2e (which runs main.py and the tools as processes, as a user does).
 test-unit: install
-	$(PY) -m pytest -q --ignore=tests/e2e
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --ignore=tests/e2e
 
 # The job scripts on a real one-node Slurm on localhost (tools/slurm/local_cluster.sh), which it installs
 # with apt-get when missing (root). Where it cannot, one line says the Slurm tests did not run.

@@ -9,14 +9,16 @@ import pytest
 from run_config import RunConfig
 from strategies import environment
 
-environment.prepare(RunConfig(model="mnist"))
+_CONFIG = RunConfig(model="mnist")
+environment.prepare(_CONFIG)
 
-import tensorflow as tf  # noqa: E402  pylint: disable=wrong-import-position
-
+# Quiet as in main.py: pytest-xdist's workers print TensorFlow's start-up lines otherwise.
 TEST_CPU_DEVICES = 2
-tf.config.set_logical_device_configuration(
-    tf.config.list_physical_devices("CPU")[0],
-    [tf.config.LogicalDeviceConfiguration() for _ in range(TEST_CPU_DEVICES)])
+with environment.quiet_cuda_probe(_CONFIG):
+  import tensorflow as tf  # noqa: E402  pylint: disable=wrong-import-position
+  tf.config.set_logical_device_configuration(
+      tf.config.list_physical_devices("CPU")[0],
+      [tf.config.LogicalDeviceConfiguration() for _ in range(TEST_CPU_DEVICES)])
 
 
 
