@@ -294,3 +294,21 @@ def test_interrupted_generation_leaves_no_file(tmp_path, monkeypatch):
     _generate(tmp_path, batch_size=16)
   assert len(calls) == 2
   assert os.listdir(str(tmp_path)) == []
+
+
+def test_progress_rate_leaves_out_the_workers_start_up(monkeypatch, capsys):
+  # Two workers that take 8 s to start (and compile the kernel), then finish their first batches of
+  # 1,000 samples together, then one batch each second: the ETA must come from the 1,000 samples/s,
+  # not from the start-up.
+  clock = [100.0]
+  monkeypatch.setattr(cellspike_generate.time, "time", lambda: clock[0])
+  progress = cellspike_generate._Progress(total=30000, enabled=True, workers=2)
+  clock[0] += 9.0
+  progress.update("train", 1000)
+  clock[0] += 0.01
+  progress.update("train", 1000)
+  for _ in range(11):
+    clock[0] += 1.0
+    progress.update("train", 1000)
+  last = capsys.readouterr().err.strip().splitlines()[-1]   # 10 s after the previous line
+  assert "13000/30000 samples (43%), 1000.0 samples/s, 17 s left" in last, last
