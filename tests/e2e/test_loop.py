@@ -52,7 +52,7 @@ def test_two_replicas_one_epoch(tmp_path, fp16_file):
     recorded = yaml.safe_load(f)["precision"]
   assert summary["precision"] == summary["params"]["precision"] == recorded and recorded in ("16.32", "32.32")
   ratio = summary["best_val_loss"] / summary["mean_predictor_val_loss"]
-  assert ("validation: best %.4f (%.2f of the mean-predictor baseline %.4f), epoch 1" % (
+  assert ("validation: best %.4f (%.3f of the mean-predictor baseline %.4f), epoch 1" % (
       summary["best_val_loss"], ratio, summary["mean_predictor_val_loss"])) in result.stdout
   for which in ("last", "best"):
     assert os.path.isfile(os.path.join(logdir, "checkpoints", which, "checkpoint"))
