@@ -376,6 +376,13 @@ def _phase_constants(dt: float) -> np.ndarray:
 LANES = 2
 
 
+def _literal(value) -> str:
+  """A constant as the kernel's source writes it: the shortest text that reads back as the same float64
+  (as a Python float: numpy 2 would write a float64 as "np.float64(...)", numpy 1 as the number, and the
+  two venvs would then compile and cache two kernels)."""
+  return repr(float(value))
+
+
 def _step_lines():
   """One time step of one cell as Python statements; per-cell names end in `_L` (the lane's number).
 
@@ -394,7 +401,8 @@ def _step_lines():
               "decay_L = table[r_L + np.uint64(2)] + f%d_L * table[r_L + np.uint64(3)]" % k,
               "x%d_L = (x%d_L - inf_L) * decay_L + inf_L" % (j, j)]
   for row, pool in zip(lay.sk_rows, lay.sk_pool):
-    lines += ["pos_L = min(c%d_L * %r, %r)" % (pool, 1.0 / _CA_STEP, float(len(_sk_table()) - 1)),
+    lines += ["pos_L = min(c%d_L * %s, %s)" % (pool, _literal(1.0 / _CA_STEP),
+                                              _literal(len(_sk_table()) - 1)),
               "j_L = np.uint64(pos_L)",
               "r_L = j_L * np.uint64(2)",
               "sk_L = sk_table[r_L] + (pos_L - float(j_L)) * sk_table[r_L + np.uint64(1)]",
@@ -402,11 +410,11 @@ def _step_lines():
   lines += _current_lines()
   lines += _voltage_lines()
   for pool, k in enumerate(CA_COMPARTMENTS):   # entry through the Ca channels at the new voltage
-    lines += ["ica_L = ca%d_L * (v%d_L - %r)" % (pool, k, E_CA),
-              "influx_L = -1e4 * (ica_L * 1e-3) * %r / %r" % (float(CA_GAMMA[pool]),
-                                                                 2.0 * FARADAY * CA_DEPTH_UM),
-              "c%d_L = max(%r + (c%d_L - %r) * ca_decay%d + dt * influx_L, 1e-6)" % (
-                  pool, CA_MIN, pool, CA_MIN, pool)]
+    lines += ["ica_L = ca%d_L * (v%d_L - %s)" % (pool, k, _literal(E_CA)),
+              "influx_L = -1e4 * (ica_L * 1e-3) * %s / %s" % (_literal(CA_GAMMA[pool]),
+                                                                 _literal(2.0 * FARADAY * CA_DEPTH_UM)),
+              "c%d_L = max(%s + (c%d_L - %s) * ca_decay%d + dt * influx_L, 1e-6)" % (
+                  pool, _literal(CA_MIN), pool, _literal(CA_MIN), pool)]
   return lines
 
 
@@ -422,7 +430,7 @@ def _current_lines():
     lines.append("g_L = (%s) * gbar_L[%d]" % (opened, c))
     sums = ["gt%d_L" % channel.comp, "sr%d_L" % channel.comp] + [
         "ca%d_L" % pool for pool, rows in enumerate(lay.ca_channels) if c in rows]
-    terms = ["g_L", "g_L * %r" % float(channel.rev)] + ["g_L"] * (len(sums) - 2)
+    terms = ["g_L", "g_L * %s" % _literal(channel.rev)] + ["g_L"] * (len(sums) - 2)
     for total, term in zip(sums, terms):
       lines.append("%s %s %s" % (total, "+=" if total in first else "= 0.0 +", term))
       first.add(total)
@@ -432,21 +440,21 @@ def _current_lines():
 def _voltage_lines():
   """Backward Euler for C dV/dt = -gt V + sr + axial + stimulus. The compartments are a star around the
   soma: eliminating the three branches gives the soma's voltage, then each branch's follows from it."""
-  # Python floats: numpy 2 writes a float64 as "np.float64(...)" (%r), numpy 1 as the number.
-  g_couple = [float(g) for g in G_AXIAL_NS * 100.0 / AREA_UM2]
-  g_couple_soma = [float(g) for g in G_AXIAL_NS * 100.0 / AREA_UM2[SOMA]]
-  leak_rev = G_LEAK * E_LEAK
+  g_couple = G_AXIAL_NS * 100.0 / AREA_UM2
+  g_couple_soma = G_AXIAL_NS * 100.0 / AREA_UM2[SOMA]
+  leak_rev, leak = _literal(G_LEAK * E_LEAK), _literal(G_LEAK)
   lines = []
   for k in range(1, NUM_FEATURES):
-    lines += ["gt%d_L = (c_dt + (gt%d_L + %r)) + %r" % (k, k, G_LEAK, g_couple[k]),
-              "sr%d_L = c_dt * v%d_L + (sr%d_L + %r)" % (k, k, k, leak_rev),
-              "branch_L = %r / gt%d_L" % (g_couple_soma[k], k),
+    lines += ["gt%d_L = (c_dt + (gt%d_L + %s)) + %s" % (k, k, leak, _literal(g_couple[k])),
+              "sr%d_L = c_dt * v%d_L + (sr%d_L + %s)" % (k, k, k, leak_rev),
+              "branch_L = %s / gt%d_L" % (_literal(g_couple_soma[k]), k),
               "num_L %s branch_L * sr%d_L" % ("= 0.0 +" if k == 1 else "+=", k),
-              "den_L %s branch_L * %r" % ("= 0.0 +" if k == 1 else "+=", g_couple[k])]
-  lines += ["diag0_L = (c_dt + (gt0_L + %r)) + %r" % (G_LEAK, float(np.sum(g_couple_soma[1:]))),
-            "rhs0_L = (c_dt * v0_L + (sr0_L + %r)) + stim_now" % leak_rev,
+              "den_L %s branch_L * %s" % ("= 0.0 +" if k == 1 else "+=", _literal(g_couple[k]))]
+  lines += ["diag0_L = (c_dt + (gt0_L + %s)) + %s" % (leak, _literal(g_couple_soma[1:].sum())),
+            "rhs0_L = (c_dt * v0_L + (sr0_L + %s)) + stim_now" % leak_rev,
             "v0_L = (rhs0_L + num_L) / (diag0_L - den_L)"]
-  lines += ["v%d_L = (sr%d_L + %r * v0_L) / gt%d_L" % (k, k, g_couple[k], k) for k in range(1, NUM_FEATURES)]
+  lines += ["v%d_L = (sr%d_L + %s * v0_L) / gt%d_L" % (k, k, _literal(g_couple[k]), k)
+            for k in range(1, NUM_FEATURES)]
   return lines
 
 
@@ -475,7 +483,8 @@ def _kernel_source() -> str:
       '@numba.njit(cache=True, error_model="numpy")',
       "def integrate(gbar, v, gates, ca, table, sk_table, phase, stim, steps_per_bin, out):",
       "  dt, c_dt, sk_decay, ca_decay0, ca_decay1 = phase[0], phase[1], phase[2], phase[3], phase[4]",
-      "  inv_step, v_min, top = %r, %r, %r" % (1.0 / _V_STEP, _V_MIN, float(_grid_len() - 1)),
+      "  inv_step, v_min, top = %s, %s, %s" % (_literal(1.0 / _V_STEP), _literal(_V_MIN),
+                                                _literal(_grid_len() - 1)),
       "  for cell in range(0, len(gbar), %d):" % LANES,
       _per_lane(load + ["a%d_L = 0.0" % k for k in range(NUM_FEATURES)], 4),
       "    for step in range(len(stim)):",
