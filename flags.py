@@ -18,7 +18,7 @@ from absl import flags
 import model
 from errors import UserError
 from model.designs import DESIGNS
-from run_config import RunConfig
+from run_config import AUTOTUNE_MIN_STEPS, AUTOTUNE_MODES, RunConfig
 from strategies import pipeline_rules, registry
 from strategies.registry import CHOICES as BACKENDS
 
@@ -143,6 +143,11 @@ def _define_placement_flags() -> None:
   _on.DEFINE_bool("stochastic_rounding", _default("stochastic_rounding"), "IPU stochastic rounding.")
   _on.DEFINE_string("cache_dir", _default("cache_dir"), "Executable cache: IPU Poplar executables; "
                       "with --jit_compile on TF >= 2.16 the XLA persistent cache.")
+  _on.DEFINE_enum("autotune", _default("autotune"), AUTOTUNE_MODES, "Where the backend has several "
+                    "forms of the convolutions that compute the same function (the CPU in float32), "
+                    "time each for a few steps and train with the fastest, once per machine (kept in "
+                    "--cache_dir). auto: for runs of at least %d training steps; on: always; off: the "
+                    "built-in choice." % AUTOTUNE_MIN_STEPS)
   _on.DEFINE_bool("jit_compile", _default("jit_compile"), "XLA-compile the training step on CPU/GPU.")
   _on.DEFINE_bool("compile_only", _default("compile_only"), "Compile (filling the cache), then exit; on IPU use "
                     "with --ipu_connection=pre_compile to compile without IPUs.")

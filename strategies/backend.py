@@ -45,6 +45,12 @@ class Backend:
   conv_kernel_grad_by_matmul: bool = False
   conv_pooling: str = "max_pool"
   conv_phases_max_in_channels: int = 0
+  # Other values of the conv_* fields above that may be faster on this machine: each a tuple of
+  # (field, value) pairs, the built-in choice first; training/autotune.py times them. () where the
+  # choice was measured on this kind of hardware.
+  form_alternatives: tuple = ()
+  machine_signature: str = ""              # this machine's hardware, as timings cached for it are keyed
+  forms_chosen_by: str = "built-in"        # built-in, or measured/cached by training/autotune.py
 
   rank = 0                                 # this process among all processes (workers, instances)
   world_size = 1                           # processes training together
@@ -67,6 +73,10 @@ class Backend:
     if self.is_chief:
       return logdir
     return tempfile.mkdtemp(prefix="process%d-" % self.rank)
+
+  def with_forms(self, forms, chosen_by: str = "built-in") -> "Backend":
+    """This backend with the conv_* fields of `forms` ((field, value) pairs) in place of its own."""
+    return dataclasses.replace(self, forms_chosen_by=chosen_by, **dict(forms))
 
   def alone(self) -> Optional["Backend"]:
     """A backend for this process to run inference on by itself (the others may have exited); None

@@ -128,6 +128,40 @@ def conv_options(precision: str, cpu_flags=None, generation=None) -> dict:
           "conv_phases_max_in_channels": 8 if maxima else 0}
 
 
+# The choices above whose measurements came from some CPUs and not others: on a CPU that computes in
+# float32 the run may time the other forms of these for a few steps and keep the fastest
+# (training/autotune.py). MaxPool against maxima was decided on a Zen 1 at 1 x 192 only, and the
+# kernel gradient as a matmul on a Zen 4 under an AVX2 cap only (docs/PERFORMANCE.md).
+_MAXIMA_FORMS = {"conv_pooling": "maximum", "conv_phases_max_in_channels": 8}
+_MAXPOOL_FORMS = {"conv_pooling": "max_pool", "conv_phases_max_in_channels": 0}
+
+
+def conv_alternatives(precision: str, chosen: dict) -> tuple:
+  """The convolution options worth timing on this machine, as Backend field overrides, the built-in
+  `chosen` (conv_options' fields) first; () where the choice was measured on the CPUs it applies to
+  (16-bit: the AMX Xeon and the Zen 4 both chose these forms)."""
+  if precision != "32.32":
+    return ()
+  forms = []
+  for pooling in (_MAXPOOL_FORMS, _MAXIMA_FORMS) if chosen["conv_pooling"] == "max_pool" else (
+      _MAXIMA_FORMS, _MAXPOOL_FORMS):
+    for by_matmul in (chosen["conv_kernel_grad_by_matmul"], not chosen["conv_kernel_grad_by_matmul"]):
+      forms.append(tuple(sorted(dict(pooling, conv_kernel_grad_by_matmul=by_matmul).items())))
+  return tuple(forms)
+
+
+def machine_signature() -> str:
+  """What identifies this CPU to oneDNN, for caching timings: vendor, family, model, name, the
+  feature flags its kernels may use (after any ONEDNN_MAX_CPU_ISA cap) and the cores this process
+  may run on."""
+  fields = _first_processor()
+  features = sorted(flag for flag in _cpu_flags() if flag.startswith(("avx", "amx", "fma", "f16c")))
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return "%s family %s model %s (%s); %d cores; %s" % (
+      fields.get("vendor_id", "?"), fields.get("cpu family", "?"), fields.get("model", "?"),
+      fields.get("model name", "?"), cores or 0, " ".join(features))
+
+
 def _ensure_logical_cpus(count: int) -> list:
   physical = tf.config.list_physical_devices("CPU")
   try:
@@ -150,7 +184,10 @@ def create(config: RunConfig) -> Backend:
   except RuntimeError:
     pass
   device_pipelines.apply()
-  fields = dict(options_from_config(config), **conv_options(config.precision))
+  chosen = conv_options(config.precision)
+  fields = dict(options_from_config(config), **chosen,
+                form_alternatives=conv_alternatives(config.precision, chosen),
+                machine_signature=machine_signature())
   source = multiworker.cluster_source()
   if source:
     return multiworker.create(config, "cpu", source, **fields)

@@ -24,9 +24,10 @@ from absl import logging
 import data
 import model
 from errors import UserError
-from run_config import RunConfig
+from run_config import AUTOTUNE_MIN_STEPS, RunConfig
 from stderr_lines import DroppedLines
 from strategies.backend import Backend
+from training import autotune
 from training import callbacks as callbacks_lib
 from training import checkpoints as checkpoints_lib
 from training import interrupt as interrupt_lib
@@ -75,6 +76,27 @@ def build_and_compile(config: RunConfig, backend: Backend, model_module, splits,
                 **backend.compile_kwargs(splits.train.steps, eval_steps))
     create_slots(net.optimizer, net.trainable_variables)
   return net
+
+
+def _autotuned(config: RunConfig, backend: Backend, module, splits, first_epoch: int) -> Backend:
+  """The backend with the convolution forms --autotune chose for this machine (training/autotune.py)."""
+  alternatives = autotune.alternatives_for(
+      config, backend, lambda options: model.accepted_options(module.build, **options))
+  if not alternatives:
+    return backend
+  total_steps = splits.train.steps * max(config.epochs - first_epoch, 0)
+  batch_shape = {"global_batch": backend.effective_batch(config.batch_size),
+                 "input_shape": list(splits.input_shape), "outputs": splits.num_outputs}
+  choice = autotune.tune(config, backend, alternatives,
+                         lambda variant: build_and_compile(config, variant, module, splits), batch_shape,
+                         lambda: next(iter(splits.train.dataset.take(1))),
+                         autotune.may_time(config, total_steps))
+  if choice is None:
+    logging.info("--autotune=auto: %d training steps, fewer than %d: the built-in convolution forms "
+                 "(%s)", total_steps, AUTOTUNE_MIN_STEPS, autotune.describe(alternatives[0]))
+    return backend
+  print(autotune.report(choice), flush=True)
+  return backend.with_forms(choice.forms, choice.source)
 
 
 def write_test_scalars(logdir: str, results: dict, step: int) -> None:
@@ -270,8 +292,10 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
   resume_state = _resume_state(config, backend)
   global_batch_size = backend.effective_batch(config.batch_size)
   splits = data.load(info.dataset, config, backend.layout(config.batch_size), resume_state["epoch"])
-  net = build_and_compile(config, backend, model.get_model_module(config.model), splits,
-                          resume_state.get("optimizer_format"))
+  module = model.get_model_module(config.model)
+  backend = _autotuned(config, backend, module, splits, resume_state["epoch"])
+  set_seeds(config.seed)  # the initial weights do not depend on whether the forms were timed
+  net = build_and_compile(config, backend, module, splits, resume_state.get("optimizer_format"))
   net.summary()
   logging.info("Global batch %d = %d per replica x %d gradient accumulation x %d replicas; "
                "%d optimizer steps per epoch", global_batch_size, config.batch_size,

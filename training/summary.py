@@ -34,6 +34,8 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
       "per_replica_batch_size": config.batch_size,
       "gradient_accumulation": backend.gradient_accumulation,
       "precision": backend.precision,
+      "conv_forms": backend.model_options(),
+      "conv_forms_chosen_by": backend.forms_chosen_by,
       "epochs": config.epochs,
       "first_epoch": first_epoch,
       "steps_per_epoch": splits.train.steps,

@@ -108,3 +108,31 @@ def test_synthetic_data_trains_without_reading_the_file(tmp_path, fp16_file):
   summary = _summary(logdir)
   assert summary["data_source"].startswith("synthetic") and summary["steps_per_epoch"] == 8
   assert np.isfinite(summary["train_loss"]) and summary["samples_per_sec_per_replica"] > 0
+
+
+def test_autotune_times_the_forms_once_then_reads_them_and_leaves_the_initial_weights_alone(tmp_path,
+                                                                                           fp16_file):
+  """--autotune=on in float32: the first run times the CPU's convolution forms and keeps the result in
+  --cache_dir, the next reads it; training matches --autotune=off from the same seed (the throwaway
+  models of the timing do not shift the initial weights)."""
+  cache, common = str(tmp_path / "cache"), ("--replicas=2", "--epochs=1", "--precision=32.32")
+  runs = {}
+  for name, mode in (("timed", "on"), ("cached", "on"), ("off", "off")):
+    logdir = str(tmp_path / name)
+    runs[name] = _run(fp16_file, logdir, *common, "--autotune=" + mode, "--cache_dir=" + cache)
+    assert runs[name].returncode == 0, runs[name].stderr[-3000:]
+    runs[name].summary = _summary(logdir)
+  timed, cached, off = runs["timed"], runs["cached"], runs["off"]
+  assert "Autotune: timing 4 forms of the convolutions on this CPU" in timed.stdout
+  assert timed.stdout.count(" s per step") == 4 and "(built-in)" in timed.stdout
+  assert "(timed on this machine)" in timed.stdout
+  assert "Autotune: timing" not in cached.stdout and "(timed on this machine by an earlier run)" in cached.stdout
+  assert "Autotune" not in off.stdout
+  stored = os.listdir(os.path.join(cache, "autotune"))
+  assert len(stored) == 1 and "timings in %s" % os.path.join(cache, "autotune", stored[0]) in timed.stdout
+  assert [run.summary["conv_forms_chosen_by"] for run in (timed, cached, off)] == ["measured", "cached",
+                                                                                   "built-in"]
+  assert timed.summary["conv_forms"] == cached.summary["conv_forms"]
+  # Every form computes the same function: from the same initial weights the losses agree to rounding.
+  for key in ("train_loss", "val_loss"):
+    assert timed.summary[key] == pytest.approx(off.summary[key], rel=1e-4)

@@ -1,0 +1,179 @@
+"""--autotune (training/autotune.py): which forms are timed, how the fastest is chosen and cached, and
+the timing loop itself on a real (small) Keras model."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import yaml
+
+from run_config import AUTOTUNE_MIN_STEPS, RunConfig
+from strategies import cpu
+from strategies.backend import Backend
+from training import autotune
+
+AVX2_FORMS = cpu.conv_options("32.32", {"fma", "avx2"}, ("AuthenticAMD", 25))
+ZEN1_FORMS = cpu.conv_options("32.32", {"fma", "avx2"}, ("AuthenticAMD", 23))
+
+
+def _backend(**fields):
+  chosen = cpu.conv_options("32.32", {"fma", "avx2"}, ("AuthenticAMD", 25))
+  return Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",), **chosen,
+                 form_alternatives=cpu.conv_alternatives("32.32", chosen), machine_signature="test cpu",
+                 **fields)
+
+
+def _accept_all(options):
+  return options
+
+
+def test_float32_alternatives_are_the_product_of_the_uncertain_choices_builtin_first():
+  for chosen in (AVX2_FORMS, ZEN1_FORMS):
+    alternatives = cpu.conv_alternatives("32.32", chosen)
+    assert len(set(alternatives)) == 4
+    first = dict(alternatives[0])
+    assert all(first[field] == chosen[field] for field in first)
+    assert {dict(forms)["conv_pooling"] for forms in alternatives} == {"max_pool", "maximum"}
+    assert {dict(forms)["conv_kernel_grad_by_matmul"] for forms in alternatives} == {True, False}
+    # The phases go with the maxima form, never with MaxPool.
+    assert all((dict(forms)["conv_phases_max_in_channels"] > 0) == (dict(forms)["conv_pooling"] == "maximum")
+               for forms in alternatives)
+
+
+def test_sixteen_bit_has_no_alternatives():
+  chosen = cpu.conv_options("16.32", {"avx512f", "avx512_bf16"}, ("AuthenticAMD", 25))
+  assert cpu.conv_alternatives("16.32", chosen) == ()
+
+
+def test_with_forms_changes_only_the_convolution_fields_and_records_how():
+  backend = _backend()
+  other = backend.with_forms(backend.form_alternatives[-1], "measured")
+  assert other.forms_chosen_by == "measured" and backend.forms_chosen_by == "built-in"
+  assert other.model_options() != backend.model_options()
+  assert (other.kind, other.devices, other.precision) == (backend.kind, backend.devices, backend.precision)
+
+
+def test_choose_keeps_the_builtin_forms_unless_another_is_clearly_faster():
+  alternatives = _backend().form_alternatives
+  names = [autotune.describe(forms) for forms in alternatives]
+  close = dict(zip(names, [0.100, 0.099, 0.120, 0.130]))  # 1 % faster: noise on a shared machine
+  assert autotune.choose(alternatives, close) == alternatives[0]
+  clear = dict(zip(names, [0.100, 0.110, 0.085, 0.130]))  # 15 % faster
+  assert autotune.choose(alternatives, clear) == alternatives[2]
+
+
+def test_nothing_to_choose_when_off_distributed_over_processes_or_ignored_by_the_model():
+  config = RunConfig(model="neuron_inverter", autotune="on")
+  backend = _backend()
+  assert len(autotune.alternatives_for(config, backend, _accept_all)) == 4
+  assert autotune.alternatives_for(dataclasses.replace(config, autotune="off"), backend, _accept_all) == ()
+  assert autotune.alternatives_for(config, backend, lambda options: {}) == ()  # e.g. the MNIST model
+  # Only the pooling reaches a model that ignores the kernel-gradient option: two forms differ.
+  pooling_only = autotune.alternatives_for(
+      config, backend, lambda options: {"pooling": options["pooling"]})
+  assert len(pooling_only) == 2
+
+  class OneOfSeveralProcesses(Backend):
+    world_size = 2
+
+  several = OneOfSeveralProcesses(**{field.name: getattr(backend, field.name)
+                                     for field in dataclasses.fields(Backend)})
+  assert autotune.alternatives_for(config, several, _accept_all) == ()
+
+
+def test_auto_times_only_runs_long_enough_to_repay_it():
+  auto = RunConfig(model="neuron_inverter")
+  assert auto.autotune == "auto"
+  assert autotune.may_time(auto, AUTOTUNE_MIN_STEPS)
+  assert not autotune.may_time(auto, AUTOTUNE_MIN_STEPS - 1)
+  assert autotune.may_time(dataclasses.replace(auto, autotune="on"), 1)
+
+
+SHAPE = {"global_batch": 8, "input_shape": [16, 4], "outputs": 3}
+
+
+def _stored_choice(tmp_path, backend, chosen_index=1):
+  config = RunConfig(model="neuron_inverter", cache_dir=str(tmp_path))
+  alternatives = backend.form_alternatives
+  key = autotune.cache_key(config, backend, SHAPE, alternatives)
+  path = autotune.cache_path(str(tmp_path), key)
+  seconds = {autotune.describe(forms): 0.1 + 0.01 * index for index, forms in enumerate(alternatives)}
+  seconds[autotune.describe(alternatives[chosen_index])] = 0.05
+  choice = autotune.Choice(alternatives[chosen_index], "measured", seconds, alternatives[0], path)
+  autotune._write(path, key, choice)  # pylint: disable=protected-access
+  return config, key, path
+
+
+def test_a_cached_choice_is_read_back_for_the_same_key_only(tmp_path):
+  backend = _backend()
+  config, key, path = _stored_choice(tmp_path, backend)
+  cached = autotune.read_cached(path, key, backend.form_alternatives)
+  assert cached.source == "cached" and cached.forms == backend.form_alternatives[1]
+  assert cached.speedup == pytest.approx(0.1 / 0.05)
+  assert "2.00x the built-in forms' speed" in autotune.report(cached)
+  # Another machine (or TensorFlow, or batch) has another file; the same file under another key is
+  # not trusted.
+  other = autotune.cache_key(config, dataclasses.replace(backend, machine_signature="other cpu"), SHAPE,
+                             backend.form_alternatives)
+  assert autotune.cache_path(str(tmp_path), other) != path
+  assert autotune.read_cached(path, other, backend.form_alternatives) is None
+  # tune() returns the cached choice without timing (no build, no batch).
+  never = lambda *args: pytest.fail("timed although the choice was cached")  # noqa: E731
+  assert autotune.tune(config, backend, backend.form_alternatives, never, SHAPE, never, True) == cached
+
+
+@pytest.mark.parametrize("content", ["key: [unclosed", "just a string", "{}"])
+def test_an_unusable_cache_file_is_reported_and_not_trusted(tmp_path, content, caplog):
+  backend = _backend()
+  _, key, path = _stored_choice(tmp_path, backend)
+  with open(path, "w") as stream:
+    stream.write(content)
+  assert autotune.read_cached(path, key, backend.form_alternatives) is None
+  assert path in caplog.text and "timing the forms again" in caplog.text
+
+
+def test_a_cached_choice_outside_the_alternatives_is_not_trusted(tmp_path, caplog):
+  backend = _backend()
+  _, key, path = _stored_choice(tmp_path, backend)
+  with open(path) as stream:
+    stored = yaml.safe_load(stream)
+  stored["chosen"]["conv_pooling"] = "phases"
+  with open(path, "w") as stream:
+    yaml.safe_dump(stored, stream)
+  assert autotune.read_cached(path, key, backend.form_alternatives) is None
+  assert "not one of this backend's forms" in caplog.text
+
+
+def test_a_short_auto_run_neither_times_nor_guesses_without_a_cache(tmp_path):
+  backend = _backend()
+  config = RunConfig(model="neuron_inverter", cache_dir=str(tmp_path))
+  never = lambda *args: pytest.fail("timed in a run too short for it")  # noqa: E731
+  assert autotune.tune(config, backend, backend.form_alternatives, never, SHAPE, never, False) is None
+
+
+def test_measure_trains_each_form_in_alternating_windows(tmp_path):
+  """The timing loop on a real Keras model: every form trains its warm-up and windows, the medians
+  are positive, and tune() writes what it chose where the next run reads it."""
+  backend = _backend()
+  built = []
+
+  def build(variant):
+    model = tf.keras.Sequential([tf.keras.Input((16, 4)), tf.keras.layers.Flatten(),
+                                 tf.keras.layers.Dense(3)])
+    model.compile("sgd", "mse")
+    built.append((variant.model_options(), model))
+    return model
+
+  rng = np.random.default_rng(0)
+  batch = (rng.standard_normal((8, 16, 4)).astype("float32"), rng.standard_normal((8, 3)).astype("float32"))
+  config = RunConfig(model="neuron_inverter", cache_dir=str(tmp_path), autotune="on")
+  choice = autotune.tune(config, backend, backend.form_alternatives, build, SHAPE, lambda: batch, True)
+  assert len(built) == 4 and len({str(options) for options, _ in built}) == 4
+  steps = autotune.WARMUP_STEPS + autotune.ROUNDS * autotune.WINDOW_STEPS
+  assert all(int(model.optimizer.iterations) == steps for _, model in built)
+  assert set(choice.seconds_per_step) == {autotune.describe(forms) for forms in backend.form_alternatives}
+  assert all(seconds > 0 for seconds in choice.seconds_per_step.values())
+  assert choice.source == "measured" and choice.forms in backend.form_alternatives
+  key = autotune.cache_key(config, backend, SHAPE, backend.form_alternatives)
+  assert autotune.read_cached(choice.path, key, backend.form_alternatives).forms == choice.forms

@@ -1,0 +1,222 @@
+"""`--autotune`: time the backend's alternative forms of the convolutions and train with the fastest.
+
+Some of the hardware choices in strategies/ were measured on some CPUs and not on others (the backend
+lists them: `Backend.form_alternatives`). Every form computes the same function with the same weights,
+so which one is fastest can be measured on the machine itself, as cuDNN's autotuner times a GPU's
+convolution algorithms:
+- each form builds and compiles the run's model and trains it on one random batch shaped like the
+  run's (the input pipeline is not timed);
+- after WARMUP_STEPS steps each (tracing, first-step allocations), the forms train in alternating
+  windows of WINDOW_STEPS steps, so that all of them see the machine in the same state;
+- the form with the shortest median step is kept, unless the built-in choice is within TOLERANCE of
+  it: a difference that small is within a shared machine's noise;
+- the result goes to <cache_dir>/autotune/<key>.yaml, keyed by the machine, TensorFlow, the model and
+  the batch layout, so later runs on this machine read it instead of timing again.
+The throwaway models draw from TensorFlow's random state; the caller re-seeds before building the real
+one, so the run's initial weights do not depend on whether timing happened.
+"""
+
+import dataclasses
+import datetime
+import hashlib
+import os
+import statistics
+import time
+from typing import Callable, Optional
+
+import tensorflow as tf
+import yaml
+from absl import logging
+
+from run_config import AUTOTUNE_MIN_STEPS, RunConfig
+from strategies.backend import Backend
+
+WARMUP_STEPS = 2
+WINDOW_STEPS = 4
+ROUNDS = 2
+TOLERANCE = 0.05
+FOLDER = "autotune"
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """The forms a run trains with and how they were chosen."""
+  forms: tuple                      # (field, value) pairs, as in Backend.form_alternatives
+  source: str                       # "measured" (this run timed them) or "cached" (an earlier run did)
+  seconds_per_step: dict            # describe(forms) -> median seconds per step, for each form timed
+  builtin: tuple                    # the backend's own choice (form_alternatives[0])
+  path: Optional[str] = None        # the cache file
+
+  @property
+  def speedup(self) -> float:
+    """The chosen forms' speed as a multiple of the built-in choice's."""
+    return self.seconds_per_step[describe(self.builtin)] / self.seconds_per_step[describe(self.forms)]
+
+
+def describe(forms) -> str:
+  """"pooling=maximum, kernel_grad_by_matmul=True, ..." for (field, value) pairs of conv_* fields,
+  the pooling first."""
+  ordered = sorted(forms, key=lambda pair: (pair[0] != "conv_pooling", pair[0]))
+  return ", ".join("%s=%s" % (field[len("conv_"):] if field.startswith("conv_") else field, value)
+                   for field, value in ordered)
+
+
+def _distinct(backend: Backend, accepted: Callable[[dict], dict]) -> tuple:
+  """The alternatives that give the model different options (a model that ignores the convolution
+  options has nothing to time)."""
+  seen, distinct = set(), []
+  for forms in backend.form_alternatives:
+    options = tuple(sorted(accepted(backend.with_forms(forms).model_options()).items()))
+    if options not in seen:
+      seen.add(options)
+      distinct.append(forms)
+  return tuple(distinct)
+
+
+def alternatives_for(config: RunConfig, backend: Backend, accepted: Callable[[dict], dict]) -> tuple:
+  """The forms this run may choose between, or () for the built-in choice: --autotune=off, one
+  process of several (each would time, and choose, on its own), or a model the options do not change
+  (`accepted` keeps the options its builder takes)."""
+  if config.autotune == "off" or backend.world_size > 1:
+    return ()
+  alternatives = _distinct(backend, accepted)
+  return alternatives if len(alternatives) > 1 else ()
+
+
+def may_time(config: RunConfig, total_steps: int) -> bool:
+  """Whether this run may spend the timing: --autotune=on, or auto and a run of at least
+  AUTOTUNE_MIN_STEPS training steps."""
+  return config.autotune == "on" or (config.autotune == "auto" and total_steps >= AUTOTUNE_MIN_STEPS)
+
+
+def cache_key(config: RunConfig, backend: Backend, batch_shape: dict, alternatives) -> dict:
+  """What the timings depend on: the machine, TensorFlow, the network and the batches it trains on
+  (`batch_shape`: e.g. {"global_batch": 192, "input_shape": [1600, 4], "outputs": 15})."""
+  return {"machine": backend.machine_signature, "tensorflow": tf.__version__,
+          "backend": backend.kind, "precision": backend.precision, "jit_compile": backend.jit_compile,
+          "model": config.model, "design": config.design, "batch": dict(batch_shape),
+          "replicas": backend.replicas, "gradient_accumulation": backend.gradient_accumulation,
+          "alternatives": [dict(forms) for forms in alternatives]}
+
+
+def cache_path(cache_dir: str, key: dict) -> str:
+  digest = hashlib.sha256(yaml.safe_dump(key, sort_keys=True).encode()).hexdigest()[:16]
+  return os.path.join(cache_dir, FOLDER, digest + ".yaml")
+
+
+def read_cached(path: str, key: dict, alternatives) -> Optional[Choice]:
+  """The choice stored at `path` for `key`, or None (no file yet). A file that cannot be used is
+  reported and timed again, never trusted."""
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as stream:
+      stored = yaml.safe_load(stream)
+    if not isinstance(stored, dict) or stored.get("key") != key:
+      raise ValueError("it was written for another machine, TensorFlow or model")
+    forms = tuple(sorted(stored["chosen"].items()))
+    timings = {str(name): float(seconds) for name, seconds in stored["seconds_per_step"].items()}
+    if forms not in alternatives or describe(alternatives[0]) not in timings or describe(forms) not in timings:
+      raise ValueError("its choice is not one of this backend's forms")
+  except (OSError, yaml.YAMLError, ValueError, KeyError, TypeError, AttributeError) as error:
+    logging.warning("Ignoring the autotune cache %s (%s); timing the forms again", path, error)
+    return None
+  return Choice(forms, "cached", timings, alternatives[0], path)
+
+
+def _write(path: str, key: dict, choice: Choice) -> None:
+  """Writes the choice atomically (another run may read the folder at the same time); a cache that
+  cannot be written only costs the next run the timing again."""
+  content = {"key": key, "chosen": dict(choice.forms), "seconds_per_step": choice.seconds_per_step,
+             "measured": datetime.datetime.now().isoformat(timespec="seconds")}
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    partial = "%s.%d.partial" % (path, os.getpid())
+    with open(partial, "w") as stream:
+      yaml.safe_dump(content, stream, sort_keys=False)
+    os.replace(partial, path)
+  except OSError as error:
+    logging.warning("Could not write the autotune cache %s (%s)", path, error)
+
+
+class _StepTimer(tf.keras.callbacks.Callback):
+  """Wall time of each training step (the train function returns once its step has run)."""
+
+  def __init__(self):
+    super().__init__()
+    self.durations = []
+    self._began = 0.0
+
+  def on_train_batch_begin(self, batch, logs=None):
+    self._began = time.perf_counter()
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.durations.append(time.perf_counter() - self._began)
+
+
+def choose(alternatives, seconds: dict) -> tuple:
+  """The forms to train with, given median `seconds` per step for each (describe() -> seconds): the
+  fastest, unless the built-in alternatives[0] is within TOLERANCE of it."""
+  fastest = min(alternatives, key=lambda forms: seconds[describe(forms)])
+  builtin = alternatives[0]
+  return builtin if seconds[describe(builtin)] <= seconds[describe(fastest)] * (1 + TOLERANCE) else fastest
+
+
+def measure(backend: Backend, alternatives, build: Callable[[Backend], tf.keras.Model], batch) -> dict:
+  """Median seconds per training step of each alternative (describe() -> seconds), each training on
+  `batch` (one element of the run's training dataset) over and over."""
+  dataset = tf.data.Dataset.from_tensors(batch).repeat()
+  models = [build(backend.with_forms(forms)) for forms in alternatives]
+  timers = [_StepTimer() for _ in alternatives]
+
+  def train(index, steps):
+    x, steps = backend.fit_input(dataset, steps)
+    models[index].fit(x, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[timers[index]])
+
+  for index in range(len(alternatives)):
+    train(index, WARMUP_STEPS)
+  for timer in timers:
+    timer.durations.clear()
+  for round_index in range(ROUNDS):
+    order = range(len(alternatives))
+    for index in (order if round_index % 2 == 0 else reversed(order)):
+      train(index, WINDOW_STEPS)
+  return {describe(forms): statistics.median(timer.durations)
+          for forms, timer in zip(alternatives, timers)}
+
+
+def tune(config: RunConfig, backend: Backend, alternatives, build: Callable[[Backend], tf.keras.Model],
+         batch_shape: dict, first_batch: Callable[[], object], timing_allowed: bool) -> Optional[Choice]:
+  """The forms to train with: from the cache of an earlier run on this machine, else timed now on
+  `first_batch()` (one element of the run's training dataset) if `timing_allowed`, else None."""
+  key = cache_key(config, backend, batch_shape, alternatives)
+  path = cache_path(config.cache_dir, key) if config.cache_dir else None
+  cached = read_cached(path, key, alternatives) if path else None
+  if cached or not timing_allowed:
+    return cached
+  steps = WARMUP_STEPS + ROUNDS * WINDOW_STEPS
+  print("Autotune: timing %d forms of the convolutions on this %s, %d steps each (once per machine)"
+        % (len(alternatives), backend.label, steps), flush=True)
+  batch = first_batch()
+  started = time.perf_counter()
+  seconds = measure(backend, alternatives, build, batch)
+  for forms in alternatives:
+    print("  %s: %.3f s per step%s" % (describe(forms), seconds[describe(forms)],
+                                       " (built-in)" if forms == alternatives[0] else ""), flush=True)
+  print("  timed in %.0f s" % (time.perf_counter() - started), flush=True)
+  choice = Choice(choose(alternatives, seconds), "measured", seconds, alternatives[0], path)
+  if path:
+    _write(path, key, choice)
+  return choice
+
+
+def report(choice: Choice) -> str:
+  """One line for the log: what the run trains with, how fast against the built-in choice, and where
+  the timings are kept."""
+  when = "timed on this machine" + ("" if choice.source == "measured" else " by an earlier run")
+  where = "; timings in %s" % choice.path if choice.path else ""
+  if choice.forms == choice.builtin:
+    return "Autotune: the built-in convolution forms, none of the others %.0f%% faster (%s)%s" % (
+        100 * TOLERANCE, when, where)
+  return "Autotune: training with %s, %.2fx the built-in forms' speed (%s)%s" % (
+      describe(choice.forms), choice.speedup, when, where)
