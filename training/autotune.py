@@ -29,7 +29,9 @@ import yaml
 from absl import logging
 
 from run_config import AUTOTUNE_MIN_STEPS, RunConfig
+from stderr_lines import DroppedLines
 from strategies.backend import Backend
+from training import logs
 
 WARMUP_STEPS = 2
 WINDOW_STEPS = 4
@@ -197,9 +199,10 @@ def tune(config: RunConfig, backend: Backend, alternatives, build: Callable[[Bac
   steps = WARMUP_STEPS + ROUNDS * WINDOW_STEPS
   print("Autotune: timing %d forms of the convolutions on this %s, %d steps each (once per machine)"
         % (len(alternatives), backend.label, steps), flush=True)
-  batch = first_batch()
   started = time.perf_counter()
-  seconds = measure(backend, alternatives, build, batch)
+  # The process's first batch and steps: TensorFlow's one-off lines come now, not in training's first step.
+  with DroppedLines(logs.ONE_OFF_NATIVE_LINES):
+    seconds = measure(backend, alternatives, build, first_batch())
   for forms in alternatives:
     print("  %s: %.3f s per step%s" % (describe(forms), seconds[describe(forms)],
                                        " (built-in)" if forms == alternatives[0] else ""), flush=True)
