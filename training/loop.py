@@ -181,14 +181,16 @@ def _make_callbacks(config, backend, schedule, checkpointing, state, global_batc
   # Order matters: each callback may add to the epoch logs that the later ones record; `resumed`
   # completes a resumed epoch's metrics before anything records them, `graceful` acts after the
   # epoch's checkpoint and TensorBoard scalars are written.
-  callbacks = [resumed, throughput, quiet, schedule, callbacks_lib.EpochLogger(), checkpointing,
+  callbacks = [resumed, throughput, quiet, schedule, checkpointing,
                tf.keras.callbacks.TerminateOnNaN(),
                tf.keras.callbacks.TensorBoard(log_dir=outdir, profile_batch=0)]
   if config.profile_dir and backend.profiles_with_tensorflow:
     callbacks.append(tf.keras.callbacks.TensorBoard(log_dir=config.profile_dir, profile_batch=(2, 4),
                                                     write_graph=False))
-  # Last, where Keras (tf_keras) puts its own bar, so that its epoch line shows every callback's logs.
-  callbacks += [graceful, callbacks_lib.RunProgbar(config.epochs)]
+  # Keras' bar where Keras (tf_keras) puts its own, after the others, so that its epoch line shows every
+  # callback's logs; the epoch's log line after the bar has ended its line (before, it was glued to the
+  # bar's last update on a terminal); `graceful` last, so that a stop at an epoch's end logs it first.
+  callbacks += [callbacks_lib.RunProgbar(config.epochs), callbacks_lib.EpochLogger(), graceful]
   return callbacks, throughput
 
 

@@ -138,3 +138,15 @@ def test_autotune_times_the_forms_once_then_reads_them_and_leaves_the_initial_we
   # Every form computes the same function: from the same initial weights the losses agree to rounding.
   for key in ("train_loss", "val_loss"):
     assert timed.summary[key] == pytest.approx(off.summary[key], rel=1e-4)
+
+
+def test_each_epoch_line_starts_a_line_of_its_own_after_the_progress_bar(tmp_path, fp16_file):
+  """As a terminal shows stdout and stderr together: Keras' bar ends its line before the epoch's log
+  line (written by absl to stderr), which used to be glued to the bar's last update."""
+  result = run_main("--model=neuron_inverter", "--design=dev", "--backend=cpu", "--batch_size=16",
+                    "--data_path=" + fp16_file, "--logdir=" + str(tmp_path / "run"), "--epochs=2",
+                    one_stream=True)
+  assert result.returncode == 0, result.stdout[-3000:]
+  lines = [line for line in result.stdout.replace("\r", "\n").splitlines() if "Epoch 1 took" in line
+           or "Epoch 2 took" in line]
+  assert len(lines) == 2 and all(line.startswith("I") for line in lines), lines

@@ -9,14 +9,17 @@ import sys
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_main(*args, timeout=300, prefix=(), env=None):
+def run_main(*args, timeout=300, prefix=(), env=None, one_stream=False):
   """Runs `python main.py ARGS` as a user would (after a `prefix` command such as `unshare`, with `env`
-  added to the environment); returns the CompletedProcess (text mode)."""
+  added to the environment; with `one_stream`, stderr into stdout as a terminal shows them); returns
+  the CompletedProcess (text mode)."""
   environment = dict(os.environ, **(env or {}))
   for variable in ("TF_USE_LEGACY_KERAS", "TF2_BEHAVIOR"):  # set by importing TensorFlow in pytest:
     environment.pop(variable, None)                          # main.py must set them itself.
   return subprocess.run(list(prefix) + [sys.executable, os.path.join(REPO_ROOT, "main.py")] + list(args),
-                        cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=timeout)
+                        cwd=REPO_ROOT, env=environment, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT if one_stream else subprocess.PIPE, text=True,
+                        timeout=timeout)
 
 
 def can_mount_tmpfs(folder) -> bool:
