@@ -34,6 +34,7 @@ Design:
 import math
 import os
 import signal
+import sys
 import threading
 
 import tensorflow as tf
@@ -45,9 +46,10 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class TrainingInterrupted(SystemExit):
   """Training stopped on a signal after saving `checkpoint`; exit status 128 + signal number."""
 
-  def __init__(self, signum: int, checkpoint: str, where: str):
+  def __init__(self, signum: int, checkpoint: str, where: str, mid_epoch: bool = False):
     super().__init__(128 + signum)
     self.signum, self.checkpoint, self.where = signum, checkpoint, where
+    self.mid_epoch = mid_epoch  # Keras' progress bar has not ended its line
 
   @property
   def signal_name(self) -> str:
@@ -169,7 +171,8 @@ class GracefulStop(tf.keras.callbacks.Callback):
     # A process that saw no signal stops because another did: it reports (and exits with) SIGTERM.
     raise TrainingInterrupted(self.flag.signum or signal.SIGTERM, path,
                               "in epoch %d after step %d of %d" % (self._epoch + 1, steps,
-                                                                    self.steps_per_epoch))
+                                                                    self.steps_per_epoch),
+                              mid_epoch=True)
 
   def on_epoch_end(self, epoch, logs=None):
     if epoch + 1 >= self.total_epochs:
@@ -196,6 +199,9 @@ def _is_number(value) -> bool:
 
 def log_interrupted(stop: TrainingInterrupted, logdir: str) -> None:
   """The one line a user (or a requeue script) needs after a graceful stop."""
+  if stop.mid_epoch:  # on a line of its own, not after the bar's last update
+    sys.stdout.write("\n")
+    sys.stdout.flush()
   logging.warning("Training interrupted by %s %s; checkpoint: %s; continue with the same command and "
                   "--resume --logdir=%s (exit status %d)", stop.signal_name, stop.where,
                   stop.checkpoint or "none (nothing was saved)", logdir, stop.code)

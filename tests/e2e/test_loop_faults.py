@@ -204,6 +204,7 @@ def test_sigkill_at_random_points_then_sigterm_then_resume(tmp_path, data_file, 
   assert "Traceback" not in output, output[-3000:]
   lines = [line for line in output.splitlines() if "Training interrupted by SIGTERM" in line]
   assert len(lines) == 1, output[-3000:]
+  assert lines[0].startswith("W"), lines[0]  # absl's warning, not glued to the progress bar's last update
   state = last_state(logdir)
   epoch, step = state["epoch"], state["step"]
   assert epoch == progress[-1][0] and 0 < step < STEPS, (lines[0], context)
