@@ -16,9 +16,14 @@ class UserError(Exception):
 
 @contextlib.contextmanager
 def reported_on_one_line(status: int = 1):
-  """Runs the block; a UserError from it becomes one `error: ...` line on stderr and exit `status`."""
+  """Runs the block; a UserError from it becomes one `error: ...` line on stderr and exit `status`.
+  Ctrl-C where nothing handles it (before training, or in a tool; training itself stops gracefully
+  with a checkpoint) becomes one line too, and exit status 130 (128 + SIGINT), as a shell reports it."""
   try:
     yield
   except UserError as error:
     sys.stderr.write("error: %s\n" % error)
     sys.exit(status)
+  except KeyboardInterrupt:
+    sys.stderr.write("\ninterrupted by SIGINT (Ctrl-C)\n")
+    sys.exit(130)

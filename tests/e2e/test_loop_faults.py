@@ -231,6 +231,25 @@ def test_sigkill_at_random_points_then_sigterm_then_resume(tmp_path, data_file, 
 # ---------------------------------------------------------------------------------------------------
 # (d) Disk full on a real (tiny) file system, where the test may mount one.
 
+def test_ctrl_c_before_training_is_one_line_and_exit_130(tmp_path, data_file):
+  """Ctrl-C while --autotune times the forms (before training, where no graceful stop applies): no
+  traceback, one line, the shell's status for SIGINT, and no half-written timings or run folder."""
+  logdir, cache = str(tmp_path / "run"), str(tmp_path / "cache")
+  job = Job(logdir, data_file, "--epochs=1", "--precision=32.32", "--autotune=on", "--cache_dir=" + cache)
+  try:
+    job.wait_for(lambda: "Autotune: timing" in job.output(), what="the autotune's first line")
+    time.sleep(0.3)  # into the building and timing (4 dev models: seconds)
+    job.process.send_signal(signal.SIGINT)
+    status = job.wait(60)
+    output = job.output()
+  finally:
+    job.close()
+  assert status == 130, output[-3000:]
+  assert "Traceback" not in output and "interrupted by SIGINT (Ctrl-C)" in output, output[-3000:]
+  assert not os.path.exists(os.path.join(cache, "autotune")) or not os.listdir(os.path.join(cache, "autotune"))
+  assert not os.path.exists(os.path.join(logdir, "summary.yaml"))
+
+
 def test_disk_full_during_training_keeps_the_previous_checkpoint(tmp_path, data_file):
   mount = tmp_path / "mnt"
   mount.mkdir()
