@@ -101,6 +101,10 @@ def _cpu_generation() -> tuple:
 # than MaxPool: the AVX2 EPYC of family 23 (Zen), 1.2x per step (docs/PERFORMANCE.md). On a Zen 4
 # (family 25), with and without AVX-512, MaxPool everywhere was the faster form (1.05-1.1x).
 _MAXIMA_POOLING_CPUS = (("AuthenticAMD", 23),)
+# The two pooling forms as Backend fields: elementwise maxima go with phases in the first block (the
+# 4-probe input), MaxPool with none.
+_MAXIMA_FORMS = {"conv_pooling": "maximum", "conv_phases_max_in_channels": 8}
+_MAXPOOL_FORMS = {"conv_pooling": "max_pool", "conv_phases_max_in_channels": 0}
 
 
 def conv_options(precision: str, cpu_flags=None, generation=None) -> dict:
@@ -124,18 +128,13 @@ def conv_options(precision: str, cpu_flags=None, generation=None) -> dict:
   return {"conv_channel_multiple": 32 if sixteen_bit else 1,
           "conv_input_grad_by_forward_conv": "avx512f" in flags,
           "conv_kernel_grad_by_matmul": "avx512f" not in flags,
-          "conv_pooling": "maximum" if maxima else "max_pool",
-          "conv_phases_max_in_channels": 8 if maxima else 0}
+          **(_MAXIMA_FORMS if maxima else _MAXPOOL_FORMS)}
 
 
 # The choices above whose measurements came from some CPUs and not others: on a CPU that computes in
 # float32 the run may time the other forms of these for a few steps and keep the fastest
 # (training/autotune.py). MaxPool against maxima was decided on a Zen 1 at 1 x 192 only, and the
 # kernel gradient as a matmul on a Zen 4 under an AVX2 cap only (docs/PERFORMANCE.md).
-_MAXIMA_FORMS = {"conv_pooling": "maximum", "conv_phases_max_in_channels": 8}
-_MAXPOOL_FORMS = {"conv_pooling": "max_pool", "conv_phases_max_in_channels": 0}
-
-
 def conv_alternatives(precision: str, chosen: dict) -> tuple:
   """The convolution options worth timing on this machine, as Backend field overrides, the built-in
   `chosen` (conv_options' fields) first; () where the choice was measured on the CPUs it applies to

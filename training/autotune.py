@@ -4,8 +4,8 @@ Some of the hardware choices in strategies/ were measured on some CPUs and not o
 lists them: `Backend.form_alternatives`). Every form computes the same function with the same weights,
 so which one is fastest can be measured on the machine itself, as cuDNN's autotuner times a GPU's
 convolution algorithms:
-- each form builds and compiles the run's model and trains it on one random batch shaped like the
-  run's (the input pipeline is not timed);
+- each form builds and compiles the run's model and trains it on the run's first training batch, over
+  and over (the input pipeline is not timed);
 - after WARMUP_STEPS steps each (tracing, first-step allocations), the forms train in alternating
   windows of WINDOW_STEPS steps, so that all of them see the machine in the same state;
 - the form with the shortest median step is kept, unless the built-in choice is within TOLERANCE of
