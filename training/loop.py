@@ -83,6 +83,11 @@ def _autotuned(config: RunConfig, backend: Backend, module, splits, first_epoch:
   alternatives = autotune.alternatives_for(
       config, backend, lambda options: model.accepted_options(module.build, **options))
   if not alternatives:
+    if config.autotune == "on":
+      reason = ("the %d processes would each choose on their own" % backend.world_size
+                if backend.world_size > 1 else "%s has one form of %s's convolutions at precision %s"
+                % (backend.label, config.model, backend.precision))
+      logging.info("--autotune=on: nothing to time (%s)", reason)
     return backend
   total_steps = splits.train.steps * max(config.epochs - first_epoch, 0)
   batch_shape = {"global_batch": backend.effective_batch(config.batch_size),
