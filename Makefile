@@ -13,14 +13,22 @@ REFERENCE_VENV ?= .venv-torch
 TEST_WORKERS ?= 2
 PYTHON38 ?= $(shell for p in $$HOME/.pyenv/versions/3.8*/bin/python python3.8; do $$p -c "import sys; assert sys.version_info[:2] == (3, 8)" 2>/dev/null && { echo $$p; break; }; done)
 
+# bash with pipefail: a recipe that pipes pip's output still fails when pip does.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+# pip warns once per package about each index location of the machine's pip configuration that does not
+# exist ("WARNING: Location 'file:///...' is ignored: it is neither a file nor a directory"): about 90
+# lines on a first install here. They are counted into one line; everything else pip prints is kept.
+PIP_INSTALL = @echo '$(1)/bin/python -m pip install --quiet $(2)'; $(1)/bin/python -m pip install --quiet $(2) 2>&1 | awk '/^WARNING: Location .* is ignored: it is neither a file nor a directory/ {n++; next} {print; fflush()} END {if (n) printf "pip: left out %d warnings that an index location of the pip configuration does not exist (pip config list shows them)\n", n}'
+
 .PHONY: install run test test-unit test-slurm test-tf26 bench bench-reference parity print-python38 clean
 
 install: $(VENV)/.installed-$(BACKEND)
 
 $(VENV)/.installed-$(BACKEND): requirements.txt requirements-$(BACKEND).txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade "pip<25"
-	$(PY) -m pip install --quiet -r requirements-$(BACKEND).txt -r requirements.txt -r requirements-dev.txt
+	$(call PIP_INSTALL,$(VENV),--upgrade "pip<25")
+	$(call PIP_INSTALL,$(VENV),-r requirements-$(BACKEND).txt -r requirements.txt -r requirements-dev.txt)
 	touch $@
 
 run: install
@@ -44,7 +52,7 @@ bench-reference: $(REFERENCE_VENV)/.installed
 
 $(REFERENCE_VENV)/.installed: requirements-reference.txt
 	test -x $(REFERENCE_VENV)/bin/python || python3 -m venv $(REFERENCE_VENV)
-	$(REFERENCE_VENV)/bin/python -m pip install --quiet -r requirements-reference.txt
+	$(call PIP_INSTALL,$(REFERENCE_VENV),-r requirements-reference.txt)
 	touch $@
 
 # Training, inference, input and compile figures beside the reference (docs/PERFORMANCE.md).
