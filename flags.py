@@ -142,7 +142,8 @@ def _define_placement_flags() -> None:
                      "(0: Poplar's default).", lower_bound=0.0, upper_bound=1.0)
   _on.DEFINE_bool("stochastic_rounding", _default("stochastic_rounding"), "IPU stochastic rounding.")
   _on.DEFINE_string("cache_dir", _default("cache_dir"), "Executable cache: IPU Poplar executables; "
-                      "with --jit_compile on TF >= 2.16 the XLA persistent cache.")
+                      "with --jit_compile on TF >= 2.16 the XLA persistent cache; --autotune's timings "
+                      "(in autotune/).")
   _on.DEFINE_enum("autotune", _default("autotune"), AUTOTUNE_MODES, "Where the backend has several "
                     "forms of the convolutions that compute the same function (the CPU in float32), "
                     "time each for a few steps and train with the fastest, once per machine (kept in "
