@@ -19,7 +19,7 @@ SHELL := /bin/bash
 # pip warns once per package about each index location of the machine's pip configuration that does not
 # exist ("WARNING: Location 'file:///...' is ignored: it is neither a file nor a directory"): about 90
 # lines on a first install here. They are counted into one line; everything else pip prints is kept.
-PIP_INSTALL = @echo '$(1)/bin/python -m pip install --quiet $(2)'; $(1)/bin/python -m pip install --quiet $(2) 2>&1 | awk '/^WARNING: Location .* is ignored: it is neither a file nor a directory/ {n++; next} {print; fflush()} END {if (n) printf "pip: left out %d warnings that an index location of the pip configuration does not exist (pip config list shows them)\n", n}'
+PIP_INSTALL = @echo '$(1)/bin/python -m pip install --quiet $(2)'; $(1)/bin/python -m pip install --quiet $(2) 2>&1 | awk '/^WARNING: Location .* is ignored: it is neither a file nor a directory/ {n++; next} {print; fflush()} END {if (n) printf "pip: left out %d warning%s that an index location of the pip configuration does not exist (pip config list shows them)\n", n, (n == 1 ? "" : "s")}'
 
 .PHONY: install run test test-unit test-slurm test-tf26 bench bench-reference parity print-python38 clean
 
