@@ -74,3 +74,21 @@ def test_cosine_after_a_mid_epoch_resume_continues_the_same_curve():
   resumed = _cosine_rates(epochs=3, steps=4, warmup=0, resumed_epoch=1, resumed_step=3,
                           run=[(1, 3), (2, 0)])
   assert resumed == pytest.approx(whole[7:])
+
+
+def test_a_plateau_reduction_is_logged_after_the_epoch_not_inside_its_progress_bar(caplog):
+  """on_epoch_end runs before Keras' bar writes its last update (its line still open), so the line
+  comes at the next epoch's start, or at the end of training after the last epoch."""
+  model = tf.keras.Sequential([tf.keras.Input((1,)), tf.keras.layers.Dense(1)])
+  model.compile(tf.keras.optimizers.SGD(1.0), "mse")
+  schedule = LearningRateSchedule(1.0, warmup_epochs=0, factor=0.5, patience=0, cooldown=0)
+  schedule.set_model(model)
+  caplog.set_level("INFO")
+  for epoch, loss in enumerate((1.0, 1.0, 1.0)):   # no improvement: a reduction after epochs 2 and 3
+    schedule.on_epoch_begin(epoch)
+    schedule.on_epoch_end(epoch, {"val_loss": loss})
+    if epoch == 1:
+      assert "plateaued" not in caplog.text       # not yet: the bar's line is open
+  assert caplog.text.count("plateaued") == 1 and "Epoch 2: val_loss plateaued" in caplog.text
+  schedule.on_train_end()
+  assert "Epoch 3: val_loss plateaued, learning rate reduced to 0.25" in caplog.text

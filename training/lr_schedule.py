@@ -87,8 +87,15 @@ class LearningRateSchedule(tf.keras.callbacks.Callback):
     self.plateau = PlateauState(initial_lr, factor, patience, cooldown)
     self.current_lr = initial_lr
     self.cosine, self.epoch = cosine, 0
+    self._reduced = None  # the last epoch's plateau line, logged once Keras' bar has ended its line
+
+  def _log_reduction(self) -> None:
+    if self._reduced:
+      logging.info(self._reduced)
+      self._reduced = None
 
   def on_epoch_begin(self, epoch, logs=None):
+    self._log_reduction()
     self.epoch = epoch
     warm = warmup_lr(self.initial_lr, self.warmup_epochs, epoch)
     self.current_lr = self.plateau.lr if warm is None else warm
@@ -109,5 +116,9 @@ class LearningRateSchedule(tf.keras.callbacks.Callback):
     logs["lr"] = self.current_lr
     if self.cosine is None and epoch >= self.warmup_epochs and self.monitor in logs:
       if self.plateau.step(float(logs[self.monitor])):
-        logging.info("Epoch %d: %s plateaued, learning rate reduced to %.3g",
-                     epoch + 1, self.monitor, self.plateau.lr)
+        # Not now: this runs before the progress bar's last update, whose line is still open.
+        self._reduced = "Epoch %d: %s plateaued, learning rate reduced to %.3g" % (
+            epoch + 1, self.monitor, self.plateau.lr)
+
+  def on_train_end(self, logs=None):
+    self._log_reduction()
