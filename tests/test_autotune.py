@@ -120,7 +120,8 @@ def test_a_cached_choice_is_read_back_for_the_same_key_only(tmp_path):
   assert autotune.read_cached(path, other, backend.form_alternatives) is None
   # tune() returns the cached choice without timing (no build, no batch).
   never = lambda *args: pytest.fail("timed although the choice was cached")  # noqa: E731
-  assert autotune.tune(config, backend, backend.form_alternatives, never, SHAPE, never, True) == cached
+  assert autotune.tune(config, backend, backend.form_alternatives, never, SHAPE, never,
+                       AUTOTUNE_MIN_STEPS) == cached
 
 
 @pytest.mark.parametrize("content", ["key: [unclosed", "just a string", "{}"])
@@ -149,7 +150,7 @@ def test_a_short_auto_run_neither_times_nor_guesses_without_a_cache(tmp_path):
   backend = _backend()
   config = RunConfig(model="neuron_inverter", cache_dir=str(tmp_path))
   never = lambda *args: pytest.fail("timed in a run too short for it")  # noqa: E731
-  assert autotune.tune(config, backend, backend.form_alternatives, never, SHAPE, never, False) is None
+  assert autotune.tune(config, backend, backend.form_alternatives, never, SHAPE, never, 1) is None
 
 
 def test_measure_trains_each_form_in_alternating_windows(tmp_path):
@@ -168,7 +169,7 @@ def test_measure_trains_each_form_in_alternating_windows(tmp_path):
   rng = np.random.default_rng(0)
   batch = (rng.standard_normal((8, 16, 4)).astype("float32"), rng.standard_normal((8, 3)).astype("float32"))
   config = RunConfig(model="neuron_inverter", cache_dir=str(tmp_path), autotune="on")
-  choice = autotune.tune(config, backend, backend.form_alternatives, build, SHAPE, lambda: batch, True)
+  choice = autotune.tune(config, backend, backend.form_alternatives, build, SHAPE, lambda: batch, 1)
   assert len(built) == 4 and len({str(options) for options, _ in built}) == 4
   steps = autotune.WARMUP_STEPS + autotune.ROUNDS * autotune.WINDOW_STEPS
   assert all(int(model.optimizer.iterations) == steps for _, model in built)

@@ -79,10 +79,17 @@ def alternatives_for(config: RunConfig, backend: Backend, accepted: Callable[[di
   """The forms this run may choose between, or () for the built-in choice: --autotune=off, one
   process of several (each would time, and choose, on its own), or a model the options do not change
   (`accepted` keeps the options its builder takes)."""
-  if config.autotune == "off" or backend.world_size > 1:
+  if config.autotune == "off":
     return ()
-  alternatives = _distinct(backend, accepted)
-  return alternatives if len(alternatives) > 1 else ()
+  alternatives = _distinct(backend, accepted) if backend.world_size == 1 else ()
+  if len(alternatives) > 1:
+    return alternatives
+  if config.autotune == "on":
+    logging.info("--autotune=on: nothing to time (%s)", (
+        "the %d processes would each choose on their own" % backend.world_size if backend.world_size > 1
+        else "%s has one form of %s's convolutions at precision %s" % (backend.label, config.model,
+                                                                     backend.precision)))
+  return ()
 
 
 def may_time(config: RunConfig, total_steps: int) -> bool:
@@ -188,14 +195,25 @@ def measure(backend: Backend, alternatives, build: Callable[[Backend], tf.keras.
 
 
 def tune(config: RunConfig, backend: Backend, alternatives, build: Callable[[Backend], tf.keras.Model],
-         batch_shape: dict, first_batch: Callable[[], object], timing_allowed: bool) -> Optional[Choice]:
-  """The forms to train with: from the cache of an earlier run on this machine, else timed now on
-  `first_batch()` (one element of the run's training dataset) if `timing_allowed`, else None."""
+         batch_shape: dict, first_batch: Callable[[], object], total_steps: int) -> Optional[Choice]:
+  """The forms to train with, reported in the log: from the cache of an earlier run on this machine,
+  else timed now on `first_batch()` (one element of the run's training dataset) if a run of
+  `total_steps` training steps may spend the timing (`may_time`), else None (the built-in forms)."""
   key = cache_key(config, backend, batch_shape, alternatives)
   path = cache_path(config.cache_dir, key) if config.cache_dir else None
-  cached = read_cached(path, key, alternatives) if path else None
-  if cached or not timing_allowed:
-    return cached
+  choice = read_cached(path, key, alternatives) if path else None
+  if choice is None and may_time(config, total_steps):
+    choice = _measured(backend, alternatives, build, first_batch, key, path)
+  if choice is None:
+    logging.info("--autotune=auto: %d training steps, fewer than %d: the built-in convolution forms "
+                 "(%s)", total_steps, AUTOTUNE_MIN_STEPS, describe(alternatives[0]))
+  else:
+    print(report(choice), flush=True)
+  return choice
+
+
+def _measured(backend, alternatives, build, first_batch, key, path) -> Choice:
+  """Times the alternatives now, prints their step times, and stores the choice at `path`."""
   steps = WARMUP_STEPS + ROUNDS * WINDOW_STEPS
   print("Autotune: timing %d forms of the convolutions on this %s, %d steps each (once per machine)"
         % (len(alternatives), backend.label, steps), flush=True)

@@ -24,7 +24,7 @@ from absl import logging
 import data
 import model
 from errors import UserError
-from run_config import AUTOTUNE_MIN_STEPS, RunConfig
+from run_config import RunConfig
 from stderr_lines import DroppedLines
 from strategies.backend import Backend
 from training import autotune
@@ -83,25 +83,14 @@ def _autotuned(config: RunConfig, backend: Backend, module, splits, first_epoch:
   alternatives = autotune.alternatives_for(
       config, backend, lambda options: model.accepted_options(module.build, **options))
   if not alternatives:
-    if config.autotune == "on":
-      reason = ("the %d processes would each choose on their own" % backend.world_size
-                if backend.world_size > 1 else "%s has one form of %s's convolutions at precision %s"
-                % (backend.label, config.model, backend.precision))
-      logging.info("--autotune=on: nothing to time (%s)", reason)
     return backend
-  total_steps = splits.train.steps * max(config.epochs - first_epoch, 0)
   batch_shape = {"global_batch": backend.effective_batch(config.batch_size),
                  "input_shape": list(splits.input_shape), "outputs": splits.num_outputs}
   choice = autotune.tune(config, backend, alternatives,
                          lambda variant: build_and_compile(config, variant, module, splits), batch_shape,
                          lambda: next(iter(splits.train.dataset.take(1))),
-                         autotune.may_time(config, total_steps))
-  if choice is None:
-    logging.info("--autotune=auto: %d training steps, fewer than %d: the built-in convolution forms "
-                 "(%s)", total_steps, AUTOTUNE_MIN_STEPS, autotune.describe(alternatives[0]))
-    return backend
-  print(autotune.report(choice), flush=True)
-  return backend.with_forms(choice.forms, choice.source)
+                         splits.train.steps * max(config.epochs - first_epoch, 0))
+  return backend if choice is None else backend.with_forms(choice.forms, choice.source)
 
 
 def write_test_scalars(logdir: str, results: dict, step: int) -> None:
