@@ -7,6 +7,7 @@ each replica gets its own slice of the global batch and gradients are all-reduce
 import os
 
 import tensorflow as tf
+from absl import logging
 
 from errors import UserError
 from run_config import RunConfig
@@ -50,14 +51,18 @@ def _first_processor() -> dict:
   return fields
 
 
+def _isa_cap(environ=None) -> str:
+  """The ISA cap set for oneDNN (e.g. "AVX2"), or ""."""
+  environ = os.environ if environ is None else environ
+  return (environ.get("ONEDNN_MAX_CPU_ISA") or environ.get("DNNL_MAX_CPU_ISA") or "").strip()
+
+
 def _cpu_flags(proc_flags=None, environ=None) -> set:
   """The CPU features oneDNN's kernels may use: /proc/cpuinfo's, minus what a `ONEDNN_MAX_CPU_ISA` cap
   hides. A capped run (e.g. AVX2 on an AVX-512 machine, to see what an older CPU would run) then
   makes the choices of the CPU it imitates: float32 for `auto`, and that CPU's convolution options."""
   flags = set(_first_processor().get("flags", "").split() if proc_flags is None else proc_flags)
-  environ = os.environ if environ is None else environ
-  cap = environ.get("ONEDNN_MAX_CPU_ISA") or environ.get("DNNL_MAX_CPU_ISA") or ""
-  hidden = _ISA_CAP_HIDES.get(cap.strip().upper(), ())
+  hidden = _ISA_CAP_HIDES.get(_isa_cap(environ).upper(), ())
   return {flag for flag in flags if not flag.startswith(hidden)} if hidden else flags
 
 
@@ -83,10 +88,26 @@ def bfloat16_kernels_available() -> bool:
 
 
 def check_precision(precision: str) -> None:
-  """A UserError for 16-bit precision where this TensorFlow cannot train in bfloat16 on the CPU."""
-  if precision != "32.32" and not bfloat16_kernels_available():
+  """A UserError for 16-bit precision where this TensorFlow cannot train in bfloat16 on the CPU, or
+  where an ISA cap hides the bfloat16 units from oneDNN; a warning where the CPU has none."""
+  if precision == "32.32":
+    return
+  if not bfloat16_kernels_available():
     raise UserError("--precision=%s on the CPU needs TensorFlow >= 2.9 (bfloat16 kernels); this is "
                     "TensorFlow %s: use --precision=32.32" % (precision, tf.__version__))
+  if has_bfloat16_units():
+    return
+  uncapped = _cpu_flags(environ={})
+  if "amx_bf16" in uncapped or "avx512_bf16" in uncapped:
+    # TensorFlow reads the CPU's features itself and sends bfloat16 ops to oneDNN, which the cap
+    # forbids them: the first step dies with "could not create a primitive descriptor" (seen on a
+    # Zen 4 under ONEDNN_MAX_CPU_ISA=AVX2).
+    raise UserError("--precision=%s: ONEDNN_MAX_CPU_ISA=%s hides this CPU's bfloat16 units from oneDNN, "
+                    "whose bfloat16 kernels then fail; use --precision=32.32, or unset ONEDNN_MAX_CPU_ISA"
+                    % (precision, _isa_cap()))
+  logging.warning("--precision=%s: this CPU has no bfloat16 units (AMX or AVX-512 BF16), so TensorFlow "
+                  "emulates bfloat16 and trains slower than --precision=32.32 (what --precision=auto "
+                  "picks here)", precision)
 
 
 def _cpu_generation() -> tuple:

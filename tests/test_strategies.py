@@ -127,6 +127,30 @@ def test_auto_precision_stays_float32_where_tensorflow_lacks_cpu_bfloat16_kernel
     cpu.check_precision("16.32")
 
 
+@pytest.mark.parametrize("flags, cap, outcome", [
+    ("fma avx2 avx512f avx512_bf16", "", "runs"),        # a Zen 4: the units are there
+    ("fma avx2 avx512f avx512_bf16", "AVX2", "refused"),  # the cap hides them from oneDNN
+    ("fma avx2", "", "warned"),                          # a Zen 1: TensorFlow emulates bfloat16
+])
+def test_bfloat16_is_refused_under_a_cap_that_hides_the_units_and_a_warning_without_them(
+    monkeypatch, flags, cap, outcome):
+  monkeypatch.setattr(cpu, "bfloat16_kernels_available", lambda: True)
+  monkeypatch.setattr(cpu, "_first_processor", lambda: {"flags": flags})
+  monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+  monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+  warnings = []
+  monkeypatch.setattr(cpu.logging, "warning", lambda message, *args: warnings.append(message % args))
+  if outcome == "refused":
+    with pytest.raises(UserError, match=r"^--precision=16.32: ONEDNN_MAX_CPU_ISA=AVX2 hides this CPU's "
+                                        r"bfloat16 units from oneDNN.*use --precision=32.32"):
+      cpu.check_precision("16.32")
+    return
+  cpu.check_precision("16.32")
+  cpu.check_precision("32.32")
+  assert [w.split(":")[0] for w in warnings] == (["--precision=16.32"] if outcome == "warned" else [])
+  assert all("no bfloat16 units" in w for w in warnings)
+
+
 def test_cpu_bfloat16_kernels_are_known_from_the_tensorflow_version():
   major, minor = (int(part) for part in tf.__version__.split(".")[:2])
   assert cpu.bfloat16_kernels_available() == ((major, minor) >= (2, 9))
