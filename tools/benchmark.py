@@ -2,17 +2,19 @@
 with the reference PyTorch model, input pipeline, compile time (cold and with a warm executable
 cache), peak host memory; a table and JSON.
 
-    python tools/benchmark.py [--designs=ontra4,dev] [--batch_size=192] [--precisions=32.32,16.32]
+    python tools/benchmark.py [--designs=ontra4,dev] [--batch_size=192] [--precisions=auto|32.32,16.32]
         [--rounds=3] [--reference_python=.venv-torch/bin/python] [--data_path=FILE.h5]
-        [--json=benchmark.json] [--skip=reference,compile,input]
+        [--autotune=on|off] [--json=benchmark.json] [--skip=reference,compile,input]
 
 Every measurement runs in its own process (so peak memory is its own) on the built-in dataset unless
 --data_path is given. Throughput is samples/s per replica, after a warm-up window, the median of
 --windows timed windows of --window_steps steps. Training is measured in --rounds rounds; in each round
 the reference PyTorch model (`tools/reference_torch.py`, run by --reference_python) and this
 application train one after the other at the same precision, so both see the machine in the same
-state, and the reported speed-up is the median of the per-round ratios. Nothing here is asserted by
-the test suite.
+state, and the reported speed-up is the median of the per-round ratios. The application trains with
+the convolution forms `main.py --autotune` would choose on this machine for this batch layout (timed
+by the first measurement that needs them, then read from --cache_dir). The CPU is named in the table
+and the JSON. Nothing here is asserted by the test suite.
 """
 
 import json
@@ -32,8 +34,8 @@ from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
 
 flags.DEFINE_list("designs", ["ontra4", "dev"], "Neuron-Inverter designs to measure.")
 flags.DEFINE_integer("batch_size", 192, "Batch size per replica.", lower_bound=1)
-flags.DEFINE_list("precisions", ["32.32", "16.32"], "--precision values of main.py to compare side by "
-                  "side (32.32, 16.32, 16.16).")
+flags.DEFINE_list("precisions", ["auto"], "--precision values of main.py to compare side by side "
+                  "(32.32, 16.32, 16.16); auto: 32.32, and 16.32 where the CPU has bfloat16 units.")
 flags.DEFINE_bool("jit_compile", False, "XLA-compile the steps.")
 flags.DEFINE_integer("windows", 5, "Timed windows (the median is reported).", lower_bound=1)
 flags.DEFINE_integer("window_steps", 30, "Steps per timed window.", lower_bound=1)
@@ -46,6 +48,13 @@ flags.DEFINE_string("reference_python", os.path.join(REPO_ROOT, ".venv-torch", "
 flags.DEFINE_integer("compile_pairs", 3, "Cold/warm-cache start-up pairs per design and precision.",
                      lower_bound=1)
 flags.DEFINE_list("skip", [], "Parts to skip: train, reference, inference, input, compile, peak.")
+flags.DEFINE_enum("autotune", "on", ["on", "off"], "on: train with the convolution forms main.py's "
+                  "--autotune chooses on this machine (timed once, kept in --cache_dir); off: the "
+                  "backend's built-in forms.")
+flags.DEFINE_string("cache_dir", None, "Where the autotune results are kept (default: main.py's "
+                    "--cache_dir default, so the benchmark and the application share them).")
+flags.DEFINE_integer("matmul_size", 2048, "Side of the square matmul behind the peak GFLOP/s.",
+                     lower_bound=16)
 flags.DEFINE_string("json", None, "Write all results to this JSON file.")
 flags.DEFINE_string("child", None, "Internal: run one measurement (kind:design) and print JSON.")
 FLAGS = flags.FLAGS
@@ -62,9 +71,10 @@ def _prepare():
   from strategies import environment  # pylint: disable=import-outside-toplevel
   config = RunConfig(model="neuron_inverter", backend="cpu", batch_size=FLAGS.batch_size,
                      precision=FLAGS.precisions[0], jit_compile=FLAGS.jit_compile, in_memory=True,
-                     cache_dir="")
-  environment.prepare(config)
-  return dataclasses.replace(config, data_path=_data_path())
+                     cache_dir="", autotune=FLAGS.autotune)
+  environment.prepare(config)  # without an XLA persistent cache: compile times are measured apart
+  return dataclasses.replace(config, data_path=_data_path(),
+                             cache_dir=FLAGS.cache_dir or RunConfig.cache_dir)
 
 
 def flops_per_sample(net) -> int:
@@ -84,12 +94,13 @@ def flops_per_sample(net) -> int:
 
 
 def _model_and_batches(config, design):
-  """A compiled model and a cached, repeating dataset of real batches (the input is not measured here)."""
+  """A compiled model, a cached, repeating dataset of real batches (the input is not measured here),
+  and the convolution forms the model was built with."""
   import dataclasses  # pylint: disable=import-outside-toplevel
   from data import cellspike  # pylint: disable=import-outside-toplevel
   from data.splits import BatchLayout  # pylint: disable=import-outside-toplevel
   from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
-  from training.loop import build_and_compile  # pylint: disable=import-outside-toplevel
+  from training.loop import autotuned, build_and_compile  # pylint: disable=import-outside-toplevel
   import model  # pylint: disable=import-outside-toplevel
   from model.designs import DESIGNS  # pylint: disable=import-outside-toplevel
   # The reference's network, dropout included, as the PyTorch side trains it.
@@ -97,8 +108,11 @@ def _model_and_batches(config, design):
                                eval_steps=1)
   backend = select_backend(config)
   splits = cellspike.load(config, BatchLayout(1, config.batch_size))
-  net = build_and_compile(config, backend, model.get_model_module("neuron_inverter"), splits)
-  return net, splits.train.dataset.cache().repeat()
+  module = model.get_model_module("neuron_inverter")
+  backend = autotuned(config, backend, module, splits, FLAGS.window_steps * (FLAGS.windows + 1))
+  net = build_and_compile(config, backend, module, splits)
+  forms = {"conv_forms": backend.model_options(), "conv_forms_chosen_by": backend.forms_chosen_by}
+  return net, splits.train.dataset.cache().repeat(), forms
 
 
 def _timed_windows(run_window) -> dict:
@@ -114,7 +128,7 @@ def _timed_windows(run_window) -> dict:
 def child_train(config, design) -> dict:
   """One fit() call, one epoch per window: the first is the warm-up, the rest are timed."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  net, dataset = _model_and_batches(config, design)
+  net, dataset, forms = _model_and_batches(config, design)
   seconds = []
   timer = tf.keras.callbacks.LambdaCallback(
       on_epoch_begin=lambda epoch, logs: seconds.append(-time.perf_counter()),
@@ -122,17 +136,20 @@ def child_train(config, design) -> dict:
   net.fit(dataset, steps_per_epoch=FLAGS.window_steps, epochs=FLAGS.windows + 1, verbose=0,
           callbacks=[timer])
   rates = [FLAGS.window_steps * FLAGS.batch_size / s for s in seconds[1:]]
-  result = {"samples_per_sec": statistics.median(rates), "windows": rates}
+  result = {"samples_per_sec": statistics.median(rates), "windows": rates, **forms}
   result["flops_per_sample_forward"] = flops_per_sample(net)
   return result
 
 
 def child_matmul_peak(config, design) -> dict:
-  """GFLOP/s of a large square matmul per dtype: the practical ceiling to read model throughput against."""
+  """GFLOP/s of a large square matmul per dtype: the practical ceiling to read model throughput against.
+  bfloat16 only where the CPU has bfloat16 units: elsewhere it is emulated, and no ceiling of the
+  application, which trains in float32 there."""
   del config, design
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  size, repeats, results = 2048, 20, {}
-  for dtype in ("float32", "bfloat16"):
+  from strategies import cpu  # pylint: disable=import-outside-toplevel
+  size, repeats, results = FLAGS.matmul_size, 20, {}
+  for dtype in ("float32", "bfloat16") if cpu.has_bfloat16_units() else ("float32",):
     a = tf.random.uniform((size, size), dtype=tf.float32)
     a = tf.cast(a, dtype)
     product = tf.function(lambda m: tf.matmul(m, m))
@@ -149,9 +166,9 @@ def child_matmul_peak(config, design) -> dict:
 
 
 def child_inference(config, design) -> dict:
-  net, dataset = _model_and_batches(config, design)
+  net, dataset, forms = _model_and_batches(config, design)
   frames = dataset.map(lambda x, y: x)
-  return _timed_windows(lambda: net.predict(frames, steps=FLAGS.window_steps, verbose=0))
+  return dict(_timed_windows(lambda: net.predict(frames, steps=FLAGS.window_steps, verbose=0)), **forms)
 
 
 def child_input(config, design) -> dict:
@@ -166,11 +183,26 @@ def child_input(config, design) -> dict:
   return results
 
 
+def _resolved_precisions(requested: list) -> list:
+  """--precisions with `auto` replaced by what main.py's --precision=auto would train in here, and by
+  float32 as well: the reference's precision on a CPU."""
+  from strategies.select import resolve_precision  # pylint: disable=import-outside-toplevel
+  resolved = []
+  for precision in requested:
+    for value in (["32.32", resolve_precision("auto", "cpu")] if precision == "auto" else [precision]):
+      if value not in resolved:
+        resolved.append(value)
+  return resolved
+
+
 def _run_child(kind: str, design: str, precision: str) -> dict:
   args = [sys.executable, os.path.abspath(__file__), "--child=%s:%s" % (kind, design),
           "--batch_size=%d" % FLAGS.batch_size, "--precisions=" + precision,
           "--windows=%d" % FLAGS.windows, "--window_steps=%d" % FLAGS.window_steps,
-          "--%sjit_compile" % ("" if FLAGS.jit_compile else "no")]
+          "--%sjit_compile" % ("" if FLAGS.jit_compile else "no"), "--autotune=" + FLAGS.autotune,
+          "--matmul_size=%d" % FLAGS.matmul_size]
+  if FLAGS.cache_dir:
+    args.append("--cache_dir=" + FLAGS.cache_dir)
   if FLAGS.data_path:
     args.append("--data_path=" + FLAGS.data_path)
   output = subprocess.run(args, capture_output=True, text=True, cwd=REPO_ROOT)
@@ -279,6 +311,7 @@ def _training_rounds(design: str, rows: dict, data_path: str) -> None:
 def main(argv):
   del argv
   config = _prepare()  # the parent too: it may generate the built-in dataset
+  FLAGS.precisions = _resolved_precisions(FLAGS.precisions)
   if FLAGS.child:
     kind, design = FLAGS.child.split(":")
     result = {"train": child_train, "inference": child_inference, "input": child_input,
@@ -290,7 +323,9 @@ def main(argv):
     print("No PyTorch at --reference_python=%s (make bench-reference): the reference is skipped"
           % FLAGS.reference_python)
     FLAGS.skip.append("reference")
-  results = {"batch_size": FLAGS.batch_size, "jit_compile": FLAGS.jit_compile, "rounds": FLAGS.rounds,
+  from strategies import cpu  # pylint: disable=import-outside-toplevel
+  results = {"machine": cpu.machine_signature(), "batch_size": FLAGS.batch_size,
+             "jit_compile": FLAGS.jit_compile, "rounds": FLAGS.rounds,
              "precisions": {p: {d: {} for d in FLAGS.designs} for p in FLAGS.precisions}}
   for design in FLAGS.designs:
     rows = {p: results["precisions"][p][design] for p in FLAGS.precisions}
@@ -312,8 +347,8 @@ def main(argv):
 
 
 def _print_table(results) -> None:
-  print("\nbatch %d per replica, jit_compile %s, %d round(s)" % (
-      results["batch_size"], results["jit_compile"], results["rounds"]))
+  print("\n%s\nbatch %d per replica, jit_compile %s, %d round(s)" % (
+      results["machine"], results["batch_size"], results["jit_compile"], results["rounds"]))
   print("%-6s %-7s %8s %8s %8s %8s %8s %8s %8s %8s %8s %8s" % (
       "prec", "design", "train/s", "torch/s", "x torch", "x t-fp32", "infer/s", "GFLOP/s", "compile",
       "cached", "cch/cld", "peak MB"))
@@ -329,6 +364,12 @@ def _print_table(results) -> None:
           infer.get("samples_per_sec", 0), train.get("samples_per_sec", 0) * train_flops / 1e9,
           _fmt(compile_s.get("cold"), "%.1f"), _fmt(compile_s.get("warm_cache"), "%.1f"),
           _fmt(compile_s.get("warm_over_cold"), "%.2f"), max(train.get("peak_rss_mb", 0), infer.get("peak_rss_mb", 0))))
+  for precision, designs in results["precisions"].items():
+    for design, row in designs.items():
+      if "conv_forms" in row.get("train", {}):
+        print("%s %s convolution forms (%s): %s" % (
+            precision, design, row["train"]["conv_forms_chosen_by"],
+            ", ".join("%s=%s" % item for item in sorted(row["train"]["conv_forms"].items()))))
   if "input" in results:
     fastest = max((row["train"]["samples_per_sec"] for designs in results["precisions"].values()
                    for design, row in designs.items() if design == "ontra4" and "train" in row), default=0)

@@ -78,8 +78,9 @@ def build_and_compile(config: RunConfig, backend: Backend, model_module, splits,
   return net
 
 
-def _autotuned(config: RunConfig, backend: Backend, module, splits, first_epoch: int) -> Backend:
-  """The backend with the convolution forms --autotune chose for this machine (training/autotune.py)."""
+def autotuned(config: RunConfig, backend: Backend, module, splits, total_steps: int) -> Backend:
+  """The backend with the convolution forms --autotune chose for this machine (training/autotune.py),
+  for a run of `total_steps` training steps on `splits`."""
   alternatives = autotune.alternatives_for(
       config, backend, lambda options: model.accepted_options(module.build, **options))
   if not alternatives:
@@ -88,8 +89,7 @@ def _autotuned(config: RunConfig, backend: Backend, module, splits, first_epoch:
                  "input_shape": list(splits.input_shape), "outputs": splits.num_outputs}
   choice = autotune.tune(config, backend, alternatives,
                          lambda variant: build_and_compile(config, variant, module, splits), batch_shape,
-                         lambda: next(iter(splits.train.dataset.take(1))),
-                         splits.train.steps * max(config.epochs - first_epoch, 0))
+                         lambda: next(iter(splits.train.dataset.take(1))), total_steps)
   return backend if choice is None else backend.with_forms(choice.forms, choice.source)
 
 
@@ -289,7 +289,8 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
   global_batch_size = backend.effective_batch(config.batch_size)
   splits = data.load(info.dataset, config, backend.layout(config.batch_size), resume_state["epoch"])
   module = model.get_model_module(config.model)
-  backend = _autotuned(config, backend, module, splits, resume_state["epoch"])
+  backend = autotuned(config, backend, module, splits,
+                      splits.train.steps * max(config.epochs - resume_state["epoch"], 0))
   set_seeds(config.seed)  # the initial weights do not depend on whether the forms were timed
   net = build_and_compile(config, backend, module, splits, resume_state.get("optimizer_format"))
   net.summary()

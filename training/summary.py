@@ -56,6 +56,7 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
       "final_lr": _last(history, "lr"),
       "data_source": splits.source,
       "devices": list(backend.devices),
+      "machine": backend.machine_signature or None,  # the CPU behind the figures above (CPU backend)
       "rank": backend.rank,
       "world_size": backend.world_size,
       "weights_sha256": weights_sha256,

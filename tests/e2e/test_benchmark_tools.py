@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from strategies import cpu
 from tests.support.cellspike_files import write_cellspike
 from tests.support.helpers import REPO_ROOT
 
@@ -18,7 +19,6 @@ TORCH_PYTHON = os.path.join(REPO_ROOT, ".venv-torch", "bin", "python")
 
 
 def test_benchmark_produces_every_figure(tmp_path):
-  from strategies import cpu  # pylint: disable=import-outside-toplevel
   # One precision keeps the test short: bfloat16 where TensorFlow has the CPU kernels (the reference
   # then autocasts too), else float32 (TF 2.6, the Poplar SDK's version, has no CPU bfloat16 kernels).
   precision = "16.32" if cpu.bfloat16_kernels_available() else "32.32"
@@ -28,8 +28,10 @@ def test_benchmark_produces_every_figure(tmp_path):
                   "--batch_size=16", "--windows=1", "--window_steps=2", "--data_path=" + data,
                   "--precisions=" + precision, "--rounds=1", "--reference_python=" + TORCH_PYTHON,
                   # the input part has a test of its own (tools/benchmark_input.py, below)
-                  "--skip=compile,input", "--json=" + out], check=True, capture_output=True, timeout=300)
+                  "--skip=compile,input", "--json=" + out, "--matmul_size=64",
+                  "--cache_dir=" + str(tmp_path / "cache")], check=True, capture_output=True, timeout=300)
   results = json.load(open(out))
+  assert results["machine"] == cpu.machine_signature()  # the figures name the CPU they were measured on
   row = results["precisions"][precision]["dev"]
   train = row["train"]
   assert train["samples_per_sec"] > 0 and train["peak_rss_mb"] > 0
@@ -39,6 +41,24 @@ def test_benchmark_produces_every_figure(tmp_path):
   assert row["reference"]["params"] == 431683 and row["reference"]["bf16"] == (precision == "16.32")
   assert row["speedup_vs_reference"] == train["samples_per_sec"] / row["reference"]["samples_per_sec"]
   assert row["inference"]["samples_per_sec"] > 0
+  # A bfloat16 ceiling only where the CPU computes in bfloat16.
+  assert set(results["matmul_peak"]["gflops"]) == (
+      {"float32", "bfloat16"} if cpu.has_bfloat16_units() else {"float32"})
+
+
+def test_benchmark_trains_with_the_forms_the_autotune_chose_and_times_them_once(tmp_path):
+  """In float32 the first measurement times the convolution forms, as main.py's --autotune does, and
+  the next one reads the choice from --cache_dir."""
+  data = write_cellspike(str(tmp_path / "d.h5"), sizes={"train": 128, "val": 32, "test": 32})
+  out, cache = str(tmp_path / "bench.json"), tmp_path / "cache"
+  subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "benchmark.py"), "--designs=dev",
+                  "--batch_size=8", "--windows=1", "--window_steps=2", "--data_path=" + data,
+                  "--precisions=32.32", "--rounds=2", "--skip=reference,inference,compile,input,peak",
+                  "--cache_dir=" + str(cache), "--json=" + out], check=True, capture_output=True, timeout=300)
+  row = json.load(open(out))["precisions"]["32.32"]["dev"]
+  assert [run["conv_forms_chosen_by"] for run in row["train_rounds"]] == ["measured", "cached"]
+  assert len(os.listdir(cache / "autotune")) == 1
+  assert row["train_rounds"][0]["conv_forms"] == row["train_rounds"][1]["conv_forms"]
 
 
 def test_input_benchmark_reports_what_sizes_a_host(tmp_path):

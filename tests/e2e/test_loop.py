@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import yaml
 
+from strategies import cpu
 from tests.support.cellspike_files import write_cellspike
 from training import logs
 from tests.support.helpers import assert_one_line_error, run_main
@@ -135,6 +136,7 @@ def test_autotune_times_the_forms_once_then_reads_them_and_leaves_the_initial_we
   assert [run.summary["conv_forms_chosen_by"] for run in (timed, cached, off)] == ["measured", "cached",
                                                                                    "built-in"]
   assert timed.summary["conv_forms"] == cached.summary["conv_forms"]
+  assert timed.summary["machine"] == cpu.machine_signature()  # the CPU its step times were measured on
   # Every form computes the same function: from the same initial weights the losses agree to rounding.
   for key in ("train_loss", "val_loss"):
     assert timed.summary[key] == pytest.approx(off.summary[key], rel=1e-4)
