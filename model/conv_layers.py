@@ -23,7 +23,8 @@ which is faster depends on the processor's kernels:
   at these shapes.
 - `kernel_grad_by_matmul`: the kernel gradient is one matmul of the block's input, laid out as the
   kernel's shifted windows (im2col), with the output gradient. oneDNN's AVX2 backward-filter kernel ran
-  1.1-1.7x slower than that at the ontra4 shapes; with AVX-512 it was the faster one.
+  1.1-1.7x slower than that at the ontra4 shapes; with AVX-512 it was the faster one. Blocks with a
+  skinny im2col (fewer than MATMUL_MIN_COLUMNS columns: the 4-probe first block) keep oneDNN's kernel.
 
 - `pooling`: how the maximum over each pool window is taken.
   - "max_pool": TensorFlow's MaxPool and, in training, MaxPoolGrad.
@@ -56,11 +57,24 @@ def _input_grad_by_forward_conv(upstream, kernel):
   return tf.nn.conv1d(padded, flipped, stride=1, padding="VALID")
 
 
+# Below this many im2col columns (kernel width x input channels) oneDNN's backward-filter kernel stays:
+# for the 4-probe first block (16 columns) it beat the matmul at batch 48 and 192 with AVX2 code
+# (2.5 against 3.0 ms, 5.9 against 8.2 ms on a Zen 4), the skinny matmul being the slow part.
+MATMUL_MIN_COLUMNS = 32
+
+
 def _kernel_grad_by_matmul(x, upstream, width):
   """dkernel[j, c, o] = sum_{b,t} x[b, t + j, c] dy[b, t, o], as one matmul of the `width` shifted
-  copies of x (im2col) with dy."""
-  positions, in_channels, out_channels = upstream.shape[1], x.shape[2], upstream.shape[2]
-  columns = tf.concat([x[:, j:j + positions] for j in range(width)], axis=-1)
+  copies of x (im2col) with dy.
+
+  Row t of the im2col, x[b, t:t + width, :] flattened, is a contiguous run of x's memory, so one
+  tf.signal.frame over the flattened time and channel axes makes it (one gather), where slicing the
+  `width` copies and concatenating them took 1.1-1.3x as long (AVX2 code, ontra4's conv2 and conv3).
+  """
+  time_steps, in_channels = x.shape[1], x.shape[2]
+  out_channels = upstream.shape[2]
+  columns = tf.signal.frame(tf.reshape(x, [-1, time_steps * in_channels]), width * in_channels,
+                            in_channels, axis=-1)
   product = tf.matmul(tf.reshape(columns, [-1, width * in_channels]),
                       tf.reshape(upstream, [-1, out_channels]), transpose_a=True)
   return tf.reshape(product, [width, in_channels, out_channels])
@@ -186,9 +200,9 @@ class PooledConv1D(tf.keras.layers.Layer):
     if self.pooling == "phases":
       x = _conv_pool_by_phases(inputs, kernel, self.pool_size)
     else:
-      if self.input_grad_by_forward_conv or self.kernel_grad_by_matmul:
-        x = _conv1d_with_gradients(self.input_grad_by_forward_conv, self.kernel_grad_by_matmul)(inputs,
-                                                                                               kernel)
+      by_matmul = self.kernel_grad_by_matmul and self.kernel_size * int(inputs.shape[-1]) >= MATMUL_MIN_COLUMNS
+      if self.input_grad_by_forward_conv or by_matmul:
+        x = _conv1d_with_gradients(self.input_grad_by_forward_conv, by_matmul)(inputs, kernel)
       else:
         x = tf.nn.conv1d(inputs, kernel, stride=1, padding="VALID")
       if self.pooling == "maximum":

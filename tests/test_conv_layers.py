@@ -111,6 +111,25 @@ def test_gradients_in_other_forms_equal_autodiff(width, in_channels, out_channel
     np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("in_channels, by_matmul", [(4, False), (8, True)])
+def test_the_kernel_gradient_is_a_matmul_only_where_the_im2col_is_wide_enough(in_channels, by_matmul):
+  """With kernel_grad_by_matmul, a block whose im2col would have fewer than MATMUL_MIN_COLUMNS columns
+  (the 4-probe first block: 4 x 4) keeps oneDNN's backward-filter kernel."""
+  layer = conv_layers.PooledConv1D(8, 4, 4, in_channels, kernel_grad_by_matmul=True)
+  assert 4 * in_channels >= conv_layers.MATMUL_MIN_COLUMNS or not by_matmul
+
+  @tf.function
+  def kernel_gradient(x):
+    with tf.GradientTape() as tape:
+      y = layer(x)
+    return tape.gradient(y, layer.kernel)
+
+  graph = kernel_gradient.get_concrete_function(tf.TensorSpec([2, 64, in_channels])).graph
+  kinds = {op.type for op in graph.get_operations()}
+  assert ("Conv2DBackpropFilter" not in kinds) == by_matmul, sorted(kinds)
+  assert ("MatMul" in kinds) == by_matmul, sorted(kinds)
+
+
 def test_padded_channels_are_zero_and_dropped_before_the_head():
   config = RunConfig(model="neuron_inverter", design="ontra4")
   net = _builder()(config, channel_multiple=32)
