@@ -118,6 +118,11 @@ def test_a_cached_choice_is_read_back_for_the_same_key_only(tmp_path):
                              backend.form_alternatives)
   assert autotune.cache_path(str(tmp_path), other) != path
   assert autotune.read_cached(path, other, backend.form_alternatives) is None
+  # New code of a layer's forms is timed afresh: the key holds a digest of the model package's sources.
+  assert key["model_code"] == autotune.model_code_digest()
+  changed = dict(key, model_code="0" * 16)
+  assert autotune.cache_path(str(tmp_path), changed) != path
+  assert autotune.read_cached(path, changed, backend.form_alternatives) is None
   # tune() returns the cached choice without timing (no build, no batch).
   never = lambda *args: pytest.fail("timed although the choice was cached")  # noqa: E731
   assert autotune.tune(config, backend, backend.form_alternatives, never, SHAPE, never,

@@ -10,8 +10,9 @@ convolution algorithms:
   windows of WINDOW_STEPS steps, so that all of them see the machine in the same state;
 - the form with the shortest median step is kept, unless the built-in choice is within TOLERANCE of
   it: a difference that small is within a shared machine's noise;
-- the result goes to <cache_dir>/autotune/<key>.yaml, keyed by the machine, TensorFlow, the model and
-  the batch layout, so later runs on this machine read it instead of timing again.
+- the result goes to <cache_dir>/autotune/<key>.yaml, keyed by the machine, TensorFlow, the model, the
+  batch layout and the source of the model package (a new form of a layer is timed afresh), so later
+  runs on this machine read it instead of timing again.
 The throwaway models draw from TensorFlow's random state; the caller re-seeds before building the real
 one, so the run's initial weights do not depend on whether timing happened.
 """
@@ -28,6 +29,7 @@ import tensorflow as tf
 import yaml
 from absl import logging
 
+import model
 from run_config import AUTOTUNE_MIN_STEPS, RunConfig
 from stderr_lines import DroppedLines
 from strategies.backend import Backend
@@ -98,10 +100,21 @@ def may_time(config: RunConfig, total_steps: int) -> bool:
   return config.autotune == "on" or (config.autotune == "auto" and total_steps >= AUTOTUNE_MIN_STEPS)
 
 
+def model_code_digest() -> str:
+  """A digest of the model package's sources: the forms' relative speeds change with their code."""
+  folder = os.path.dirname(os.path.abspath(model.__file__))
+  digest = hashlib.sha256()
+  for name in sorted(os.listdir(folder)):
+    if name.endswith(".py"):
+      with open(os.path.join(folder, name), "rb") as source:
+        digest.update(name.encode() + b"\0" + source.read())
+  return digest.hexdigest()[:16]
+
+
 def cache_key(config: RunConfig, backend: Backend, batch_shape: dict, alternatives) -> dict:
-  """What the timings depend on: the machine, TensorFlow, the network and the batches it trains on
-  (`batch_shape`: e.g. {"global_batch": 192, "input_shape": [1600, 4], "outputs": 15})."""
-  return {"machine": backend.machine_signature, "tensorflow": tf.__version__,
+  """What the timings depend on: the machine, TensorFlow, the network's code and the batches it trains
+  on (`batch_shape`: e.g. {"global_batch": 192, "input_shape": [1600, 4], "outputs": 15})."""
+  return {"machine": backend.machine_signature, "tensorflow": tf.__version__, "model_code": model_code_digest(),
           "backend": backend.kind, "precision": backend.precision, "jit_compile": backend.jit_compile,
           "model": config.model, "design": config.design, "batch": dict(batch_shape),
           "replicas": backend.replicas, "gradient_accumulation": backend.gradient_accumulation,
