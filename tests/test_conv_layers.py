@@ -12,6 +12,7 @@ from model import conv_layers
 from run_config import RunConfig
 from strategies import cpu
 from strategies.backend import Backend
+from training.loop import set_seeds
 
 OPTIONS = [{"channel_multiple": multiple, "input_grad_by_forward_conv": by_forward}
            for multiple, by_forward in itertools.product((1, 8, 32), (False, True))] + [
@@ -31,8 +32,12 @@ def _builder():
 
 
 def _pair(design, **options):
-  """The standard-layer network and the fast one with the same weights."""
+  """The standard-layer network and the fast one with the same weights: seeded, because with some
+  draws of the weights two conv outputs of a pool window come within rounding of each other, and the
+  forms, which round differently, then route that window's gradient to different positions (both are
+  valid gradients of the max; a draw that does this fails the comparison, seen once in a CI run)."""
   config = RunConfig(model="neuron_inverter", design=design)
+  set_seeds(0)
   standard = _builder()(config, standard_layers=True)
   fast = _builder()(config, **options)
   fast.set_weights(standard.get_weights())
