@@ -183,6 +183,8 @@ class PooledConv1D(tf.keras.layers.Layer):
     self.bias = self.add_weight("bias", (self.filters,),
                                 initializer=initializers.bias(self.kernel_size * self.in_channels))
     self._input_padding = incoming - self.in_channels  # the previous block's zero channels
+    self._kernel_grad_by_matmul = (self.kernel_grad_by_matmul
+                                   and self.kernel_size * incoming >= MATMUL_MIN_COLUMNS)
     self._output_padding = padded_channels(self.filters, self.channel_multiple) - self.filters
     super().build(input_shape)
 
@@ -200,9 +202,9 @@ class PooledConv1D(tf.keras.layers.Layer):
     if self.pooling == "phases":
       x = _conv_pool_by_phases(inputs, kernel, self.pool_size)
     else:
-      by_matmul = self.kernel_grad_by_matmul and self.kernel_size * int(inputs.shape[-1]) >= MATMUL_MIN_COLUMNS
-      if self.input_grad_by_forward_conv or by_matmul:
-        x = _conv1d_with_gradients(self.input_grad_by_forward_conv, by_matmul)(inputs, kernel)
+      if self.input_grad_by_forward_conv or self._kernel_grad_by_matmul:
+        x = _conv1d_with_gradients(self.input_grad_by_forward_conv, self._kernel_grad_by_matmul)(inputs,
+                                                                                                kernel)
       else:
         x = tf.nn.conv1d(inputs, kernel, stride=1, padding="VALID")
       if self.pooling == "maximum":

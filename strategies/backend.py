@@ -78,6 +78,10 @@ class Backend:
     """This backend with the conv_* fields of `forms` ((field, value) pairs) in place of its own."""
     return dataclasses.replace(self, forms_chosen_by=chosen_by, **dict(forms))
 
+  def forms_record(self) -> dict:
+    """The convolution forms trained with and how they were chosen, as summaries record them."""
+    return {"conv_forms": self.model_options(), "conv_forms_chosen_by": self.forms_chosen_by}
+
   def alone(self) -> Optional["Backend"]:
     """A backend for this process to run inference on by itself (the others may have exited); None
     where this hardware cannot. Several CPU/GPU workers: the default strategy on the first device."""

@@ -111,8 +111,7 @@ def _model_and_batches(config, design):
   module = model.get_model_module("neuron_inverter")
   backend = autotuned(config, backend, module, splits, FLAGS.window_steps * (FLAGS.windows + 1))
   net = build_and_compile(config, backend, module, splits)
-  forms = {"conv_forms": backend.model_options(), "conv_forms_chosen_by": backend.forms_chosen_by}
-  return net, splits.train.dataset.cache().repeat(), forms
+  return net, splits.train.dataset.cache().repeat(), backend.forms_record()
 
 
 def _timed_windows(run_window) -> dict:
