@@ -5,6 +5,8 @@ then `train_and_evaluate(config)` (tests call it too). A UserError anywhere belo
 stderr and exit status 1.
 """
 
+import sys
+
 from absl import app
 from absl import flags as absl_flags
 import flags
@@ -26,7 +28,7 @@ def train_and_evaluate(config) -> dict:
   summary = run(config, backend)
   report(config, backend)  # --predict: sum_pred.yaml and figures into <logdir>/predict
   if backend.is_chief and not config.compile_only:
-    print(closing_report(summary, config.logdir, config.predict), flush=True)
+    print(closing_report(summary, config.logdir, config.predict, sys.argv), flush=True)
   return summary
 
 

@@ -7,6 +7,7 @@ global_batch_size, epochs, train_loss, val_loss (null without validation), test_
 
 import math
 import os
+import shlex
 import sys
 
 import numpy as np
@@ -140,8 +141,12 @@ def _loss_line(name: str, loss, baseline) -> str:
   return "%s %.4f" % (name, loss)
 
 
-def closing_report(summary: dict, logdir: str, predicted: bool) -> str:
-  """The last lines a user reads: how well the run learned, where its outputs are, what to run next."""
+def closing_report(summary: dict, logdir: str, predicted: bool, argv=()) -> str:
+  """The last lines a user reads: how well the run learned, where its outputs are, what to run next.
+
+  `argv` is the run's command line (`sys.argv`); the resume line repeats its flags, since a resume
+  must be given the same model, design, replicas and optimizer.
+  """
   baseline = summary.get("mean_predictor_val_loss")
   lines = ["", "Run finished: %s" % logdir]
   if summary.get("best_val_loss") is not None:
@@ -158,13 +163,38 @@ def closing_report(summary: dict, logdir: str, predicted: bool) -> str:
   outputs = "summary.yaml, run_config.yaml, checkpoints/{last,best}, TensorBoard events (train/, validation/)"
   lines.append("  outputs: %s%s" % (outputs, ", predict/ (figures, sum_pred.yaml)" if predicted else ""))
   python, tensorboard = _commands()
+  epochs = summary["epochs"] + 5
   lines += ["Next:",
-            "  %s --logdir %s" % (tensorboard, logdir),
-            "  %s tools/predict.py --logdir %s" % (python, logdir),
-            "  %s main.py --model=%s <this run's other flags> --logdir=%s --resume --epochs=%d   # train "
-            "further (a resume refuses another design, optimizer or learning rate)" % (
-                python, summary["model"], logdir, summary["epochs"] + 5)]
+            "  %s --logdir %s" % (tensorboard, shlex.quote(logdir)),
+            "  %s tools/predict.py --logdir %s" % (python, shlex.quote(logdir)),
+            "  %s %s   # train on to epoch %d" % (python, resume_command(argv or ["main.py", "--model=%s" % (
+                summary["model"])], logdir, epochs), epochs)]
   return "\n".join(lines)
+
+
+# Flags the resume line sets itself, and those of them that take a value.
+_RESUME_SETS = ("logdir", "epochs", "resume", "noresume")
+_RESUME_VALUED = ("logdir", "epochs")
+
+
+def resume_command(argv, logdir: str, epochs: int) -> str:
+  """`argv` (script, then flags) as a shell command that continues the run in `logdir` up to `epochs`:
+  the run's own flags as given, except any --logdir / --epochs / --[no]resume, which it replaces."""
+  kept, skip_value = [], False
+  for token in argv[1:]:
+    if skip_value:  # the value of `--logdir DIR` or `--epochs N`
+      skip_value = False
+      continue
+    name = token.lstrip("-").split("=", 1)[0] if token.startswith("-") else None
+    if name in _RESUME_SETS:
+      skip_value = name in _RESUME_VALUED and "=" not in token
+      continue
+    kept.append(token)
+  script = argv[0]
+  if os.path.abspath(script).startswith(os.getcwd() + os.sep):
+    script = os.path.relpath(script)
+  words = [script] + kept + ["--logdir=" + logdir, "--resume", "--epochs=%d" % epochs]
+  return " ".join(shlex.quote(word) for word in words)
 
 
 def _commands():

@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -55,6 +56,18 @@ def test_mnist_check_end_to_end(tmp_path, replicas):
   assert len(train["epoch_samples_per_sec"]) == 2
   test = _scalars(os.path.join(logdir, "test"))
   np.testing.assert_allclose(test["test_loss"], [summary["test_loss"]], rtol=1e-5)
+  if replicas == 2:
+    _run_the_printed_resume_line(closing, logdir)
+
+
+def _run_the_printed_resume_line(closing, logdir):
+  """The closing report's last line, run as a user would paste it, continues the run to epoch 7."""
+  words = shlex.split(closing.strip().splitlines()[-1], comments=True)
+  assert words[1] == "main.py"
+  result = run_main(*words[2:])
+  assert result.returncode == 0, result.stderr[-3000:]
+  summary = yaml.safe_load(open(os.path.join(logdir, "summary.yaml")))
+  assert summary["epochs"] == 7 and summary["replicas"] == 2 and len(summary["full_history"]["loss"]) == 7
 
 
 def test_idx_folder_run_learns(tmp_path):

@@ -1,0 +1,29 @@
+"""The closing report's next commands: the resume line repeats the run's own flags."""
+
+import os
+import shlex
+
+from training.summary import closing_report, resume_command
+
+
+def test_resume_command_keeps_the_runs_flags_and_replaces_logdir_epochs_and_resume():
+  argv = ["main.py", "--model=neuron_inverter", "--replicas=4", "--epochs", "3", "--logdir", "old",
+          "--noresume", "-epochs=2", "--learning_rate=2e-3"]
+  words = shlex.split(resume_command(argv, "logs/a b", 8))
+  assert words == ["main.py", "--model=neuron_inverter", "--replicas=4", "--learning_rate=2e-3",
+                   "--logdir=logs/a b", "--resume", "--epochs=8"]
+
+
+def test_resume_command_names_the_script_relative_to_the_working_folder():
+  script = os.path.join(os.getcwd(), "main.py")
+  assert resume_command([script, "--model=mnist"], "r", 4).startswith("main.py --model=mnist ")
+  assert resume_command(["/elsewhere/main.py"], "r", 4).startswith("/elsewhere/main.py ")
+
+
+def test_closing_report_prints_a_resume_line_without_placeholders():
+  summary = {"model": "mnist", "epochs": 2, "test_loss": 0.1, "test_accuracy": 0.9}
+  report = closing_report(summary, "logs/r", False, ["main.py", "--model=mnist", "--replicas=2"])
+  line = report.splitlines()[-1]
+  assert "<" not in line and ">" not in line
+  assert shlex.split(line, comments=True)[1:] == ["main.py", "--model=mnist", "--replicas=2",
+                                                  "--logdir=logs/r", "--resume", "--epochs=7"]
