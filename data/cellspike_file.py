@@ -122,17 +122,30 @@ def resolve(data_path: str, cell_name, probe_type: str):
     raise UserError("--data_path=%s is a folder without %s (pass the .h5 file itself, or the folder "
                     "holding the meta yaml for --probe_type=%s)" % (data_path, META_YAML % probe_type,
                                                                     probe_type))
-  if not cell_name:
-    raise UserError("--data_path=%s is a folder: --cell_name is needed to pick the file" % data_path)
   info = _read_yaml(yaml_path)
-  h5_path = os.path.join(data_path, str(info["h5nameTemplate"]).replace("*", cell_name))
+  template = str(info["h5nameTemplate"])
+  if not cell_name:
+    raise UserError("--data_path=%s is a folder: --cell_name is needed to pick the file (%s)"
+                    % (data_path, _cells_in(data_path, template)))
+  h5_path = os.path.join(data_path, template.replace("*", cell_name))
   if not _inside(h5_path, data_path):
     raise UserError("%s: h5nameTemplate %r with --cell_name=%s names %s, outside --data_path=%s"
                     % (yaml_path, info["h5nameTemplate"], cell_name, h5_path, data_path))
   if not os.path.isfile(h5_path):
-    raise UserError("%s: no such file (from %s h5nameTemplate and --cell_name=%s)"
-                    % (h5_path, yaml_path, cell_name))
+    raise UserError("%s: no such file (from %s h5nameTemplate and --cell_name=%s; %s)"
+                    % (h5_path, yaml_path, cell_name, _cells_in(data_path, template)))
   return h5_path, info
+
+
+def _cells_in(folder: str, template: str) -> str:
+  """Which --cell_name values find a file in `folder` through `template` ('*_excite...data.h5'), as
+  the end of an error line."""
+  prefix, _, suffix = template.partition("*")
+  cells = [name[len(prefix):len(name) - len(suffix)] for name in sorted(os.listdir(folder))
+           if name.startswith(prefix) and name.endswith(suffix) and len(name) > len(prefix) + len(suffix)]
+  if not cells:
+    return "no file there matches h5nameTemplate %r" % template
+  return "cells there: %s" % ", ".join(cells)
 
 
 def _dataset(f: h5py.File, path: str, key: str) -> h5py.Dataset:

@@ -73,10 +73,13 @@ def test_folder_resolution_through_meta_yaml(tmp_path):
   assert path.endswith("cellA_excite.cellSpike_4prB8kHz.data.h5")
   opened = cellspike_file.open_cellspike(path, info)
   assert opened.par_names[0] == "p0" and opened.meta["dataInfo"]["numPar"] == 15
-  with pytest.raises(UserError, match="--cell_name is needed"):
+  with pytest.raises(UserError, match=r"--cell_name is needed to pick the file \(cells there: cellA\)$"):
     cellspike_file.resolve(str(tmp_path), None, "excite_4prB8kHz")
-  with pytest.raises(UserError, match="cellB_excite.cellSpike_4prB8kHz.data.h5: no such file"):
+  with pytest.raises(UserError, match=r"cellB_excite.cellSpike_4prB8kHz.data.h5: no such file .*cells there: cellA\)$"):
     cellspike_file.resolve(str(tmp_path), "cellB", "excite_4prB8kHz")
+  os.remove(path)
+  with pytest.raises(UserError, match=r"no file there matches h5nameTemplate '\*_excite.cellSpike_4prB8kHz"):
+    cellspike_file.resolve(str(tmp_path), None, "excite_4prB8kHz")
   with pytest.raises(UserError, match="without meta.cellSpike_other.yaml"):
     cellspike_file.resolve(str(tmp_path), "cellA", "other")
 
