@@ -19,13 +19,19 @@ FLAGS = absl_flags.FLAGS
 
 def train_and_evaluate(config) -> dict:
   """Everything after the flags: the backend, training and test, the --predict report, the closing
-  report. TensorFlow's start-up environment must already be set (`environment.prepare`). Returns the
+  report (or, after a graceful stop, the command that continues the run). TensorFlow's start-up environment must already be set (`environment.prepare`). Returns the
   run's summary; a problem is a UserError."""
   config, backend = environment.start_backend(config)  # imports TensorFlow
   from analysis.evaluation import report  # pylint: disable=import-outside-toplevel
   from training.loop import run  # pylint: disable=import-outside-toplevel
-  from training.summary import closing_report  # pylint: disable=import-outside-toplevel
-  summary = run(config, backend)
+  from training.interrupt import TrainingInterrupted  # pylint: disable=import-outside-toplevel
+  from training.summary import closing_report, resume_line  # pylint: disable=import-outside-toplevel
+  try:
+    summary = run(config, backend)
+  except TrainingInterrupted:
+    if backend.is_chief:  # after the warning line, which names the checkpoint
+      print("Continue with:\n  %s" % resume_line(sys.argv, config.logdir, config.epochs), flush=True)
+    raise
   report(config, backend)  # --predict: sum_pred.yaml and figures into <logdir>/predict
   if backend.is_chief and not config.compile_only:
     print(closing_report(summary, config.logdir, config.predict, sys.argv), flush=True)

@@ -167,9 +167,14 @@ def closing_report(summary: dict, logdir: str, predicted: bool, argv=()) -> str:
   lines += ["Next:",
             "  %s --logdir %s" % (tensorboard, shlex.quote(logdir)),
             "  %s tools/predict.py --logdir %s" % (python, shlex.quote(logdir)),
-            "  %s %s   # train on to epoch %d" % (python, resume_command(argv or ["main.py", "--model=%s" % (
-                summary["model"])], logdir, epochs), epochs)]
+            "  %s   # train on to epoch %d" % (resume_line(argv or ["main.py", "--model=%s" % summary["model"]],
+                                                         logdir, epochs), epochs)]
   return "\n".join(lines)
+
+
+def resume_line(argv, logdir: str, epochs: int) -> str:
+  """This Python, then `resume_command`: the line a user pastes to continue the run."""
+  return "%s %s" % (_commands()[0], resume_command(argv, logdir, epochs))
 
 
 # Flags the resume line sets itself, and those of them that take a value.

@@ -12,6 +12,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -212,6 +213,10 @@ def test_sigkill_at_random_points_then_sigterm_then_resume(tmp_path, data_file, 
   assert "in epoch %d after step %d of %d; checkpoint: %s;" % (epoch + 1, step, STEPS, checkpoint) \
       in lines[0]
   assert "--resume --logdir=%s (exit status 143)" % logdir in lines[0]
+  # The next line is that command, to paste: this run's flags, with the resume's put in.
+  command = shlex.split(output[output.index("Continue with:\n"):].splitlines()[1])
+  assert command[1:] == ["main.py", *ARGS, "--data_path=" + data_file, "--logdir=" + logdir, "--resume",
+                         "--epochs=%d" % EPOCHS], command
   assert np.isfinite(state["partial_logs"]["loss"])
   assert_checkpoints_sound(logdir)
 
