@@ -296,8 +296,7 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
   net.summary()
   logging.info("Global batch %d = %d per replica x %d gradient accumulation x %d replicas; "
                "%d optimizer steps per epoch", global_batch_size, config.batch_size,
-               backend.gradient_accumulation, backend.replicas,
-               splits.train.samples // global_batch_size)
+               backend.gradient_accumulation, backend.replicas, splits.train.steps)
 
   # --- Checkpoints, resume, callbacks -----------------------------------------------------------------
   schedule, checkpointing = _make_checkpointing(config, backend, net, global_batch_size, outdir)

@@ -71,6 +71,9 @@ def test_two_workers_train_in_sync_on_disjoint_shards(tmp_path):
   summaries = [yaml.safe_load(open(os.path.join(d, "summary.yaml"))) for d in (logdir, worker_dir)]
   assert summaries[0]["world_size"] == 2 and summaries[0]["replicas"] == 2
   assert summaries[0]["global_batch_size"] == 32
+  # Each optimizer step takes a batch from every worker: 3 steps of 32 samples per epoch, in all.
+  assert "3 optimizer steps per epoch" in chief_log
+  assert summaries[0]["steps_per_epoch"] == 3 and summaries[0]["train_samples_per_epoch"] == 96
   # Identical weights after training: the all-reduce kept both replicas in step.
   assert summaries[0]["weights_sha256"] == summaries[1]["weights_sha256"]
   # Disjoint contiguous shards: worker 0 rows [0, 128), worker 1 rows [128, 256).
