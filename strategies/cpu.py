@@ -11,7 +11,7 @@ from absl import logging
 
 from errors import UserError
 from run_config import RunConfig
-from strategies import device_pipelines, multiworker
+from strategies import collective_threads, device_pipelines, multiworker
 from strategies.backend import Backend, options_from_config
 
 # Keras policies per --precision: this CPU family computes 16-bit in bfloat16 (AVX-512 BF16 / AMX) and
@@ -220,4 +220,5 @@ def create(config: RunConfig) -> Backend:
   # NCCL does not exist on CPU; reducing through one device is the CPU all-reduce.
   strategy = tf.distribute.MirroredStrategy(
       devices=devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
+  collective_threads.close_at_exit(strategy)
   return Backend("cpu", strategy, tuple(devices), **fields)

@@ -4,7 +4,7 @@ import tensorflow as tf
 
 from errors import UserError
 from run_config import RunConfig
-from strategies import device_pipelines, multiworker
+from strategies import collective_threads, device_pipelines, multiworker
 from strategies.backend import Backend, options_from_config
 
 POLICIES = {"32.32": "float32", "16.32": "mixed_float16", "16.16": "float16"}
@@ -51,4 +51,5 @@ def create(config: RunConfig) -> Backend:
   devices = tuple("/gpu:%d" % i for i in range(replicas))
   strategy = (tf.distribute.OneDeviceStrategy(devices[0]) if replicas == 1
               else tf.distribute.MirroredStrategy(devices=list(devices)))
+  collective_threads.close_at_exit(strategy)
   return Backend("gpu", strategy, devices, **options_from_config(config))

@@ -8,13 +8,10 @@ their TensorBoard events and checkpoints to temporary folders, as TensorFlow's m
 recommends (every worker must save, because saving runs collectives).
 """
 
-import atexit
 import dataclasses
 import functools
 import json
-import multiprocessing.pool
 import os
-import time
 
 import tensorflow as tf
 from absl import logging
@@ -22,7 +19,7 @@ from absl import logging
 from data.splits import BatchLayout
 from errors import UserError
 from run_config import RunConfig
-from strategies import slurm_cluster
+from strategies import collective_threads, slurm_cluster
 from strategies.backend import Backend
 
 
@@ -101,34 +98,6 @@ def _agreement(strategy):
   return agree
 
 
-def _finish_collective_threads(strategy, timeout: float = 10.0) -> None:
-  """Stops the all-reduce thread pools of `strategy` and waits for their threads (at exit).
-
-  TensorFlow 2.6's CollectiveAllReduce keeps a ThreadPool for its whole life and runs every eager
-  cross-replica reduction on it (the workers' agreement to stop, Keras' reads of its metrics), so
-  each pool thread holds a thread-local TensorFlow graph. At interpreter exit, multiprocessing's
-  own atexit hook stops such a pool without waiting for its threads: a thread that is still
-  deleting its graph when Python begins to finalise is ended by pthread_exit inside a pybind11
-  destructor, and std::terminate aborts the process (SIGABRT, "terminate called without an active
-  exception") instead of letting it exit with its status. Registered after multiprocessing's hook,
-  this runs before it and lets the threads finish while Python still runs normally. Newer
-  TensorFlow versions create and close a pool per reduction, so there is nothing to do there.
-  """
-  pools = []
-  for name in ("_cross_device_ops", "_host_cross_device_ops"):
-    pool = getattr(getattr(strategy.extended, name, None), "_pool", None)
-    if isinstance(pool, multiprocessing.pool.ThreadPool) and all(pool is not p for p in pools):
-      pools.append(pool)
-  deadline = time.monotonic() + timeout
-  for pool in pools:
-    try:
-      pool.close()  # no new work; each thread exits after its current task
-      for thread in list(getattr(pool, "_pool", ())):  # a thread stuck in a collective is left
-        thread.join(max(0.0, deadline - time.monotonic()))
-    except Exception as error:  # pylint: disable=broad-except  # never fail an exit over this
-      logging.warning("Could not stop the all-reduce threads: %s", error)
-
-
 def create(config: RunConfig, kind: str, source: str, **fields) -> MultiWorkerBackend:
   """A multi-worker backend over the cluster described by `source`; local devices of `kind`; `fields`
   are the calling backend's `Backend` fields (options and hardware choices), its replicas replaced by
@@ -139,7 +108,7 @@ def create(config: RunConfig, kind: str, source: str, **fields) -> MultiWorkerBa
       else tf.distribute.experimental.CommunicationImplementation.RING)
   strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
                                                        communication_options=options)
-  atexit.register(_finish_collective_threads, strategy)
+  collective_threads.close_at_exit(strategy)
   world, rank = _world_size(resolver), _rank(resolver)
   total = strategy.num_replicas_in_sync
   if config.replicas not in (1, total):
