@@ -19,8 +19,9 @@ FLAGS = absl_flags.FLAGS
 
 def train_and_evaluate(config) -> dict:
   """Everything after the flags: the backend, training and test, the --predict report, the closing
-  report (or, after a graceful stop, the command that continues the run). TensorFlow's start-up environment must already be set (`environment.prepare`). Returns the
-  run's summary; a problem is a UserError."""
+  report (or, after a graceful stop, the command that continues the run). TensorFlow's start-up
+  environment must already be set (`environment.prepare`). Returns the run's summary; a problem is
+  a UserError."""
   config, backend = environment.start_backend(config)  # imports TensorFlow
   from analysis.evaluation import report  # pylint: disable=import-outside-toplevel
   from training.loop import run  # pylint: disable=import-outside-toplevel
