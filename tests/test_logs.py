@@ -117,3 +117,17 @@ def test_the_rest_of_a_resumed_epoch_is_headed_with_the_runs_epoch_count(capsys)
   net.fit(data, epochs=3, initial_epoch=2, steps_per_epoch=2, callbacks=[RunProgbar(5)], verbose=2)
   headers = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Epoch ")]
   assert headers == ["Epoch 2/5", "Epoch 3/5"]
+
+
+def test_each_epoch_line_says_how_long_the_epochs_left_would_take(caplog):
+  """At the pace of the epoch just ended (its wall time): a user on a slow CPU knows after epoch 1."""
+  from training.callbacks import EpochLogger, duration  # pylint: disable=import-outside-toplevel
+  assert [duration(s) for s in (42.4, 185, 7860)] == ["42 s", "3 min 5 s", "2 h 11 min"]
+  logger = EpochLogger(epochs=3)
+  with caplog.at_level(python_logging.INFO):
+    for epoch in range(3):
+      logger.on_epoch_end(epoch, {"loss": 0.2, "epoch_seconds": 50.0, "epoch_wall_seconds": 52.5})
+  lines = [record.getMessage() for record in caplog.records]
+  assert lines[0].endswith("about 1 min 45 s left for 2 more epochs"), lines
+  assert lines[1].endswith("about 52 s left for 1 more epoch"), lines
+  assert "left" not in lines[2], lines

@@ -131,8 +131,24 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
     return self._timed_steps * self.global_batch_size / self._timed_seconds / self.replicas
 
 
+def duration(seconds: float) -> str:
+  """42 s, 3 min 5 s, 2 h 10 min: as a person reads a wait."""
+  seconds = int(round(seconds))
+  if seconds < 60:
+    return "%d s" % seconds
+  if seconds < 3600:
+    return "%d min %d s" % divmod(seconds, 60)
+  return "%d h %d min" % (seconds // 3600, seconds % 3600 // 60)
+
+
 class EpochLogger(tf.keras.callbacks.Callback):
-  """One line per epoch in the reference's style: time, rate, losses, throughput per replica."""
+  """One line per epoch in the reference's style: time, rate, losses, throughput per replica; while
+  epochs of the run's `epochs` are left, the time they would take at the pace of this one (its wall
+  time, validation included), so that a user on a slow machine knows early how long the run will be."""
+
+  def __init__(self, epochs: int):
+    super().__init__()
+    self.run_epochs = epochs
 
   def on_epoch_end(self, epoch, logs=None):
     logs = logs or {}
@@ -147,6 +163,10 @@ class EpochLogger(tf.keras.callbacks.Callback):
     parts.append(losses)
     if "samples_per_sec_per_replica" in logs:
       parts.append("%.0f samples/s per replica" % logs["samples_per_sec_per_replica"])
+    left = self.run_epochs - (epoch + 1)
+    if left > 0 and logs.get("epoch_wall_seconds"):
+      parts.append("about %s left for %d more epoch%s" % (
+          duration(left * logs["epoch_wall_seconds"]), left, "s" if left > 1 else ""))
     logging.info(", ".join(parts))
 
 

@@ -152,3 +152,4 @@ def test_each_epoch_line_starts_a_line_of_its_own_after_the_progress_bar(tmp_pat
   lines = [line for line in result.stdout.replace("\r", "\n").splitlines() if "Epoch 1 took" in line
            or "Epoch 2 took" in line]
   assert len(lines) == 2 and all(line.startswith("I") for line in lines), lines
+  assert " left for 1 more epoch" in lines[0] and " left" not in lines[1], lines
