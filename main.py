@@ -35,7 +35,7 @@ def train_and_evaluate(config) -> dict:
     raise
   report(config, backend)  # --predict: sum_pred.yaml and figures into <logdir>/predict
   if backend.is_chief and not config.compile_only:
-    print(closing_report(summary, config.logdir, config.predict, sys.argv), flush=True)
+    print(closing_report(summary, config.logdir, sys.argv), flush=True)
   return summary
 
 

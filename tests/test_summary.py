@@ -22,8 +22,24 @@ def test_resume_command_names_the_script_relative_to_the_working_folder():
 
 def test_closing_report_prints_a_resume_line_without_placeholders():
   summary = {"model": "mnist", "epochs": 2, "test_loss": 0.1, "test_accuracy": 0.9}
-  report = closing_report(summary, "logs/r", False, ["main.py", "--model=mnist", "--replicas=2"])
+  report = closing_report(summary, "logs/r", ["main.py", "--model=mnist", "--replicas=2"])
   line = report.splitlines()[-1]
   assert "<" not in line and ">" not in line
   assert shlex.split(line, comments=True)[1:] == ["main.py", "--model=mnist", "--replicas=2",
                                                   "--logdir=logs/r", "--resume", "--epochs=7"]
+
+
+def test_closing_report_lists_what_the_run_folder_holds_and_predict_only_for_regression(tmp_path):
+  logdir = str(tmp_path)
+  for folder in ("checkpoints/last", "train", "test"):
+    os.makedirs(os.path.join(logdir, folder))
+  open(os.path.join(logdir, "summary.yaml"), "w").close()
+  mnist = closing_report({"model": "mnist", "epochs": 2}, logdir)
+  assert "  outputs: summary.yaml, checkpoints/last, TensorBoard events (train/, test/)" in mnist
+  assert "tools/predict.py" not in mnist  # its reports are per conductance: regression models only
+  for folder in ("checkpoints/best", "validation", "predict"):
+    os.makedirs(os.path.join(logdir, folder))
+  regression = closing_report({"model": "neuron_inverter", "epochs": 3}, logdir)
+  assert ("  outputs: summary.yaml, checkpoints/{last,best}, TensorBoard events (train/, validation/, "
+          "test/), predict/ (figures, sum_pred.yaml)") in regression
+  assert "tools/predict.py --logdir " + logdir in regression

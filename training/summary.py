@@ -14,6 +14,7 @@ import numpy as np
 import yaml
 
 import flags
+import model
 from errors import UserError
 from run_config import RunConfig
 
@@ -141,7 +142,7 @@ def _loss_line(name: str, loss, baseline) -> str:
   return "%s %.4f" % (name, loss)
 
 
-def closing_report(summary: dict, logdir: str, predicted: bool, argv=()) -> str:
+def closing_report(summary: dict, logdir: str, argv=()) -> str:
   """The last lines a user reads: how well the run learned, where its outputs are, what to run next.
 
   `argv` is the run's command line (`sys.argv`); the resume line repeats its flags, since a resume
@@ -160,16 +161,32 @@ def closing_report(summary: dict, logdir: str, predicted: bool, argv=()) -> str:
     if summary.get("test_weights_epoch"):
       test += " (weights of epoch %d)" % summary["test_weights_epoch"]
     lines.append("  test: %s" % test)
-  outputs = "summary.yaml, run_config.yaml, checkpoints/{last,best}, TensorBoard events (train/, validation/)"
-  lines.append("  outputs: %s%s" % (outputs, ", predict/ (figures, sum_pred.yaml)" if predicted else ""))
+  lines.append("  outputs: %s" % _outputs(logdir))
   python, tensorboard = _commands()
+  lines += ["Next:", "  %s --logdir %s" % (tensorboard, shlex.quote(logdir))]
+  if model.get_model_info(summary["model"]).task == "regression":  # tools/predict.py's reports
+    lines.append("  %s tools/predict.py --logdir %s" % (python, shlex.quote(logdir)))
   epochs = summary["epochs"] + 5
-  lines += ["Next:",
-            "  %s --logdir %s" % (tensorboard, shlex.quote(logdir)),
-            "  %s tools/predict.py --logdir %s" % (python, shlex.quote(logdir)),
-            "  %s   # train on to epoch %d" % (resume_line(argv or ["main.py", "--model=%s" % summary["model"]],
-                                                         logdir, epochs), epochs)]
+  lines.append("  %s   # train on to epoch %d" % (
+      resume_line(argv or ["main.py", "--model=%s" % summary["model"]], logdir, epochs), epochs))
   return "\n".join(lines)
+
+
+def _outputs(logdir: str) -> str:
+  """What the run folder holds, as the closing report lists it (only what is there)."""
+  def present(*names):
+    return [name for name in names if os.path.exists(os.path.join(logdir, *name.split("/")))]
+  parts = present("summary.yaml", "run_config.yaml")
+  checkpoints = [name.split("/")[1] for name in present("checkpoints/last", "checkpoints/best")]
+  if checkpoints:
+    parts.append("checkpoints/{%s}" % ",".join(checkpoints) if len(checkpoints) > 1
+                 else "checkpoints/%s" % checkpoints[0])
+  events = present("train", "validation", "test")
+  if events:
+    parts.append("TensorBoard events (%s)" % ", ".join(name + "/" for name in events))
+  if present("predict"):
+    parts.append("predict/ (figures, sum_pred.yaml)")
+  return ", ".join(parts)
 
 
 def resume_line(argv, logdir: str, epochs: int) -> str:

@@ -91,6 +91,11 @@ def test_main_predict_writes_the_report(trained_run):
   for name in ("truth_vs_pred.png", "residuals.png", "training_curves.png"):
     width, height = png_size(os.path.join(logdir, "predict", name))
     assert width >= 800 and height >= 600
+  # The closing report lists the folder as it is, and the report tool for this regression model.
+  closing = result.stdout[result.stdout.index("Run finished: " + logdir):]
+  assert ("outputs: summary.yaml, run_config.yaml, checkpoints/{last,best}, TensorBoard events (train/, "
+          "validation/, test/), predict/ (figures, sum_pred.yaml)") in closing
+  assert "tools/predict.py --logdir " + logdir in closing
 
 
 def test_predict_tool_and_export_round_trip(trained_run, data_file, tmp_path):
