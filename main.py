@@ -1,6 +1,8 @@
-"""Entry point: `python main.py --model=neuron_inverter --replicas=4 [--backend=cpu|gpu|ipu] ...`.
+"""Trains and tests a model on IPUs, GPUs or CPUs: `python main.py --model=neuron_inverter --replicas=4`.
 
-Kept thin on purpose: parse flags, freeze them into a RunConfig, set TensorFlow's start-up environment,
+The application's flags are listed below (`--helpfull` adds absl's); README.md has examples.
+
+The entry point is kept thin on purpose: parse flags, freeze them into a RunConfig, set TensorFlow's start-up environment,
 then `train_and_evaluate(config)` (tests call it too). A UserError anywhere below becomes one line on
 stderr and exit status 1.
 """
@@ -51,4 +53,5 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.define_flags()
+  absl_flags.adopt_module_key_flags(flags)  # --help lists the application's flags, not only --helpfull
   app.run(main, flags_parser=flags.parse)

@@ -106,6 +106,16 @@ def test_helpfull_lists_our_flags():
     assert name in result.stdout
 
 
+def test_help_lists_the_applications_flags_without_absls():
+  """`--help` shows the main module's key flags: ours are adopted from flags.py (it used to list none)."""
+  result = run_main("--help", timeout=60)
+  assert "Traceback" not in result.stderr
+  assert result.stdout.startswith("Trains and tests a model")
+  for name in ("--model", "--replicas", "--epochs", "--data_path", "--[no]resume"):
+    assert name in result.stdout
+  assert "--helpshort" not in result.stdout and "--verbosity" not in result.stdout  # absl's own
+
+
 @pytest.mark.parametrize("arg", ["--learning_rate=inf", "--lr_factor=nan", "--available_memory_proportion=nan"])
 def test_non_finite_floats_are_refused_when_parsed(arg):
   """absl's bounds compare, and every comparison with NaN is false (issue 15, point 10)."""
