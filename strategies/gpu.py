@@ -43,7 +43,7 @@ def create(config: RunConfig) -> Backend:
   replicas = config.replicas
   gpus = visible_gpus()
   if len(gpus) < replicas:
-    raise UserError("--replicas=%d needs %d GPUs but TensorFlow sees %d (check CUDA_VISIBLE_DEVICES "
+    raise UserError("--replicas=%d needs %d GPU(s) but TensorFlow sees %d (check CUDA_VISIBLE_DEVICES "
                     "and that a CUDA-enabled TensorFlow is installed)" % (replicas, replicas, len(gpus)))
   for gpu in gpus:
     # Allocate as needed so that several processes (e.g. one per GPU under Slurm) can coexist.

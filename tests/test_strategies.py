@@ -51,7 +51,7 @@ def test_too_many_cpu_replicas_after_start_is_a_clear_error():
 
 def test_gpu_replicas_need_visible_gpus():
   visible = len(tf.config.list_physical_devices("GPU"))
-  with pytest.raises(UserError, match="--replicas=%d needs %d GPUs but TensorFlow sees %d"
+  with pytest.raises(UserError, match=r"--replicas=%d needs %d GPU\(s\) but TensorFlow sees %d"
                      % (visible + 1, visible + 1, visible)):
     select.select_backend(RunConfig(model="mnist", backend="gpu", replicas=visible + 1))
 
