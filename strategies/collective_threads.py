@@ -49,4 +49,5 @@ def close_pools(strategy, timeout: float = 10.0) -> None:
 
 
 def close_at_exit(strategy) -> None:
+  """Registers `close_pools(strategy)` to run at exit, before multiprocessing's own hook."""
   atexit.register(close_pools, strategy)
