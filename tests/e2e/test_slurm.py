@@ -147,8 +147,10 @@ def test_scancel_term_mid_epoch_checkpoints_and_the_resubmitted_job_finishes(slu
   assert len(stops) == 2 and stops[0] == stops[1], output[-3000:]
   assert read_index(os.path.join(logdir, "checkpoints", "last"))[-1] == "ckpt-0-step" + stops[0]
 
-  resumed_id = _sbatch(slurm, str(tmp_path), *CPU_TASKS, script,
-                       *_train_args(data_path, logdir, steps=TERM_STEPS) + ["--resume"])
+  # The job's output ends with the resubmission, its flags as given: the test submits that.
+  hint = output[output.index("Stopped with a checkpoint. Continue with"):].splitlines()[1].split()
+  assert hint[:2] == ["sbatch", script] and hint[-1] == "--resume", hint
+  resumed_id = _sbatch(slurm, str(tmp_path), *CPU_TASKS, script, *hint[2:])
   resumed = _wait_for_job(slurm, resumed_id)
   output = open(tmp_path / ("neuron-inverter-gpu-%s.out" % resumed_id)).read()
   assert (resumed["JobState"], resumed["ExitCode"]) == ("COMPLETED", "0:0"), output[-3000:]
