@@ -2,9 +2,9 @@
 
 The application's flags are listed below (`--helpfull` adds absl's); README.md has examples.
 
-The entry point is kept thin on purpose: parse flags, freeze them into a RunConfig, set TensorFlow's start-up environment,
-then `train_and_evaluate(config)` (tests call it too). A UserError anywhere below becomes one line on
-stderr and exit status 1.
+The entry point is kept thin on purpose: parse flags, freeze them into a RunConfig, set TensorFlow's
+start-up environment, then `train_and_evaluate(config)` (tests call it too). A UserError anywhere
+below becomes one line on stderr and exit status 1.
 """
 
 import sys
@@ -28,16 +28,18 @@ def train_and_evaluate(config) -> dict:
   from analysis.evaluation import report  # pylint: disable=import-outside-toplevel
   from training.loop import run  # pylint: disable=import-outside-toplevel
   from training.interrupt import TrainingInterrupted  # pylint: disable=import-outside-toplevel
-  from training.summary import closing_report, resume_line  # pylint: disable=import-outside-toplevel
+  from training import summary as summary_lib  # pylint: disable=import-outside-toplevel
   try:
     summary = run(config, backend)
   except TrainingInterrupted:
     if backend.is_chief:  # after the warning line, which names the checkpoint
-      print("Continue with:\n  %s" % resume_line(sys.argv, config.logdir, config.epochs), flush=True)
+      print("Continue with%s:\n  %s" % (summary_lib.relaunch_note(backend.world_size),
+                                         summary_lib.resume_line(sys.argv, config.logdir, config.epochs)),
+            flush=True)
     raise
   report(config, backend)  # --predict: sum_pred.yaml and figures into <logdir>/predict
   if backend.is_chief and not config.compile_only:
-    print(closing_report(summary, config.logdir, sys.argv), flush=True)
+    print(summary_lib.closing_report(summary, config.logdir, sys.argv, backend.world_size), flush=True)
   return summary
 
 

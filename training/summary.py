@@ -142,11 +142,12 @@ def _loss_line(name: str, loss, baseline) -> str:
   return "%s %.4f" % (name, loss)
 
 
-def closing_report(summary: dict, logdir: str, argv=()) -> str:
+def closing_report(summary: dict, logdir: str, argv=(), processes: int = 1) -> str:
   """The last lines a user reads: how well the run learned, where its outputs are, what to run next.
 
   `argv` is the run's command line (`sys.argv`); the resume line repeats its flags, since a resume
-  must be given the same model, design, replicas and optimizer.
+  must be given the same model, design, replicas and optimizer. A run of several `processes`
+  (workers, poprun instances) is continued by launching them all again, as before.
   """
   baseline = summary.get("mean_predictor_val_loss")
   lines = ["", "Run finished: %s" % logdir]
@@ -167,9 +168,17 @@ def closing_report(summary: dict, logdir: str, argv=()) -> str:
   if model.get_model_info(summary["model"]).task == "regression":  # tools/predict.py's reports
     lines.append("  %s tools/predict.py --logdir %s" % (python, shlex.quote(logdir)))
   epochs = summary["epochs"] + 5
-  lines.append("  %s   # train on to epoch %d" % (
-      resume_line(argv or ["main.py", "--model=%s" % summary["model"]], logdir, epochs), epochs))
+  lines.append("  %s   # train on to epoch %d%s" % (
+      resume_line(argv or ["main.py", "--model=%s" % summary["model"]], logdir, epochs), epochs,
+      relaunch_note(processes)))
   return "\n".join(lines)
+
+
+def relaunch_note(processes: int) -> str:
+  """What to add to a resume line of a run of several processes."""
+  if processes <= 1:
+    return ""
+  return ", in each of the %d processes, launched as before (srun, poprun or TF_CONFIG)" % processes
 
 
 def _outputs(logdir: str) -> str:

@@ -73,6 +73,9 @@ def test_two_workers_train_in_sync_on_disjoint_shards(tmp_path):
   assert summaries[0]["global_batch_size"] == 32
   # Each optimizer step takes a batch from every worker: 3 steps of 32 samples per epoch, in all.
   assert "3 optimizer steps per epoch" in chief_log
+  # Only the chief reports; its resume line says that every worker must be started again.
+  assert "in each of the 2 processes, launched as before" in outputs[0][0]
+  assert "Run finished" not in outputs[1][0]
   assert summaries[0]["steps_per_epoch"] == 3 and summaries[0]["train_samples_per_epoch"] == 96
   # Identical weights after training: the all-reduce kept both replicas in step.
   assert summaries[0]["weights_sha256"] == summaries[1]["weights_sha256"]
