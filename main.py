@@ -32,9 +32,8 @@ def train_and_evaluate(config) -> dict:
   try:
     summary = run(config, backend)
   except TrainingInterrupted:
-    if backend.is_chief:  # after the warning line, which names the checkpoint
-      print("Continue with%s:\n  %s" % (summary_lib.relaunch_note(backend.world_size),
-                                         summary_lib.resume_line(sys.argv, config.logdir, config.epochs)),
+    if backend.is_chief:
+      print(summary_lib.interrupted_report(sys.argv, config.logdir, config.epochs, backend.world_size),
             flush=True)
     raise
   report(config, backend)  # --predict: sum_pred.yaml and figures into <logdir>/predict

@@ -24,6 +24,15 @@ def options_from_config(config: RunConfig) -> dict:
           "precision": config.precision, "cache_dir": environment.executable_cache_dir(config.backend)}
 
 
+def without_auto_shard(dataset: tf.data.Dataset) -> tf.data.Dataset:
+  """`dataset` with tf.data's auto-sharding off. The loaders already give every replica (and worker)
+  its own rows (BatchLayout), so there is nothing to shard; left on, TensorFlow 2.6's attempt printed
+  a warning with a protobuf dump of the pipeline at every fit and evaluate under MirroredStrategy."""
+  options = tf.data.Options()
+  options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+  return dataset.with_options(options)
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
   """A resolved backend for one run."""
@@ -97,14 +106,8 @@ class Backend:
     return flag
 
   def fit_input(self, dataset: tf.data.Dataset, steps: int):
-    """(x, steps) for Keras fit/evaluate/predict: the dataset, with tf.data's auto-sharding off.
-
-    The loaders already give every replica its own rows (BatchLayout), so there is nothing to shard;
-    left on, TensorFlow 2.6's attempt printed a warning with a protobuf dump of the pipeline at every
-    fit and evaluate under MirroredStrategy."""
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    return dataset.with_options(options), steps
+    """(x, steps) for Keras fit/evaluate/predict: the dataset, with tf.data's auto-sharding off."""
+    return without_auto_shard(dataset), steps
 
   @property
   def label(self) -> str:

@@ -20,7 +20,7 @@ from data.splits import BatchLayout
 from errors import UserError
 from run_config import RunConfig
 from strategies import collective_threads, slurm_cluster
-from strategies.backend import Backend
+from strategies.backend import Backend, without_auto_shard
 
 
 def cluster_source():
@@ -75,11 +75,9 @@ class MultiWorkerBackend(Backend):
                        first_shard=self.rank * self.local_replicas, num_shards=self.replicas)
 
   def fit_input(self, dataset: tf.data.Dataset, steps: int):
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     # Keras keeps one iterator of a DatasetCreator for all the epochs of a fit and every call of
     # evaluate: a finite pass (test, prediction) must repeat, or a second pass would find it empty.
-    dataset = dataset.repeat().with_options(options)
+    dataset = without_auto_shard(dataset.repeat())
     return tf.keras.utils.experimental.DatasetCreator(lambda input_context: dataset), steps
 
   def any_process(self, flag: bool) -> bool:

@@ -174,6 +174,11 @@ def closing_report(summary: dict, logdir: str, argv=(), processes: int = 1) -> s
   return "\n".join(lines)
 
 
+def interrupted_report(argv, logdir: str, epochs: int, processes: int = 1) -> str:
+  """After a graceful stop: the command that continues the run (its warning line names the checkpoint)."""
+  return "Continue with%s:\n  %s" % (relaunch_note(processes), resume_line(argv, logdir, epochs))
+
+
 def relaunch_note(processes: int) -> str:
   """What to add to a resume line of a run of several processes."""
   if processes <= 1:
@@ -221,18 +226,20 @@ def resume_command(argv, logdir: str, epochs: int) -> str:
       skip_value = name in _RESUME_VALUED and "=" not in token
       continue
     kept.append(token)
-  script = argv[0]
-  if os.path.abspath(script).startswith(os.getcwd() + os.sep):
-    script = os.path.relpath(script)
+  script = os.path.relpath(argv[0]) if _under_working_folder(argv[0]) else argv[0]
   words = [script] + kept + ["--logdir=" + logdir, "--resume", "--epochs=%d" % epochs]
   return " ".join(shlex.quote(word) for word in words)
+
+
+def _under_working_folder(path: str) -> bool:
+  return os.path.abspath(path).startswith(os.getcwd() + os.sep)
 
 
 def _commands():
   """How to call this Python and its TensorBoard: by the virtual environment's path when it lies under
   the working folder (`make run` users have no activated environment), else by name."""
   folder = os.path.dirname(sys.executable)
-  if not os.path.abspath(folder).startswith(os.getcwd() + os.sep):
+  if not _under_working_folder(folder):
     return "python", "tensorboard"
   tensorboard = os.path.join(folder, "tensorboard")
   return (os.path.relpath(sys.executable),
