@@ -3,7 +3,7 @@
 import os
 import shlex
 
-from training.summary import closing_report, resume_command
+from training.summary import RESUBMIT_VARIABLE, closing_report, interrupted_report, resume_command
 
 
 def test_resume_command_keeps_the_runs_flags_and_replaces_logdir_epochs_and_resume():
@@ -45,5 +45,25 @@ def test_closing_report_lists_what_the_run_folder_holds_and_predict_only_for_reg
   assert "tools/predict.py --logdir " + logdir in regression
   assert regression.endswith("# train on to epoch 8")
   two_workers = closing_report({"model": "neuron_inverter", "epochs": 3}, logdir, processes=2)
-  assert two_workers.endswith("# train on to epoch 8, in each of the 2 processes, launched as before "
-                              "(srun, poprun or TF_CONFIG)")
+  assert two_workers.endswith("# train on to epoch 8, in each of the 2 processes, launched as before: "
+                              "srun, poprun or TF_CONFIG")
+
+
+def test_a_job_scripts_run_is_continued_by_submitting_the_job_again(monkeypatch):
+  """tools/slurm's scripts set RESUBMIT_VARIABLE to their sbatch command and flags: both reports give
+  that command (later flags win) instead of a python line, even for a run of several workers."""
+  monkeypatch.setenv(RESUBMIT_VARIABLE, "sbatch ./tools/slurm/gpu.sbatch --epochs=2 --cell_name=a\\ b")
+  argv = ["./main.py", "--model=neuron_inverter", "--backend=gpu", "--logdir=logs/j", "--epochs=2"]
+  stopped = interrupted_report(argv, "logs/j", 2, processes=2).splitlines()
+  assert stopped == ["Continue with:",
+                     "  sbatch ./tools/slurm/gpu.sbatch --epochs=2 --cell_name=a\\ b --logdir=logs/j "
+                     "--resume --epochs=2",
+                     "  (with the sbatch options this job was given, if any)"]
+  assert shlex.split(stopped[1])[3] == "--cell_name=a b"
+  finished = closing_report({"model": "neuron_inverter", "epochs": 2}, "logs/j", argv, processes=2)
+  assert finished.splitlines()[-1] == (
+      "  sbatch ./tools/slurm/gpu.sbatch --epochs=2 --cell_name=a\\ b --logdir=logs/j --resume --epochs=7"
+      "   # train on to epoch 7, with the sbatch options this job was given, if any")
+  monkeypatch.delenv(RESUBMIT_VARIABLE)
+  assert interrupted_report(argv, "logs/j", 2).splitlines()[1].split()[1:3] == ["main.py",
+                                                                               "--model=neuron_inverter"]

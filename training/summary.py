@@ -168,22 +168,33 @@ def closing_report(summary: dict, logdir: str, argv=(), processes: int = 1) -> s
   if model.get_model_info(summary["model"]).task == "regression":  # tools/predict.py's reports
     lines.append("  %s tools/predict.py --logdir %s" % (python, shlex.quote(logdir)))
   epochs = summary["epochs"] + 5
+  note = relaunch_note(processes)
   lines.append("  %s   # train on to epoch %d%s" % (
       resume_line(argv or ["main.py", "--model=%s" % summary["model"]], logdir, epochs), epochs,
-      relaunch_note(processes)))
+      ", " + note if note else ""))
   return "\n".join(lines)
 
 
 def interrupted_report(argv, logdir: str, epochs: int, processes: int = 1) -> str:
   """After a graceful stop: the command that continues the run (its warning line names the checkpoint)."""
-  return "Continue with%s:\n  %s" % (relaunch_note(processes), resume_line(argv, logdir, epochs))
+  lines = ["Continue with:", "  " + resume_line(argv, logdir, epochs)]
+  note = relaunch_note(processes)
+  return "\n".join(lines + (["  (%s)" % note] if note else []))
+
+
+# Set by the job scripts of tools/slurm/ for their runs: the sbatch command that submits the same job
+# again, with the flags it was given. A batch job is continued by a new job, not by a python line.
+RESUBMIT_VARIABLE = "NEURON_INVERTER_RESUBMIT"
 
 
 def relaunch_note(processes: int) -> str:
-  """What to add to a resume line of a run of several processes."""
+  """What to add to a resume line: the sbatch options of a job script's run, or for a run of several
+  processes launched by hand, that each must be launched again."""
+  if os.environ.get(RESUBMIT_VARIABLE):
+    return "with the sbatch options this job was given, if any"
   if processes <= 1:
     return ""
-  return ", in each of the %d processes, launched as before (srun, poprun or TF_CONFIG)" % processes
+  return "in each of the %d processes, launched as before: srun, poprun or TF_CONFIG" % processes
 
 
 def _outputs(logdir: str) -> str:
@@ -204,7 +215,11 @@ def _outputs(logdir: str) -> str:
 
 
 def resume_line(argv, logdir: str, epochs: int) -> str:
-  """This Python, then `resume_command`: the line a user pastes to continue the run."""
+  """The line a user pastes to continue the run: this Python, then `resume_command`; in a job
+  script's run, the script's sbatch command (RESUBMIT_VARIABLE), where later flags win."""
+  resubmit = os.environ.get(RESUBMIT_VARIABLE)
+  if resubmit:
+    return " ".join([resubmit] + [shlex.quote(word) for word in _resume_flags(logdir, epochs)])
   return "%s %s" % (_commands()[0], resume_command(argv, logdir, epochs))
 
 
@@ -227,8 +242,12 @@ def resume_command(argv, logdir: str, epochs: int) -> str:
       continue
     kept.append(token)
   script = os.path.relpath(argv[0]) if _under_working_folder(argv[0]) else argv[0]
-  words = [script] + kept + ["--logdir=" + logdir, "--resume", "--epochs=%d" % epochs]
+  words = [script] + kept + _resume_flags(logdir, epochs)
   return " ".join(shlex.quote(word) for word in words)
+
+
+def _resume_flags(logdir: str, epochs: int) -> list:
+  return ["--logdir=" + logdir, "--resume", "--epochs=%d" % epochs]
 
 
 def _under_working_folder(path: str) -> bool:

@@ -2,6 +2,7 @@
 stand-in `singularity`), Slurm/poprun scripts and the TensorBoard tunnel helper."""
 
 import os
+import shlex
 import stat
 import subprocess
 import sys
@@ -71,24 +72,23 @@ def test_slurm_scripts_are_valid_bash(script):
   subprocess.run(["bash", "-n", os.path.join(TOOLS, "slurm", script)], check=True)
 
 
-@pytest.mark.parametrize("script,status", [("ipu.sbatch", 143), ("gpu.sbatch", 130), ("ipu.sbatch", 1)])
-def test_a_stopped_job_script_prints_its_resubmission_and_keeps_the_status(tmp_path, script, status):
-  """The job scripts with an srun whose run was stopped by a signal (143, 130) or failed (1)."""
+@pytest.mark.parametrize("script,status,args", [("ipu.sbatch", 143, ["--epochs=9", "--cell_name=a b"]),
+                                                ("gpu.sbatch", 130, []), ("ipu.sbatch", 0, [])])
+def test_a_job_script_gives_main_py_its_resubmission_and_keeps_the_status(tmp_path, script, status, args):
+  """With a stand-in srun that shows what it was given: the job's sbatch command and flags, quoted for
+  the shell, reach main.py (training/summary.py RESUBMIT_VARIABLE), and the job exits with srun's status."""
   fake = tmp_path / "srun"
-  fake.write_text("#!/bin/sh\nexit %d\n" % status)
+  fake.write_text('#!/bin/sh\necho "resubmit: $NEURON_INVERTER_RESUBMIT"\nexit %d\n' % status)
   fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
   env = dict(os.environ, PATH="%s:%s" % (tmp_path, os.environ["PATH"]), SLURM_JOB_ID="77",
              SLURM_SUBMIT_DIR=str(tmp_path), APP_DIR="/app")
-  result = subprocess.run(["bash", os.path.join(TOOLS, "slurm", script), "--epochs=9", "--cell_name=a b"],
+  result = subprocess.run(["bash", os.path.join(TOOLS, "slurm", script)] + args,
                           env=env, capture_output=True, text=True, timeout=30)
   assert result.returncode == status, result.stderr
-  if status == 1:
-    assert "Continue with" not in result.stdout
-    return
-  kind = script.split(".")[0]
-  line = result.stdout.splitlines()[-1].strip()
-  assert line.endswith("sbatch %s/app/tools/slurm/%s --logdir=logs/neuron_inverter/%s-77 --epochs=9 "
-                       "--cell_name=a\\ b --resume" % ("--ipus=4 " if kind == "ipu" else "", script, kind)), line
+  line = result.stdout.splitlines()[0]
+  command = "IPUS=4 sbatch --ipus=4 /app/tools/slurm/" if script == "ipu.sbatch" else "sbatch /app/tools/slurm/"
+  assert shlex.split(line) == ["resubmit:"] + shlex.split(command + script) + args, line
+  assert ("TensorBoard: " in result.stdout) == (status == 0)
 
 
 def test_tensorboard_tunnel_prints_the_ssh_command(tmp_path):

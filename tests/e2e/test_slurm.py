@@ -7,6 +7,7 @@ file with two CPU workers found through Slurm's variables.
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -147,9 +148,11 @@ def test_scancel_term_mid_epoch_checkpoints_and_the_resubmitted_job_finishes(slu
   assert len(stops) == 2 and stops[0] == stops[1], output[-3000:]
   assert read_index(os.path.join(logdir, "checkpoints", "last"))[-1] == "ckpt-0-step" + stops[0]
 
-  # The job's output ends with the resubmission, its flags as given: the test submits that.
-  hint = output[output.index("Stopped with a checkpoint. Continue with"):].splitlines()[1].split()
-  assert hint[:2] == ["sbatch", script] and hint[-1] == "--resume", hint
+  # The chief's report gives the job again, its flags as given, then the run's folder: the test submits
+  # that. No python line: a batch job is continued by a new job.
+  assert output.count("Continue with:") == 1 and "main.py --model" not in output, output[-3000:]
+  hint = shlex.split(output[output.index("Continue with:\n"):].splitlines()[1])
+  assert hint[:2] == ["sbatch", script] and hint[-3:] == ["--logdir=" + logdir, "--resume", "--epochs=2"], hint
   resumed_id = _sbatch(slurm, str(tmp_path), *CPU_TASKS, script, *hint[2:])
   resumed = _wait_for_job(slurm, resumed_id)
   output = open(tmp_path / ("neuron-inverter-gpu-%s.out" % resumed_id)).read()
