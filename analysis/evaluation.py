@@ -26,6 +26,7 @@ import tensorflow as tf
 from absl import logging
 
 import model as model_registry
+from analysis import events
 from data import cellspike
 from data.splits import eval_layout
 from errors import UserError
@@ -246,12 +247,16 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
   np.savez(os.path.join(outdir, PREDICTIONS), truth=truth, prediction=prediction,
            par_names=np.array([str(name) for name in info.par_names]))
   files.append(os.path.join(outdir, PREDICTIONS))
+  figures = []
   if plots:
     from analysis import plots as plots_lib  # pylint: disable=import-outside-toplevel
-    files += plots_lib.plot_prediction(truth, prediction, results, outdir, meta=info.meta)
+    figures = plots_lib.plot_prediction(truth, prediction, results, outdir, meta=info.meta)
+    files += figures
     history = plots_lib.load_history(config.logdir)
     if history:
       files.append(plots_lib.plot_training_curves(history, outdir, title=_run_title(results)))
+  files.append(events.write_prediction_events(outdir, figures, format_table(results), split,
+                                              results["mse"], results["checkpoint_epoch"] or 0))
   if export_dir:
     from analysis import export as export_lib  # pylint: disable=import-outside-toplevel
     files.append(export_lib.export_saved_model(net, config, info.input_shape, info.num_params,

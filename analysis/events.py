@@ -1,6 +1,9 @@
-"""Reading scalar series back from TensorBoard event files (for tools, plots and tests)."""
+"""TensorBoard event files: scalar series read back (for tools, plots and tests), and the prediction
+report written for TensorBoard's Images and Text dashboards."""
 
+import glob
 import logging
+import os
 
 import numpy as np
 from tensorboard.backend.event_processing import event_accumulator
@@ -31,3 +34,22 @@ def read_scalars(folder: str) -> dict:
     if numeric:
       series[tag] = numeric
   return series
+
+
+def write_prediction_events(outdir: str, figures: list, table: str, split: str, mse: float, step: int) -> str:
+  """Writes the prediction report into an event file in `outdir`: each PNG of `figures` as an image,
+  `table` (the per-parameter text) as text, and the split's MSE as a scalar, at `step` (the epoch of the
+  weights). `tensorboard --logdir <run>` then shows them as the run folder's `predict` run. Returns
+  the event file's path."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel  (reading needs only tensorboard)
+  writer = tf.summary.create_file_writer(outdir)
+  with writer.as_default():
+    for path in figures:
+      image = tf.image.decode_png(tf.io.read_file(path), channels=4)
+      tf.summary.image("prediction/" + os.path.splitext(os.path.basename(path))[0], image[None], step=step)
+    # Indented lines are a preformatted block in TensorBoard's markdown: the columns stay aligned.
+    tf.summary.text("prediction/parameters", "\n".join("    " + line for line in table.splitlines()),
+                    step=step)
+    tf.summary.scalar("prediction/%s_mse" % split, mse, step=step)
+  writer.close()
+  return max(glob.glob(os.path.join(outdir, "events.out.tfevents.*")), key=os.path.getmtime)

@@ -41,7 +41,7 @@ def test_closing_report_lists_what_the_run_folder_holds_and_predict_only_for_reg
     os.makedirs(os.path.join(logdir, folder))
   regression = closing_report({"model": "neuron_inverter", "epochs": 3}, logdir)
   assert ("  outputs: summary.yaml, checkpoints/{last,best}, TensorBoard events (train/, validation/, "
-          "test/), predict/ (figures, sum_pred.yaml)") in regression
+          "test/), predict/ (figures, sum_pred.yaml, TensorBoard images)") in regression
   assert "tools/predict.py --logdir " + logdir in regression
   assert regression.endswith("# train on to epoch 8")
   two_workers = closing_report({"model": "neuron_inverter", "epochs": 3}, logdir, processes=2)

@@ -210,7 +210,7 @@ def _outputs(logdir: str) -> str:
   if events:
     parts.append("TensorBoard events (%s)" % ", ".join(name + "/" for name in events))
   if present("predict"):
-    parts.append("predict/ (figures, sum_pred.yaml)")
+    parts.append("predict/ (figures, sum_pred.yaml, TensorBoard images)")
   return ", ".join(parts)
 
 

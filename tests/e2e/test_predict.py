@@ -17,12 +17,15 @@ import h5py
 import numpy as np
 import pytest
 import yaml
+from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.util import tensor_util
 
 from errors import UserError
 from run_config import RunConfig
 from tests.support.cellspike_files import PAR_NAMES, write_cellspike, write_meta_yaml
 from tests.support.helpers import REPO_ROOT, assert_one_line_error, run_main
 from analysis import evaluation, plots
+from analysis.events import read_scalars
 from training import summary
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -91,10 +94,22 @@ def test_main_predict_writes_the_report(trained_run):
   for name in ("truth_vs_pred.png", "residuals.png", "training_curves.png"):
     width, height = png_size(os.path.join(logdir, "predict", name))
     assert width >= 800 and height >= 600
+  # TensorBoard shows the same figures (as decoded images), the table and the MSE under the run's predict/.
+  accumulator = event_accumulator.EventAccumulator(os.path.join(logdir, "predict"), size_guidance={"tensors": 0})
+  accumulator.Reload()
+  for name in ("truth_vs_pred", "residuals"):  # TF 2 images: a tensor of width, height and the PNG
+    image, = accumulator.Tensors("prediction/" + name)
+    width, height, png = tensor_util.make_ndarray(image.tensor_proto)
+    assert png.startswith(PNG_SIGNATURE) and image.step == sum_pred["checkpoint_epoch"]
+    assert (int(width), int(height)) == png_size(os.path.join(logdir, "predict", name + ".png"))
+  table, = accumulator.Tensors("prediction/parameters")
+  assert "p14" in tensor_util.make_ndarray(table.tensor_proto).item().decode()
+  assert read_scalars(os.path.join(logdir, "predict"))["prediction/test_mse"] == [
+      (sum_pred["checkpoint_epoch"], pytest.approx(sum_pred["mse"], rel=1e-6))]
   # The closing report lists the folder as it is, and the report tool for this regression model.
   closing = result.stdout[result.stdout.index("Run finished: " + logdir):]
   assert ("outputs: summary.yaml, run_config.yaml, checkpoints/{last,best}, TensorBoard events (train/, "
-          "validation/, test/), predict/ (figures, sum_pred.yaml)") in closing
+          "validation/, test/), predict/ (figures, sum_pred.yaml, TensorBoard images)") in closing
   assert "tools/predict.py --logdir " + logdir in closing
 
 
