@@ -241,6 +241,18 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
   results["train"] = {key: summary.get(key) for key in
                       ("epochs", "train_loss", "val_loss", "test_loss", "best_val_loss", "wall_seconds",
                        "replicas", "backend")} if summary else None
+  files = _write_outputs(outdir, results, truth, prediction, info, plots)
+  if export_dir:
+    from analysis import export as export_lib  # pylint: disable=import-outside-toplevel
+    files.append(export_lib.export_saved_model(net, config, info.input_shape, info.num_params,
+                                               export_dir, par_names=info.par_names,
+                                               model_options=backend.model_options()))
+  return Evaluation(results=results, truth=truth, prediction=prediction, files=files)
+
+
+def _write_outputs(outdir: str, results: dict, truth, prediction, info, plots: bool) -> list:
+  """sum_pred.yaml, U and Z, the figures (with `plots`) and their TensorBoard events into `outdir`;
+  returns the paths written."""
   os.makedirs(outdir, exist_ok=True)
   files = [summary_lib.write_yaml(os.path.join(outdir, SUM_PRED), results)]
   # U and Z themselves, for further analysis (rows in the order the model read them).
@@ -252,17 +264,12 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
     from analysis import plots as plots_lib  # pylint: disable=import-outside-toplevel
     figures = plots_lib.plot_prediction(truth, prediction, results, outdir, meta=info.meta)
     files += figures
-    history = plots_lib.load_history(config.logdir)
+    history = plots_lib.load_history(results["logdir"])
     if history:
       files.append(plots_lib.plot_training_curves(history, outdir, title=_run_title(results)))
-  files.append(events.write_prediction_events(outdir, figures, format_table(results), split,
+  files.append(events.write_prediction_events(outdir, figures, format_table(results), results["split"],
                                               results["mse"], results["checkpoint_epoch"] or 0))
-  if export_dir:
-    from analysis import export as export_lib  # pylint: disable=import-outside-toplevel
-    files.append(export_lib.export_saved_model(net, config, info.input_shape, info.num_params,
-                                               export_dir, par_names=info.par_names,
-                                               model_options=backend.model_options()))
-  return Evaluation(results=results, truth=truth, prediction=prediction, files=files)
+  return files
 
 
 def _run_title(results: dict) -> str:
