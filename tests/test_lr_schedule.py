@@ -6,6 +6,7 @@ import math
 import pytest
 import tensorflow as tf
 
+from training.loop import end_interrupted_fit
 from training.lr_schedule import Cosine, PlateauState, LearningRateSchedule, cosine_lr, warmup_lr
 
 
@@ -92,3 +93,21 @@ def test_a_plateau_reduction_is_logged_after_the_epoch_not_inside_its_progress_b
   assert caplog.text.count("plateaued") == 1 and "Epoch 2: val_loss plateaued" in caplog.text
   schedule.on_train_end()
   assert "Epoch 3: val_loss plateaued, learning rate reduced to 0.25" in caplog.text
+
+
+def test_a_reduction_just_before_a_stop_is_logged_when_the_interrupted_fit_is_ended(caplog, tmp_path):
+  """A graceful stop at an epoch's end raises out of fit, which then calls no on_train_end: the loop
+  ends the callbacks itself (training/loop.py end_interrupted_fit), writers and schedule alike."""
+  model = tf.keras.Sequential([tf.keras.Input((1,)), tf.keras.layers.Dense(1)])
+  model.compile(tf.keras.optimizers.SGD(1.0), "mse")
+  schedule = LearningRateSchedule(1.0, warmup_epochs=0, factor=0.5, patience=0, cooldown=0)
+  board = tf.keras.callbacks.TensorBoard(str(tmp_path))
+  for callback in (schedule, board):
+    callback.set_model(model)
+  caplog.set_level("INFO")
+  for epoch in range(2):
+    schedule.on_epoch_begin(epoch)
+    schedule.on_epoch_end(epoch, {"val_loss": 1.0})
+  assert "Epoch 2: val_loss plateaued" not in caplog.text
+  end_interrupted_fit([schedule, board])
+  assert "Epoch 2: val_loss plateaued, learning rate reduced to 0.5" in caplog.text

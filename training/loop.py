@@ -255,10 +255,13 @@ def _end_quiet_windows(callbacks) -> None:
       callback.window.stop()
 
 
-def _close_writers(callbacks) -> None:
-  """TensorBoard writers are closed at the end of fit; an interrupted fit has no end."""
+def end_interrupted_fit(callbacks) -> None:
+  """What fit's end does for the callbacks, which an interrupted fit never reaches: closes the
+  TensorBoard writers, and logs a plateau reduction decided at the epoch's end just before the stop."""
   for callback in callbacks:
-    if isinstance(callback, tf.keras.callbacks.TensorBoard):
+    if isinstance(callback, LearningRateSchedule):
+      callback.on_train_end()
+    elif isinstance(callback, tf.keras.callbacks.TensorBoard):
       try:
         callback.on_train_end()
       except Exception as error:  # pylint: disable=broad-except
@@ -354,7 +357,7 @@ def _train(net, config, backend, splits, resume_state, callbacks, flag):
     if interrupted is not None:
       # Still inside `with flag`: a further signal is only noted while the run winds down, and the
       # flag ignores signals (instead of restoring the default action) once this raise leaves it.
-      _close_writers(callbacks)
+      end_interrupted_fit(callbacks)
       interrupt_lib.log_interrupted(interrupted, config.logdir)
       raise interrupted
   # Training alone, from the first step to the return of the last fit (its input torn down): beside
