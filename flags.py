@@ -216,6 +216,13 @@ def _register_validators() -> None:
   def _predict_needs_regression(values):  # pylint: disable=unused-variable
     return not values["predict"] or model.MODELS[values["model"]].task == "regression"
 
+  @_on.multi_flags_validator(
+      ["ipu_connection", "compile_only"],
+      message="--ipu_connection=pre_compile never attaches to an IPU, so anything run on one returns zeros "
+              "(ipu/config.py): use it with --compile_only, to fill the executable cache")
+  def _pre_compile_only_compiles(values):  # pylint: disable=unused-variable
+    return values["ipu_connection"] != "pre_compile" or values["compile_only"]
+
   @_on.multi_flags_validator(["resume", "logdir"],
                                message="--resume needs --logdir=<folder of the run to continue>")
   def _resume_needs_logdir(values):  # pylint: disable=unused-variable

@@ -93,6 +93,7 @@ def test_flagfile_is_read(tmp_path):
     (["--backend=tpu"], ["--backend", "auto", "ipu"]),
     (["--data_path=/no/such/folder"], ["--data_path", "does not exist"]),
     (["--mnist_source=idx"], ["--mnist_source=idx needs --data_path"]),
+    (["--ipu_connection=pre_compile"], ["--ipu_connection=pre_compile", "--compile_only"]),
     (["--no_such_flag=1"], ["no_such_flag"]),
 ])
 def test_bad_flags_are_one_line_errors(args, fragments):
