@@ -118,6 +118,11 @@ class Backend:
     """Samples per optimizer step: micro-batch x gradient accumulation x replicas."""
     return micro_batch * self.gradient_accumulation * self.replicas
 
+  def optimizer_steps(self, steps: int) -> int:
+    """Optimizer updates in `steps` steps of a training split: here a step is one update (the
+    accumulating train step walks through its G micro-batches)."""
+    return steps
+
   def layout(self, micro_batch: int) -> BatchLayout:
     # tf.distribute splits each global batch between replicas; a replica's G micro-batches arrive
     # together and the accumulating train step walks through them.

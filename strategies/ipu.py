@@ -21,6 +21,12 @@ semantics traps it handles:
   an unpipelined training model asks for the MEAN over replicas (over one instance's replicas under
   poprun); never an inference model, whose predictions MEAN would average too. Otherwise the log
   says the losses are one replica's.
+- Pipelined training does not update BatchNormalization's moving statistics properly
+  (keras/ipu/extensions/extensions_base.py warns for 0 < momentum < 1), and evaluation uses them: a
+  pipelined model with such a layer gets a warning that says what it means for the run.
+- One execution runs `steps_per_execution` steps, and Keras calls per-batch callbacks only between
+  executions (keras/ipu/docs/keras.rst): the cosine learning rate is the optimizer's own schedule,
+  computed in the step (training/lr_schedule.py), and a signal is acted on when an execution ends.
 """
 
 import dataclasses
@@ -240,6 +246,17 @@ def assign_stages(model, stage_boundaries, stages: int, schedule: str, ipus_per_
   return model
 
 
+def _warn_pipelined_batch_norm(model: tf.keras.Model) -> None:
+  names = [layer.name for layer in model.layers
+           if isinstance(layer, tf.keras.layers.BatchNormalization) and 0 < layer.momentum < 1]
+  if names:
+    logging.warning("Pipelined: IPU Keras does not update the moving statistics of BatchNormalization "
+                    "(%s) in pipelined training (keras/ipu/extensions/extensions_base.py), and validation, "
+                    "test and tools/predict.py normalise with them, so their losses may be worse than the "
+                    "weights are; data-parallel replicas (--pipeline_stages=1) do not have this problem",
+                    ", ".join(names))
+
+
 def swap_ipu_layers(model: tf.keras.Model) -> tf.keras.Model:
   """Replaces Keras Dropout with IPU Dropout (no mask kept in memory) when the addons are installed [7]."""
   try:
@@ -275,6 +292,11 @@ class IPUBackend(Backend):
   rank: int = 0                           # under poprun: popdist.getInstanceIndex()
   world_size: int = 1                     # under poprun: popdist.getNumInstances()
 
+  def optimizer_steps(self, steps: int) -> int:
+    # IPU Keras: "a step refers to the forward and backward passes on a micro batch" [keras.rst], and
+    # the optimizer runs once per G of them (GradientAccumulationOptimizerV2's resource update).
+    return steps // self.gradient_accumulation
+
   def layout(self, micro_batch: int) -> BatchLayout:
     # Each replica takes whole micro-batches from the infeed in turn; G micro-batches per optimizer step.
     # Under poprun each instance feeds its local replicas from its own shards [4.2].
@@ -301,6 +323,7 @@ class IPUBackend(Backend):
     model = swap_ipu_layers(model)
     self._reduce_metrics(model)
     if self.pipeline_stages > 1:
+      _warn_pipelined_batch_norm(model)
       return assign_stages(model, tuple(stage_boundaries), self.pipeline_stages, self.pipeline_schedule,
                            self.ipus_per_replica, self.gradient_accumulation)
     if self.gradient_accumulation > 1:

@@ -194,6 +194,27 @@ def test_stage_assignment_at_the_builder_boundary(monkeypatch):
   assert options["gradient_accumulation_reduction_method"] == "mean"
 
 
+def test_a_pipelined_batch_norm_is_warned_about_and_replicas_are_not(monkeypatch, caplog):
+  """keras/ipu/extensions/extensions_base.py: BatchNormalization's moving statistics (0 < momentum < 1)
+  are not properly updated in pipelined training; the log says so once, naming the layer."""
+  fake_ipu.install(monkeypatch)
+  module = model.get_model_module("neuron_inverter")
+  caplog.set_level("WARNING")
+  for stages, warned in ((1, False), (2, True)):
+    backend = ipu_backend.create(_config(ipus_per_replica=stages, pipeline_stages=stages,
+                                         gradient_accumulation=8))
+    backend.prepare_model(fake_ipu.inject_keras_extensions(module.build(_config())), module.STAGE_BOUNDARIES)
+    assert ("moving statistics of BatchNormalization (batch_norm)" in caplog.text) == warned
+
+
+def test_optimizer_steps_are_micro_batch_steps_over_the_accumulation_count(monkeypatch):
+  """IPU Keras counts a step per micro-batch (keras/ipu/docs/keras.rst); the optimizer and the cosine
+  rate count updates, one per G micro-batches."""
+  fake_ipu.install(monkeypatch)
+  assert ipu_backend.create(_config(gradient_accumulation=4)).optimizer_steps(40) == 10
+  assert ipu_backend.create(_config()).optimizer_steps(40) == 40
+
+
 def test_too_many_stages_for_the_model(monkeypatch):
   fake_ipu.install(monkeypatch)
   backend = ipu_backend.create(_config(ipus_per_replica=4, pipeline_stages=4, gradient_accumulation=8))

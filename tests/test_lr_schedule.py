@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 from training.loop import end_interrupted_fit
-from training.lr_schedule import Cosine, PlateauState, LearningRateSchedule, cosine_lr, warmup_lr
+from training.lr_schedule import CosineRate, PlateauState, LearningRateSchedule, warmup_lr
 
 
 def test_linear_warmup_per_epoch():
@@ -44,37 +44,76 @@ def test_state_round_trips():
   assert copy.to_dict() == state.to_dict()
 
 
-def _cosine_rates(epochs, steps, warmup, resumed_epoch=None, resumed_step=0, run=None):
-  """The rate the schedule sets before each step of a fit over `run` = [(epoch, first step), ...]."""
-  net = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(1,))])
-  net.compile(optimizer=tf.keras.optimizers.Adam(1.0), loss="mse")
-  schedule = LearningRateSchedule(1.0, warmup, 0.5, 0, 0, cosine=Cosine(epochs, steps, resumed_epoch,
-                                                                           resumed_step))
-  schedule.set_model(net)
+# The optimizer family the application trains with (training/optimizers.py): OptimizerV2, whose
+# update kernels can be watched; TF 2.6 has no `legacy` module, its SGD is that class.
+LEGACY_SGD = getattr(tf.keras.optimizers, "legacy", tf.keras.optimizers).SGD
+
+
+def _cosine(progress):
+  return 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _trained_rates(epochs, steps, warmup, stop_after=None):
+  """The rate of every update of a fit of `epochs` x `steps` updates with the optimizer's CosineRate,
+  read in the training step itself (steps_per_execution = a whole epoch, as on IPUs, where callbacks
+  see only its ends); with `stop_after`, the fit stops after that many updates and a new optimizer
+  with the saved update count trains on, as a resumed run does."""
   rates = []
-  for epoch, first in run or [(e, 0) for e in range(epochs)]:
-    schedule.on_epoch_begin(epoch)
-    for batch in range(steps - first):
-      schedule.on_train_batch_begin(batch)
-      rates.append(float(tf.keras.backend.get_value(net.optimizer.lr)))
-    schedule.on_epoch_end(epoch, {"val_loss": 1.0})
-  return rates
+
+  class Recorder(LEGACY_SGD):
+    def _resource_apply_dense(self, grad, var, apply_state=None):  # pylint: disable=arguments-differ
+      rates.append(self._decayed_lr(tf.float32))  # the step runs eagerly (run_eagerly=True)
+      return super()._resource_apply_dense(grad, var, apply_state)
+
+  def fit(count, first_update):
+    net = tf.keras.Sequential([tf.keras.Input((1,)), tf.keras.layers.Dense(1, use_bias=False)])
+    optimizer = Recorder(CosineRate(1.0, warmup, epochs, steps))
+    net.compile(optimizer, "mse", steps_per_execution=steps, run_eagerly=True)
+    optimizer.iterations.assign(first_update)
+    net.fit(tf.ones((count, 1)), tf.ones((count, 1)), batch_size=1, epochs=1, verbose=0, shuffle=False)
+
+  total = epochs * steps
+  if stop_after is None:
+    fit(total, 0)
+  else:
+    fit(stop_after, 0)
+    fit(total - stop_after, stop_after)
+  return [float(rate) for rate in rates]
 
 
-def test_cosine_decays_per_step_from_the_end_of_warmup_to_zero():
-  rates = _cosine_rates(epochs=3, steps=4, warmup=1)
+def test_cosine_changes_the_rate_at_every_update_inside_one_execution():
+  rates = _trained_rates(epochs=3, steps=4, warmup=1)
   assert rates[:4] == [1.0] * 4                              # warm-up epoch (1 epoch: the full rate)
-  assert rates[4] == pytest.approx(cosine_lr(1.0, 0.0)) == pytest.approx(1.0)
-  assert rates[6] == pytest.approx(0.5 * (1 + math.cos(math.pi * 2 / 8)))
+  assert rates[4] == pytest.approx(1.0)                      # the decay starts at the full rate
+  assert rates[6] == pytest.approx(_cosine(2 / 8), abs=1e-6)
   assert all(a > b for a, b in zip(rates[4:], rates[5:]))    # strictly falling, never plateau-driven
-  assert rates[-1] == pytest.approx(0.5 * (1 + math.cos(math.pi * 7 / 8)))
+  assert rates[-1] == pytest.approx(_cosine(7 / 8), abs=1e-6)
 
 
-def test_cosine_after_a_mid_epoch_resume_continues_the_same_curve():
-  whole = _cosine_rates(epochs=3, steps=4, warmup=0)
-  resumed = _cosine_rates(epochs=3, steps=4, warmup=0, resumed_epoch=1, resumed_step=3,
-                          run=[(1, 3), (2, 0)])
-  assert resumed == pytest.approx(whole[7:])
+def test_cosine_warms_up_per_epoch_then_decays_to_zero_at_the_end():
+  schedule = CosineRate(2.0, warmup_epochs=2, epochs=4, updates_per_epoch=5)
+  assert [float(schedule(k)) for k in (0, 4, 5, 9)] == pytest.approx([1.0, 1.0, 2.0, 2.0])
+  assert [float(schedule(k)) for k in (10, 15, 20, 99)] == pytest.approx([2.0, 2 * _cosine(0.5), 0.0, 0.0])
+  assert CosineRate(1.0, 0, 3, 4).get_config() == {"initial_lr": 1.0, "warmup_epochs": 0, "epochs": 3,
+                                                    "updates_per_epoch": 4}
+
+
+def test_cosine_after_a_resume_continues_the_same_curve_from_the_update_count():
+  whole = _trained_rates(epochs=3, steps=4, warmup=0)
+  assert _trained_rates(epochs=3, steps=4, warmup=0, stop_after=7) == pytest.approx(whole)
+
+
+def test_the_callback_logs_the_rate_of_each_epochs_last_update_and_sets_none_with_cosine():
+  net = tf.keras.Sequential([tf.keras.Input((1,)), tf.keras.layers.Dense(1)])
+  rate = CosineRate(1.0, 0, 2, 4)
+  net.compile(LEGACY_SGD(rate), "mse")
+  schedule = LearningRateSchedule(1.0, 0, 0.5, 0, 0, cosine=rate)
+  schedule.set_model(net)
+  logs = {"val_loss": 1.0}
+  schedule.on_epoch_begin(0)
+  schedule.on_epoch_end(0, logs)
+  assert logs["lr"] == pytest.approx(_cosine(3 / 8), abs=1e-6)
+  assert net.optimizer._get_hyper("learning_rate") is rate   # pylint: disable=protected-access
 
 
 def test_a_plateau_reduction_is_logged_after_the_epoch_not_inside_its_progress_bar(caplog):

@@ -33,7 +33,7 @@ from training import checkpoints as checkpoints_lib
 from training import interrupt as interrupt_lib
 from training import logs
 from training import run_folder
-from training.lr_schedule import Cosine, LearningRateSchedule
+from training.lr_schedule import LearningRateSchedule, optimizer_rate
 from training.optimizers import create_slots, make_optimizer
 from training import summary as summary_lib
 from training.summary import write_run_config
@@ -69,8 +69,10 @@ def build_and_compile(config: RunConfig, backend: Backend, model_module, splits,
     net, boundaries = model.build_network(model_module, config, splits.input_shape, splits.num_outputs,
                                           backend.model_options())
     net = backend.prepare_model(net, boundaries)
-    optimizer = make_optimizer(config.optimizer, config.learning_rate, backend.optimizer_factories(),
-                               checkpoint_format, **backend.optimizer_kwargs())
+    # A cosine rate is computed in the training step from the update count (training/lr_schedule.py).
+    rate = optimizer_rate(config, backend.optimizer_steps(splits.train.steps))
+    optimizer = make_optimizer(config.optimizer, rate, backend.optimizer_factories(), checkpoint_format,
+                               **backend.optimizer_kwargs())
     eval_steps = [split.steps for split in (splits.validation, splits.test) if split]
     net.compile(optimizer=optimizer, loss=model_module.loss(), metrics=model_module.metrics(),
                 **backend.compile_kwargs(splits.train.steps, eval_steps))
@@ -161,8 +163,8 @@ def _restore(config, schedule, checkpointing, steps_per_epoch) -> dict:
 def _make_callbacks(config, backend, schedule, checkpointing, state, global_batch_size, outdir, flag,
                     steps_per_epoch):
   """The fit's callbacks, in the order they must run; returns them and the throughput callback."""
-  if config.lr_schedule == "cosine":
-    schedule.cosine = Cosine(config.epochs, steps_per_epoch, state.get("epoch"), state.get("step", 0))
+  if config.lr_schedule == "cosine":  # the optimizer's own rate, the same function of the update count
+    schedule.cosine = optimizer_rate(config, backend.optimizer_steps(steps_per_epoch))
   throughput = callbacks_lib.ThroughputCallback(global_batch_size, backend.replicas, backend.cache_dir)
   # After `throughput`, whose "Compiling..." line must show while the first step compiles.
   quiet = callbacks_lib.QuietNativeLines(DroppedLines(logs.ONE_OFF_NATIVE_LINES))
@@ -299,7 +301,7 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
   net.summary()
   logging.info("Global batch %d = %d per replica x %d gradient accumulation x %d replicas; "
                "%d optimizer steps per epoch", global_batch_size, config.batch_size,
-               backend.gradient_accumulation, backend.replicas, splits.train.steps)
+               backend.gradient_accumulation, backend.replicas, backend.optimizer_steps(splits.train.steps))
 
   # --- Checkpoints, resume, callbacks -----------------------------------------------------------------
   schedule, checkpointing = _make_checkpointing(config, backend, net, global_batch_size, outdir)

@@ -4,9 +4,16 @@ Warm-up sets `lr = initial * (epoch + 1) / warmup_epochs` at the start of each w
 - `plateau` (the reference): PyTorch's ReduceLROnPlateau (mode min, relative threshold 1e-4,
   `patience`, `cooldown`, `factor`), stepped with the validation loss of epochs past the warm-up. All
   its state is a plain dict so that checkpoints can store it and `--resume` continues the same schedule.
-- `cosine`: set before every step, from `initial` down to 0 at the end of the last epoch (half a
-  cosine). It needs no state: the rate is a function of the step, also after a resume. A short run
-  ends at a low rate instead of stopping before its first plateau (patience is 8 epochs).
+- `cosine`: from `initial` down to 0 at the end of the last epoch (half a cosine), a new rate for
+  every optimizer update. A short run ends at a low rate instead of stopping before its first
+  plateau (patience is 8 epochs). The rate is a function of the optimizer's update count alone
+  (`CosineRate`, handed to the optimizer as its learning rate), so the training step computes it
+  itself: on IPUs, where one device execution runs many steps and a callback sees only its ends
+  (graphcore/keras keras/ipu/docs/keras.rst: per-batch callbacks are invoked every
+  `steps_per_execution` steps), the rate still changes at every update, and a resumed run continues
+  from its checkpointed count with no bookkeeping of its own.
+
+Warm-up and plateau rates change once per epoch, so the callback sets them.
 """
 
 import math
@@ -55,38 +62,50 @@ def warmup_lr(initial_lr: float, warmup_epochs: int, epoch: int):
   return None
 
 
-def cosine_lr(initial_lr: float, progress: float) -> float:
-  """The cosine decay's rate at `progress` (0 at the end of the warm-up, 1 at the end of training)."""
-  return initial_lr * 0.5 * (1.0 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
+class CosineRate(tf.keras.optimizers.schedules.LearningRateSchedule):
+  """The `cosine` schedule as the optimizer's learning rate: the rate of update `step` (counted from 0
+  over the whole run), with `updates_per_epoch` optimizer updates per epoch. Warm-up epochs, if any,
+  come first at the warm-up rate."""
+
+  def __init__(self, initial_lr: float, warmup_epochs: int, epochs: int, updates_per_epoch: int):
+    super().__init__()
+    self.initial_lr, self.warmup_epochs = initial_lr, warmup_epochs
+    self.epochs, self.updates_per_epoch = epochs, max(updates_per_epoch, 1)
+
+  def __call__(self, step):
+    step = tf.cast(step, tf.float32)
+    epoch = tf.floor(step / self.updates_per_epoch)
+    warm = self.initial_lr * (epoch + 1.0) / max(self.warmup_epochs, 1)
+    decay_updates = max(self.epochs - self.warmup_epochs, 1) * self.updates_per_epoch
+    progress = tf.clip_by_value((step - self.warmup_epochs * self.updates_per_epoch) / decay_updates,
+                                0.0, 1.0)
+    decayed = self.initial_lr * 0.5 * (1.0 + tf.cos(math.pi * progress))
+    return tf.where(epoch < self.warmup_epochs, warm, decayed)
+
+  def get_config(self):
+    return {"initial_lr": self.initial_lr, "warmup_epochs": self.warmup_epochs, "epochs": self.epochs,
+            "updates_per_epoch": self.updates_per_epoch}
 
 
-class Cosine:
-  """Where a step is in the cosine decay: `epochs` epochs of `steps_per_epoch` steps after warm-up.
-
-  `resumed_epoch` / `resumed_step`: a run resumed mid-epoch trains the rest of that epoch as a fit of
-  its own, whose step numbers start again at 0.
-  """
-
-  def __init__(self, epochs, steps_per_epoch, resumed_epoch=None, resumed_step=0):
-    self.epochs, self.steps_per_epoch = epochs, steps_per_epoch
-    self.resumed_epoch, self.resumed_step = resumed_epoch, resumed_step
-
-  def progress(self, epoch: int, warmup_epochs: int, batch: int) -> float:
-    step = batch + (self.resumed_step if epoch == self.resumed_epoch else 0)
-    decay_epochs = max(self.epochs - warmup_epochs, 1)
-    return (epoch - warmup_epochs + step / self.steps_per_epoch) / decay_epochs
+def optimizer_rate(config, updates_per_epoch: int):
+  """The learning rate to build the optimizer with: a CosineRate for `--lr_schedule=cosine`, else
+  the initial rate, which the callback then sets per epoch."""
+  if config.lr_schedule == "cosine":
+    return CosineRate(config.learning_rate, config.warmup_epochs, config.epochs, updates_per_epoch)
+  return config.learning_rate
 
 
 class LearningRateSchedule(tf.keras.callbacks.Callback):
-  """Sets the optimizer's rate (every epoch, or every step with `cosine`); logs it as `lr`."""
+  """Sets the optimizer's rate at every epoch's start (warm-up, then plateau), or with `cosine` (the
+  optimizer's CosineRate) leaves it to the optimizer; logs the rate of the epoch's last update as `lr`."""
 
   def __init__(self, initial_lr, warmup_epochs, factor, patience, cooldown, monitor="val_loss",
-               cosine: Cosine = None):
+               cosine: CosineRate = None):
     super().__init__()
     self.initial_lr, self.warmup_epochs, self.monitor = initial_lr, warmup_epochs, monitor
     self.plateau = PlateauState(initial_lr, factor, patience, cooldown)
     self.current_lr = initial_lr
-    self.cosine, self.epoch = cosine, 0
+    self.cosine = cosine
     self._reduced = None  # the last epoch's plateau line, logged once Keras' bar has ended its line
 
   def _log_reduction(self) -> None:
@@ -96,23 +115,17 @@ class LearningRateSchedule(tf.keras.callbacks.Callback):
 
   def on_epoch_begin(self, epoch, logs=None):
     self._log_reduction()
-    self.epoch = epoch
+    if self.cosine is not None:
+      return
     warm = warmup_lr(self.initial_lr, self.warmup_epochs, epoch)
     self.current_lr = self.plateau.lr if warm is None else warm
-    if warm is None and self.cosine is not None:
-      self.on_train_batch_begin(0)
-      return
-    tf.keras.backend.set_value(self.model.optimizer.lr, self.current_lr)
-
-  def on_train_batch_begin(self, batch, logs=None):
-    if self.cosine is None or self.epoch < self.warmup_epochs:
-      return
-    self.current_lr = cosine_lr(self.initial_lr, self.cosine.progress(self.epoch, self.warmup_epochs, batch))
     tf.keras.backend.set_value(self.model.optimizer.lr, self.current_lr)
 
   def on_epoch_end(self, epoch, logs=None):
     if logs is None:
       return
+    if self.cosine is not None:
+      self.current_lr = float(self.cosine((epoch + 1) * self.cosine.updates_per_epoch - 1))
     logs["lr"] = self.current_lr
     if self.cosine is None and epoch >= self.warmup_epochs and self.monitor in logs:
       if self.plateau.step(float(logs[self.monitor])):

@@ -75,11 +75,12 @@ OPTIMIZERS = {
 }
 
 
-def make_optimizer(name: str, learning_rate: float, factories=None, checkpoint_format=None,
+def make_optimizer(name: str, learning_rate, factories=None, checkpoint_format=None,
                    **backend_kwargs) -> tf.keras.optimizers.Optimizer:
   """The optimizer `name`. The backend may supply replacement `factories` (IPU-specific optimizers)
   and `backend_kwargs` (e.g. the IPU's gradient averaging over replicas). `checkpoint_format` is the
-  family of the checkpoint a resumed run continues from (None for a new run)."""
+  family of the checkpoint a resumed run continues from (None for a new run). `learning_rate` is a
+  number or a Keras LearningRateSchedule of the update count."""
   if name not in OPTIMIZERS:
     raise UserError("unknown optimizer %r; valid optimizers: %s" % (name, ", ".join(sorted(OPTIMIZERS))))
   if name == "adam" and name not in (factories or {}):

@@ -40,7 +40,7 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
       "epochs": config.epochs,
       "first_epoch": first_epoch,
       "steps_per_epoch": splits.train.steps,
-      "train_samples_per_epoch": splits.train.steps * global_batch_size,  # every process's
+      "train_samples_per_epoch": backend.optimizer_steps(splits.train.steps) * global_batch_size,  # all processes'
       "train_loss": _last(history, "loss"),
       "val_loss": _last(history, "val_loss"),
       "test_loss": float(test_results["loss"]) if "loss" in test_results else None,
