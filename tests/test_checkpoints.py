@@ -14,6 +14,8 @@ from training import checkpoints as checkpoints_lib
 from training import optimizers
 from training.checkpoints import CheckpointCallback, RunCheckpoints, read_index
 from training.lr_schedule import LearningRateSchedule
+from strategies import ipu as ipu_backend
+from tests.support import fake_ipu
 from tests.support.training_parts import readable_state, toy_checkpoints
 
 
@@ -113,7 +115,7 @@ def test_adam_steps_exactly_as_pytorchs_adam():
   assert np.abs(variable.numpy() - expected).max() < 1e-3 * moved
 
 
-def test_a_mid_epoch_resume_needs_the_same_batch_layout(tmp_path):
+def test_a_mid_epoch_resume_needs_the_same_batch_layout(tmp_path, monkeypatch):
   """Skipping 39 steps of 8 samples is not skipping 39 steps of 4 (issue 15, point 11)."""
   from run_config import RunConfig  # pylint: disable=import-outside-toplevel
   from strategies.backend import Backend  # pylint: disable=import-outside-toplevel
@@ -125,11 +127,21 @@ def test_a_mid_epoch_resume_needs_the_same_batch_layout(tmp_path):
   checkpoints = RunCheckpoints(str(tmp_path), net, loop._identity(config))  # pylint: disable=protected-access
   backend = Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",))
   callback = CheckpointCallback(checkpoints, LearningRateSchedule(1e-3, 0, 0.1, 1, 0),
-                                batch_layout=loop._batch_layout(4, backend))  # pylint: disable=protected-access
+                                batch_layout=loop._batch_layout(config, backend))  # pylint: disable=protected-access
   callback.save_interrupted(0, 39, {"loss": 0.5})
   assert loop._resume_state(config, backend)["step"] == 39  # pylint: disable=protected-access
-  with pytest.raises(UserError, match="global batch of 4 on 1 replica.*this run has 8 on 1"):
+  with pytest.raises(UserError, match="global batch of 4 on 1 replica.*this run has a global batch of 8 on 1"):
     loop._resume_state(dataclasses.replace(config, batch_size=8), backend)  # pylint: disable=protected-access
+  # The same global batch on IPUs, whose steps are micro-batches (accumulation 2): 39 steps are half
+  # the samples they were on the CPU.
+  fake_ipu.install(monkeypatch)
+  accumulating = dataclasses.replace(config, batch_size=2, gradient_accumulation=2)
+  CheckpointCallback(checkpoints, LearningRateSchedule(1e-3, 0, 0.1, 1, 0), batch_layout=loop._batch_layout(  # pylint: disable=protected-access
+      accumulating, dataclasses.replace(backend, gradient_accumulation=2))).save_interrupted(0, 40, {"loss": 0.5})
+  ipu = ipu_backend.create(dataclasses.replace(accumulating, backend="ipu"))
+  with pytest.raises(UserError, match="on 1 replica.s.; this run has a global batch of 4 on 1 replica.s. in steps "
+                                      "of 2 rows .one micro-batch per replica."):
+    loop._resume_state(accumulating, ipu)  # pylint: disable=protected-access
 
 
 def test_evaluation_takes_the_best_checkpoint_else_the_last(tmp_path):

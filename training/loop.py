@@ -111,37 +111,46 @@ def _identity(config: RunConfig) -> dict:
           "optimizer": config.optimizer, "learning_rate": config.learning_rate}
 
 
-def _batch_layout(global_batch_size: int, backend: Backend) -> dict:
-  """What one step of an epoch consumes: a mid-epoch resume skips steps, which must mean the same."""
-  return {"global_batch": global_batch_size, "replicas": backend.replicas}
+def _batch_layout(config: RunConfig, backend: Backend) -> dict:
+  """What one step of an epoch consumes: a mid-epoch resume skips steps, which must mean the same. A
+  step is one optimizer update on CPU/GPU, one micro-batch per replica on IPUs (rows_per_step)."""
+  return {"global_batch": backend.effective_batch(config.batch_size), "replicas": backend.replicas,
+          "rows_per_step": backend.layout(config.batch_size).step_rows}
+
+
+def _describe_layout(layout: dict) -> str:
+  text = "a global batch of %d on %d replica(s)" % (layout["global_batch"], layout["replicas"])
+  if layout.get("rows_per_step") not in (None, layout["global_batch"]):
+    text += " in steps of %d rows (one micro-batch per replica)" % layout["rows_per_step"]
+  return text
 
 
 def _resume_state(config: RunConfig, backend: Backend) -> dict:
   if not config.resume:
     return {"epoch": 0}
   state = checkpoints_lib.peek_last_state(config.logdir, _identity(config))
-  layout = _batch_layout(backend.effective_batch(config.batch_size), backend)
+  layout = _batch_layout(config, backend)
   saved = state.get("batch_layout")
-  if state.get("step") and saved and saved != layout:
-    raise UserError("--resume: the run stopped after step %d of epoch %d with a global batch of %d on %d "
-                    "replica(s); this run has %d on %d, so the steps to skip would be other samples: resume "
-                    "with the same --batch_size, --gradient_accumulation and --replicas"
-                    % (state["step"], state["epoch"] + 1, saved["global_batch"], saved["replicas"],
-                       layout["global_batch"], layout["replicas"]))
+  # Checkpoints written before rows_per_step was recorded hold the other two keys.
+  if state.get("step") and saved and any(saved[key] != layout[key] for key in saved if key in layout):
+    raise UserError("--resume: the run stopped after step %d of epoch %d with %s; this run has %s, so the "
+                    "steps to skip would be other samples: resume with the same --batch_size, "
+                    "--gradient_accumulation, --replicas and kind of backend"
+                    % (state["step"], state["epoch"] + 1, _describe_layout(saved), _describe_layout(layout)))
   if state["epoch"] >= config.epochs:
     raise UserError("--resume: the run in %s already finished %d epochs; raise --epochs to train more"
                     % (config.logdir, state["epoch"]))
   return state
 
 
-def _make_checkpointing(config, backend, net, global_batch_size, outdir):
+def _make_checkpointing(config, backend, net, outdir):
   """The LR schedule and the checkpoint callback (which saves the schedule's state with the weights)."""
   schedule = LearningRateSchedule(config.learning_rate, config.warmup_epochs, config.lr_factor,
                                    config.lr_patience, config.lr_cooldown)
   checkpoints = checkpoints_lib.RunCheckpoints(outdir, net, _identity(config),
                                                restore_logdir=config.logdir)
   checkpointing = checkpoints_lib.CheckpointCallback(checkpoints, schedule,
-                                                     batch_layout=_batch_layout(global_batch_size, backend))
+                                                     batch_layout=_batch_layout(config, backend))
   return schedule, checkpointing
 
 
@@ -304,7 +313,7 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
                backend.gradient_accumulation, backend.replicas, backend.optimizer_steps(splits.train.steps))
 
   # --- Checkpoints, resume, callbacks -----------------------------------------------------------------
-  schedule, checkpointing = _make_checkpointing(config, backend, net, global_batch_size, outdir)
+  schedule, checkpointing = _make_checkpointing(config, backend, net, outdir)
   state = _restore(config, schedule, checkpointing, splits.train.steps)
   # SIGTERM/SIGINT during training: checkpoint at the next safe point, then exit 128 + signal number.
   flag = interrupt_lib.InterruptFlag()
