@@ -371,7 +371,9 @@ class _Extension:
       self.pipelining_accumulation = gradient_accumulation_steps_per_replica
     if device_mapping is not None:
       self.device_mapping = device_mapping
-    self.schedule = pipelining_kwargs.get("pipeline_schedule") or self.schedule
+    # Each call replaces all pipelining kwargs (extensions_base.py `_set_pipelining_options_impl`:
+    # `self._pipelining_kwargs = pipelining_kwargs`): a call without a schedule means Grouped again.
+    self.schedule = pipelining_kwargs.get("pipeline_schedule", PipelineSchedule.Grouped)
     _record("set_pipelining_options", gradient_accumulation_steps_per_replica=
             gradient_accumulation_steps_per_replica, device_mapping=device_mapping,
             gradient_accumulation_reduction_method=gradient_accumulation_reduction_method,
