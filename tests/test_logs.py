@@ -131,3 +131,11 @@ def test_each_epoch_line_says_how_long_the_epochs_left_would_take(caplog):
   assert lines[0].endswith("about 1 min 45 s left for 2 more epochs"), lines
   assert lines[1].endswith("about 52 s left for 1 more epoch"), lines
   assert "left" not in lines[2], lines
+  # A resumed run's first epoch is the rest of one (the steps after the checkpoint, numbered from 0):
+  # 100 of 400 steps in 13 s make whole epochs of 52 s.
+  resumed = EpochLogger(epochs=3, steps_per_epoch=400)
+  resumed.on_epoch_begin(1)
+  resumed.on_train_batch_end(99)
+  with caplog.at_level(python_logging.INFO):
+    resumed.on_epoch_end(1, {"loss": 0.2, "epoch_seconds": 12.0, "epoch_wall_seconds": 13.0})
+  assert caplog.records[-1].getMessage().endswith("about 52 s left for 1 more epoch")

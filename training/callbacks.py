@@ -144,11 +144,25 @@ def duration(seconds: float) -> str:
 class EpochLogger(tf.keras.callbacks.Callback):
   """One line per epoch in the reference's style: time, rate, losses, throughput per replica; while
   epochs of the run's `epochs` are left, the time they would take at the pace of this one (its wall
-  time, validation included), so that a user on a slow machine knows early how long the run will be."""
+  time, validation included, for a whole epoch of `steps_per_epoch` steps: the first epoch of a
+  resumed run may be the rest of one), so that a user on a slow machine knows early how long the run
+  will be."""
 
-  def __init__(self, epochs: int):
+  def __init__(self, epochs: int, steps_per_epoch: int = 0):
     super().__init__()
-    self.run_epochs = epochs
+    self.run_epochs, self.steps_per_epoch = epochs, steps_per_epoch
+    self._steps_run = 0
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self._steps_run = 0
+
+  def on_train_batch_end(self, batch, logs=None):
+    self._steps_run = batch + 1  # a resumed epoch's fit numbers its steps from 0
+
+  def _epoch_pace(self, wall_seconds: float) -> float:
+    if self.steps_per_epoch and 0 < self._steps_run < self.steps_per_epoch:
+      return wall_seconds * self.steps_per_epoch / self._steps_run
+    return wall_seconds
 
   def on_epoch_end(self, epoch, logs=None):
     logs = logs or {}
@@ -166,7 +180,7 @@ class EpochLogger(tf.keras.callbacks.Callback):
     left = self.run_epochs - (epoch + 1)
     if left > 0 and logs.get("epoch_wall_seconds"):
       parts.append("about %s left for %d more epoch%s" % (
-          duration(left * logs["epoch_wall_seconds"]), left, "s" if left > 1 else ""))
+          duration(left * self._epoch_pace(logs["epoch_wall_seconds"])), left, "s" if left > 1 else ""))
     logging.info(", ".join(parts))
 
 
