@@ -187,6 +187,14 @@ def _register_validators() -> None:
   def _idx_needs_path(values):  # pylint: disable=unused-variable
     return values["mnist_source"] != "idx" or values["data_path"] is not None
 
+  @_on.multi_flags_validator(
+      ["cell_name", "data_path"],
+      message="--cell_name picks a file in a --data_path folder of cellSpike files (through its meta yaml's "
+              "h5nameTemplate); without such a folder it would be ignored: give the folder, or drop "
+              "--cell_name")
+  def _cell_needs_folder(values):  # pylint: disable=unused-variable
+    return not values["cell_name"] or (values["data_path"] is not None and os.path.isdir(values["data_path"]))
+
   @_on.multi_flags_validator(list(registry.FLAG_RULE_FLAGS))
   def _backend_rules(values):  # pylint: disable=unused-variable
     problem = registry.flag_problem(values)  # the chosen backend's own rules

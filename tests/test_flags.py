@@ -94,6 +94,9 @@ def test_flagfile_is_read(tmp_path):
     (["--data_path=/no/such/folder"], ["--data_path", "does not exist"]),
     (["--mnist_source=idx"], ["--mnist_source=idx needs --data_path"]),
     (["--ipu_connection=pre_compile"], ["--ipu_connection=pre_compile", "--compile_only"]),
+    (["--cell_name=witness2c"], ["--cell_name", "--data_path folder", "ignored"]),
+    (["--cell_name=witness2c", "--data_path=" + os.path.join(REPO_ROOT, "README.md")],
+     ["--cell_name", "--data_path folder"]),
     (["--no_such_flag=1"], ["no_such_flag"]),
 ])
 def test_bad_flags_are_one_line_errors(args, fragments):

@@ -50,6 +50,14 @@ def define_flags() -> None:
   flags.DEFINE_bool("plots", True, "Write the PNG figures.")
 
 
+def _cell_name():
+  """--cell_name; else, with a --data_path file, none (the run's cell picked a file in its folder),
+  else (None) the run's own."""
+  if FLAGS.cell_name:
+    return FLAGS.cell_name
+  return "" if FLAGS.data_path and os.path.isfile(FLAGS.data_path) else None
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
@@ -63,7 +71,7 @@ def main(argv):
       raise UserError("--data_path=%s does not exist" % FLAGS.data_path)
     config = load_run_config(FLAGS.logdir, backend=FLAGS.backend, replicas=FLAGS.replicas,
                              data_path=FLAGS.data_path and os.path.abspath(FLAGS.data_path),
-                             cell_name=FLAGS.cell_name, probe_type=FLAGS.probe_type,
+                             cell_name=_cell_name(), probe_type=FLAGS.probe_type,
                              batch_size=FLAGS.batch_size)
     environment.prepare(config)
     config, backend = environment.start_backend(config)  # imports TensorFlow

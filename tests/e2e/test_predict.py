@@ -216,6 +216,18 @@ def test_predict_names_real_data_as_main_does_a_folder_and_a_cell(trained_run, d
   assert result.returncode == 0, result.stderr[-3000:]
   sum_pred = _load_yaml(str(tmp_path / "out" / "sum_pred.yaml"))
   assert sum_pred["data_path"].endswith("cellB_excite.cellSpike_4prB8kHz.data.h5")
+  # A run trained on that folder's cell, evaluated on a file: the run's --cell_name picked a file in its
+  # folder, and is not carried over to a --data_path file (where main.py refuses it).
+  copy = _copy_of(trained_run, tmp_path)
+  config_path = os.path.join(copy, "run_config.yaml")
+  saved = dict(_load_yaml(config_path), data_path=str(folder), cell_name="cellB",
+               probe_type="excite_4prB8kHz")
+  with open(config_path, "w") as f:
+    yaml.safe_dump(saved, f)
+  result = run_predict("--logdir=" + copy, "--data_path=" + data_file, "--max_samples=32", "--backend=cpu",
+                       "--noplots", "--outdir=" + str(tmp_path / "out2"))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert _load_yaml(str(tmp_path / "out2" / "sum_pred.yaml"))["data_path"] == os.path.abspath(data_file)
 
 
 def _copy_of(trained_run, tmp_path):
