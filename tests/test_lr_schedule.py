@@ -7,12 +7,20 @@ import pytest
 import tensorflow as tf
 
 from training.loop import end_interrupted_fit
-from training.lr_schedule import CosineRate, PlateauState, LearningRateSchedule, warmup_lr
+from training.lr_schedule import CosineRate, PlateauState, LearningRateSchedule, warmup_lr, warmup_problem
 
 
 def test_linear_warmup_per_epoch():
   assert [warmup_lr(1e-3, 4, e) for e in range(4)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
   assert warmup_lr(1e-3, 4, 4) is None and warmup_lr(1e-3, 0, 0) is None
+
+
+def test_a_warmup_as_long_as_the_run_is_warned_about():
+  assert warmup_problem(0, 3, "cosine") is None and warmup_problem(2, 3, "cosine") is None
+  assert warmup_problem(6, 3, "plateau") == (
+      "the learning-rate warm-up (--warmup_epochs=6) covers the whole run of 3 epochs: the plateau "
+      "schedule after it never starts (lower --warmup_epochs, or raise --epochs)")
+  assert "run of 1 epoch:" in warmup_problem(1, 1, "cosine")
 
 
 def test_plateau_reduces_after_patience_then_cools_down():

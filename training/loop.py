@@ -33,7 +33,7 @@ from training import checkpoints as checkpoints_lib
 from training import interrupt as interrupt_lib
 from training import logs
 from training import run_folder
-from training.lr_schedule import LearningRateSchedule, optimizer_rate
+from training.lr_schedule import LearningRateSchedule, optimizer_rate, warmup_problem
 from training.optimizers import create_slots, make_optimizer
 from training import summary as summary_lib
 from training.summary import write_run_config
@@ -311,6 +311,10 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
   logging.info("Global batch %d = %d per replica x %d gradient accumulation x %d replicas; "
                "%d optimizer steps per epoch", global_batch_size, config.batch_size,
                backend.gradient_accumulation, backend.replicas, backend.optimizer_steps(splits.train.steps))
+
+  problem = warmup_problem(config.warmup_epochs, config.epochs, config.lr_schedule)
+  if problem:
+    logging.warning(problem)
 
   # --- Checkpoints, resume, callbacks -----------------------------------------------------------------
   schedule, checkpointing = _make_checkpointing(config, backend, net, outdir)

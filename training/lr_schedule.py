@@ -95,6 +95,15 @@ def optimizer_rate(config, updates_per_epoch: int):
   return config.learning_rate
 
 
+def warmup_problem(warmup_epochs: int, epochs: int, schedule: str):
+  """A warning when the warm-up leaves no epoch to the schedule after it (None otherwise)."""
+  if not warmup_epochs or warmup_epochs < epochs:
+    return None
+  return ("the learning-rate warm-up (--warmup_epochs=%d) covers the whole run of %d epoch%s: the %s "
+          "schedule after it never starts (lower --warmup_epochs, or raise --epochs)"
+          % (warmup_epochs, epochs, "" if epochs == 1 else "s", schedule))
+
+
 class LearningRateSchedule(tf.keras.callbacks.Callback):
   """Sets the optimizer's rate at every epoch's start (warm-up, then plateau), or with `cosine` (the
   optimizer's CosineRate) leaves it to the optimizer; logs the rate of the epoch's last update as `lr`."""
