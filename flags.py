@@ -50,6 +50,13 @@ RUN_CONFIG_FIELDS = {field.name: field for field in dataclasses.fields(RunConfig
 # Flags whose unset value (None) means "the model's default" (ModelInfo.defaults).
 MODEL_DEFAULTED = ("batch_size", "epochs", "learning_rate", "optimizer", "dropout", "warmup_epochs",
                    "lr_schedule")
+# Flags that only one dataset's loader reads (data.DATASETS keys): given with a model of another
+# dataset they would be silently ignored, so they are refused. --design: models with designs only.
+DATASET_FLAGS = {
+    "cellspike": ("cell_name", "probe_type", "data_cache", "in_memory", "read_chunk", "shuffle_buffer",
+                  "stage_dir"),
+    "mnist": ("mnist_source",),
+}
 # Paths made absolute: run_config.yaml must work from any working directory (tools/predict.py).
 PATH_FLAGS = ("data_path", "data_cache", "stage_dir", "cache_dir")
 
@@ -246,10 +253,13 @@ def parse(argv):
     sys.exit(2)
 
 
-def to_config(values: flags.FlagValues) -> RunConfig:
+def to_config(values: flags.FlagValues, refuse_unused: bool = True) -> RunConfig:
   """Turns parsed flags into the frozen RunConfig (every field is the flag of the same name), filling
-  the model's defaults, the derived ones (logdir, pipeline stages) and absolute paths."""
+  the model's defaults, the derived ones (logdir, pipeline stages) and absolute paths. With
+  `refuse_unused`, a flag given that this model would ignore is a UserError."""
   info = model.get_model_info(values.model)
+  if refuse_unused:
+    _refuse_unused(values)
   fields = {name: values[name].value for name in RUN_CONFIG_FIELDS}
   defaults = dict(info.defaults, **(info.source_defaults(fields) if info.source_defaults else {}))
   for name in MODEL_DEFAULTED:
@@ -264,6 +274,21 @@ def to_config(values: flags.FlagValues) -> RunConfig:
       "logs", values.model, datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
   fields["pipeline_stages"] = values.pipeline_stages or values.ipus_per_replica
   return RunConfig(**fields)
+
+
+def _models_using(name: str) -> list:
+  """The models that read flag `name`, one of DATASET_FLAGS' or --design."""
+  if name == "design":
+    return sorted(key for key, info in model.MODELS.items() if info.uses_design)
+  return sorted(key for key, info in model.MODELS.items() if name in DATASET_FLAGS.get(info.dataset, ()))
+
+
+def _refuse_unused(values: flags.FlagValues) -> None:
+  for name in ("design",) + tuple(name for names in DATASET_FLAGS.values() for name in names):
+    users = _models_using(name)
+    if values[name].present and values.model not in users:
+      raise UserError("--%s is not used by --model=%s (only by --model=%s): drop it, or pick that model"
+                      % (name, values.model, "|".join(users)))
 
 
 def config_from_saved(values: dict, source: str) -> RunConfig:
@@ -286,4 +311,4 @@ def config_from_saved(values: dict, source: str) -> RunConfig:
     flag_values(argv)
   except flags.Error as error:
     raise UserError("%s: %s" % (source, " ".join(str(error).split()))) from None
-  return to_config(flag_values)
+  return to_config(flag_values, refuse_unused=False)  # a saved configuration holds every flag
