@@ -267,10 +267,11 @@ def swap_ipu_layers(model: tf.keras.Model) -> tf.keras.Model:
   def clone(layer):
     # A rate of 0 stays Keras' Dropout, an identity; the IPU's would still draw a mask on the device.
     if type(layer) is tf.keras.layers.Dropout and layer.rate > 0:  # pylint: disable=unidiomatic-typecheck
-      # IPU Dropout takes a pair of int32 seeds (ipu_tensorflow_addons keras/layers/dropout.py ->
-      # tensorflow/python/ipu/ops/rand_ops.py dropout); Keras' is one int.
-      seed = None if layer.seed is None else [layer.seed, 0]
-      return ipu_layers.Dropout(layer.rate, noise_shape=layer.noise_shape, seed=seed, name=layer.name)
+      # No seed, even from a seeded Keras Dropout: with one, the IPU op draws the same mask at every
+      # step (tensorflow/python/ipu/ops/rand_ops.py `dropout` -> ipu_dropout_with_seed; its
+      # dropout_test.py testUserSeed); without, it draws from the IPU's own generator, which
+      # reset_ipu_seed(--seed) makes reproducible.
+      return ipu_layers.Dropout(layer.rate, noise_shape=layer.noise_shape, name=layer.name)
     return layer.__class__.from_config(layer.get_config())
 
   swapped = tf.keras.models.clone_model(model, clone_function=clone)

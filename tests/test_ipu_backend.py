@@ -65,16 +65,22 @@ def test_connections_without_a_device_support_remote_buffers(monkeypatch, connec
   assert cfg.device_connection.enable_remote_buffers
 
 
-def test_ipu_dropout_gets_a_seed_pair_and_the_noise_shape(monkeypatch):
+def test_ipu_dropout_keeps_the_noise_shape_and_draws_a_new_mask_at_every_step(monkeypatch):
+  """A seeded Keras Dropout too: a seed would make the IPU op repeat one mask (rand_ops.py)."""
   fake_ipu.install(monkeypatch)
   for name, module in fake_ipu.build_addons().items():
     monkeypatch.setitem(sys.modules, name, module)
-  inputs = tf.keras.Input((6,))
-  outputs = tf.keras.layers.Dropout(0.25, noise_shape=(None, 1), seed=11, name="drop")(inputs)
+  inputs = tf.keras.Input((64,))
+  outputs = tf.keras.layers.Dropout(0.5, seed=11, name="drop")(inputs)
   swapped = ipu_backend.swap_ipu_layers(tf.keras.Model(inputs, outputs))
   (_, (rate,), kwargs), = _calls("ipu_layers.Dropout")
-  assert rate == 0.25 and kwargs == {"noise_shape": (None, 1), "seed": [11, 0], "layer_name": "drop"}
-  assert swapped(tf.ones((2, 6)), training=False).shape == (2, 6)
+  assert rate == 0.5 and kwargs == {"noise_shape": None, "seed": None, "layer_name": "drop"}
+  masks = [swapped(tf.ones((4, 64)), training=True).numpy() != 0 for _ in range(2)]
+  assert (masks[0] != masks[1]).any()
+  assert swapped(tf.ones((2, 64)), training=False).shape == (2, 64)
+  inputs = tf.keras.Input((6,))
+  ipu_backend.swap_ipu_layers(tf.keras.Model(inputs, tf.keras.layers.Dropout(0.25, noise_shape=(None, 1))(inputs)))
+  assert _calls("ipu_layers.Dropout")[-1][2]["noise_shape"] == (None, 1)
 
 
 def test_a_zero_dropout_rate_stays_an_identity_on_the_ipu(monkeypatch):

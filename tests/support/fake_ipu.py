@@ -712,7 +712,13 @@ def _ipu_dropout_class():
       super().__init__(**kwargs)
 
     def call(self, inputs, training=None):
-      return tf.nn.dropout(inputs, self.rate, noise_shape=self.noise_shape) if training else inputs
+      if not training:
+        return inputs
+      if self.seed is not None:  # ipu_dropout_with_seed: the same mask at every run (dropout_test.py
+        # testUserSeed asserts equal outputs over repeated runs)
+        return tf.nn.experimental.stateless_dropout(inputs, self.rate, seed=self.seed,
+                                                    noise_shape=self.noise_shape)
+      return tf.nn.dropout(inputs, self.rate, noise_shape=self.noise_shape)
 
   return Dropout
 
