@@ -77,6 +77,8 @@ def test_ipu_dropout_keeps_the_noise_shape_and_draws_a_new_mask_at_every_step(mo
   assert rate == 0.5 and kwargs == {"noise_shape": None, "seed": None, "layer_name": "drop"}
   masks = [swapped(tf.ones((4, 64)), training=True).numpy() != 0 for _ in range(2)]
   assert (masks[0] != masks[1]).any()
+  seeded = sys.modules["ipu_tensorflow_addons.keras.layers"].Dropout(0.5, seed=[11, 0])  # what a seed did
+  assert (seeded(tf.ones((4, 64)), training=True).numpy() == seeded(tf.ones((4, 64)), training=True).numpy()).all()
   assert swapped(tf.ones((2, 64)), training=False).shape == (2, 64)
   inputs = tf.keras.Input((6,))
   ipu_backend.swap_ipu_layers(tf.keras.Model(inputs, tf.keras.layers.Dropout(0.25, noise_shape=(None, 1))(inputs)))

@@ -716,8 +716,10 @@ def _ipu_dropout_class():
         return inputs
       if self.seed is not None:  # ipu_dropout_with_seed: the same mask at every run (dropout_test.py
         # testUserSeed asserts equal outputs over repeated runs)
-        return tf.nn.experimental.stateless_dropout(inputs, self.rate, seed=self.seed,
-                                                    noise_shape=self.noise_shape)
+        shape = tf.shape(inputs) if self.noise_shape is None else [
+            tf.shape(inputs)[i] if size is None else size for i, size in enumerate(self.noise_shape)]
+        keep = tf.random.stateless_uniform(shape, seed=self.seed) >= self.rate  # TF 2.6 has this one
+        return inputs * tf.cast(keep, inputs.dtype) / (1.0 - self.rate)
       return tf.nn.dropout(inputs, self.rate, noise_shape=self.noise_shape)
 
   return Dropout
