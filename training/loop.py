@@ -195,7 +195,8 @@ def _make_callbacks(config, backend, schedule, checkpointing, state, global_batc
   # Keras' bar where Keras (tf_keras) puts its own, after the others, so that its epoch line shows every
   # callback's logs; the epoch's log line after the bar has ended its line (before, it was glued to the
   # bar's last update on a terminal); `graceful` last, so that a stop at an epoch's end logs it first.
-  callbacks += [callbacks_lib.RunProgbar(config.epochs), callbacks_lib.EpochLogger(config.epochs, steps_per_epoch), graceful]
+  callbacks += [callbacks_lib.RunProgbar(config.epochs), callbacks_lib.EpochLogger(config.epochs, steps_per_epoch),
+                graceful]
   return callbacks, throughput
 
 
