@@ -121,7 +121,7 @@ def test_the_rest_of_a_resumed_epoch_is_headed_with_the_runs_epoch_count(capsys)
 
 def test_each_epoch_line_says_how_long_the_epochs_left_would_take(caplog):
   """At the pace of the epoch just ended (its wall time): a user on a slow CPU knows after epoch 1."""
-  from training.callbacks import EpochLogger, duration  # pylint: disable=import-outside-toplevel
+  from training.callbacks import EpochLogger, ThroughputCallback, duration  # pylint: disable=import-outside-toplevel
   assert [duration(s) for s in (42.4, 185, 7860)] == ["42 s", "3 min 5 s", "2 h 11 min"]
   logger = EpochLogger(epochs=3)
   with caplog.at_level(python_logging.INFO):
@@ -133,9 +133,11 @@ def test_each_epoch_line_says_how_long_the_epochs_left_would_take(caplog):
   assert "left" not in lines[2], lines
   # A resumed run's first epoch is the rest of one (the steps after the checkpoint, numbered from 0):
   # 100 of 400 steps in 13 s make whole epochs of 52 s.
-  resumed = EpochLogger(epochs=3, steps_per_epoch=400)
-  resumed.on_epoch_begin(1)
-  resumed.on_train_batch_end(99)
+  throughput = ThroughputCallback(global_batch_size=8, replicas=1)
+  throughput.compile_seconds = 1.0  # its first fit's step was timed already
+  throughput.on_epoch_begin(1)
+  throughput.on_train_batch_end(99)
+  resumed = EpochLogger(epochs=3, steps_per_epoch=400, throughput=throughput)
   with caplog.at_level(python_logging.INFO):
     resumed.on_epoch_end(1, {"loss": 0.2, "epoch_seconds": 12.0, "epoch_wall_seconds": 13.0})
   assert caplog.records[-1].getMessage().endswith("about 52 s left for 1 more epoch")

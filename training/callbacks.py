@@ -125,6 +125,11 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
     return "; executable loaded from the cache %s" % self.cache_dir if self.from_cache else ""
 
   @property
+  def steps_this_epoch(self) -> int:
+    """Steps the current (or last) epoch ran: a resumed epoch's fit numbers its steps from 0."""
+    return self._steps_done
+
+  @property
   def samples_per_sec_per_replica(self):
     if not self._timed_steps:
       return None
@@ -148,20 +153,15 @@ class EpochLogger(tf.keras.callbacks.Callback):
   resumed run may be the rest of one), so that a user on a slow machine knows early how long the run
   will be."""
 
-  def __init__(self, epochs: int, steps_per_epoch: int = 0):
+  def __init__(self, epochs: int, steps_per_epoch: int = 0, throughput=None):
     super().__init__()
     self.run_epochs, self.steps_per_epoch = epochs, steps_per_epoch
-    self._steps_run = 0
-
-  def on_epoch_begin(self, epoch, logs=None):
-    self._steps_run = 0
-
-  def on_train_batch_end(self, batch, logs=None):
-    self._steps_run = batch + 1  # a resumed epoch's fit numbers its steps from 0
+    self.throughput = throughput  # the ThroughputCallback, which counts the steps an epoch ran
 
   def _epoch_pace(self, wall_seconds: float) -> float:
-    if self.steps_per_epoch and 0 < self._steps_run < self.steps_per_epoch:
-      return wall_seconds * self.steps_per_epoch / self._steps_run
+    steps_run = self.throughput.steps_this_epoch if self.throughput is not None else 0
+    if self.steps_per_epoch and 0 < steps_run < self.steps_per_epoch:
+      return wall_seconds * self.steps_per_epoch / steps_run
     return wall_seconds
 
   def on_epoch_end(self, epoch, logs=None):

@@ -69,15 +69,19 @@ def build_and_compile(config: RunConfig, backend: Backend, model_module, splits,
     net, boundaries = model.build_network(model_module, config, splits.input_shape, splits.num_outputs,
                                           backend.model_options())
     net = backend.prepare_model(net, boundaries)
-    # A cosine rate is computed in the training step from the update count (training/lr_schedule.py).
-    rate = optimizer_rate(config, backend.optimizer_steps(splits.train.steps))
-    optimizer = make_optimizer(config.optimizer, rate, backend.optimizer_factories(), checkpoint_format,
-                               **backend.optimizer_kwargs())
+    optimizer = make_optimizer(config.optimizer, _learning_rate(config, backend, splits.train.steps),
+                               backend.optimizer_factories(), checkpoint_format, **backend.optimizer_kwargs())
     eval_steps = [split.steps for split in (splits.validation, splits.test) if split]
     net.compile(optimizer=optimizer, loss=model_module.loss(), metrics=model_module.metrics(),
                 **backend.compile_kwargs(splits.train.steps, eval_steps))
     create_slots(net.optimizer, net.trainable_variables)
   return net
+
+
+def _learning_rate(config: RunConfig, backend: Backend, steps_per_epoch: int):
+  """What the optimizer is built with, and the callback logs from: a cosine rate is computed in the
+  training step from the update count (training/lr_schedule.py)."""
+  return optimizer_rate(config, backend.optimizer_steps(steps_per_epoch))
 
 
 def autotuned(config: RunConfig, backend: Backend, module, splits, total_steps: int) -> Backend:
@@ -173,7 +177,7 @@ def _make_callbacks(config, backend, schedule, checkpointing, state, global_batc
                     steps_per_epoch):
   """The fit's callbacks, in the order they must run; returns them and the throughput callback."""
   if config.lr_schedule == "cosine":  # the optimizer's own rate, the same function of the update count
-    schedule.cosine = optimizer_rate(config, backend.optimizer_steps(steps_per_epoch))
+    schedule.cosine = _learning_rate(config, backend, steps_per_epoch)
   throughput = callbacks_lib.ThroughputCallback(global_batch_size, backend.replicas, backend.cache_dir)
   # After `throughput`, whose "Compiling..." line must show while the first step compiles.
   quiet = callbacks_lib.QuietNativeLines(DroppedLines(logs.ONE_OFF_NATIVE_LINES))
@@ -195,8 +199,8 @@ def _make_callbacks(config, backend, schedule, checkpointing, state, global_batc
   # Keras' bar where Keras (tf_keras) puts its own, after the others, so that its epoch line shows every
   # callback's logs; the epoch's log line after the bar has ended its line (before, it was glued to the
   # bar's last update on a terminal); `graceful` last, so that a stop at an epoch's end logs it first.
-  callbacks += [callbacks_lib.RunProgbar(config.epochs), callbacks_lib.EpochLogger(config.epochs, steps_per_epoch),
-                graceful]
+  callbacks += [callbacks_lib.RunProgbar(config.epochs),
+                callbacks_lib.EpochLogger(config.epochs, steps_per_epoch, throughput), graceful]
   return callbacks, throughput
 
 

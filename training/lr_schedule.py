@@ -55,10 +55,15 @@ class PlateauState:
     self.bad_epochs, self.cooldown_left = int(state["bad_epochs"]), int(state["cooldown_left"])
 
 
+def _warm_rate(initial_lr, warmup_epochs: int, epoch):
+  """The linear warm-up's rate in `epoch` (a number or, in the training step, a tensor)."""
+  return initial_lr * (epoch + 1) / max(warmup_epochs, 1)
+
+
 def warmup_lr(initial_lr: float, warmup_epochs: int, epoch: int):
   """The warm-up rate of `epoch`, or None once warm-up is over."""
   if epoch < warmup_epochs:
-    return initial_lr * (epoch + 1) / warmup_epochs
+    return _warm_rate(initial_lr, warmup_epochs, epoch)
   return None
 
 
@@ -75,7 +80,7 @@ class CosineRate(tf.keras.optimizers.schedules.LearningRateSchedule):
   def __call__(self, step):
     step = tf.cast(step, tf.float32)
     epoch = tf.floor(step / self.updates_per_epoch)
-    warm = self.initial_lr * (epoch + 1.0) / max(self.warmup_epochs, 1)
+    warm = _warm_rate(self.initial_lr, self.warmup_epochs, epoch)
     decay_updates = max(self.epochs - self.warmup_epochs, 1) * self.updates_per_epoch
     progress = tf.clip_by_value((step - self.warmup_epochs * self.updates_per_epoch) / decay_updates,
                                 0.0, 1.0)
