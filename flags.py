@@ -28,6 +28,7 @@ SCHEDULES = ("grouped", "interleaved", "sequential")
 LR_SCHEDULES = ("plateau", "cosine")
 CONNECTIONS = ("always", "on_demand", "pre_compile")
 PRECISIONS = ("auto", "32.32", "16.32", "16.16")
+BATCH_NORM_STATISTICS = ("auto", "moving", "batch")
 
 
 class _Definitions:
@@ -51,12 +52,15 @@ RUN_CONFIG_FIELDS = {field.name: field for field in dataclasses.fields(RunConfig
 MODEL_DEFAULTED = ("batch_size", "epochs", "learning_rate", "optimizer", "dropout", "warmup_epochs",
                    "lr_schedule")
 # Flags that only one dataset's loader reads (data.DATASETS keys): given with a model of another
-# dataset they would be silently ignored, so they are refused. --design: models with designs only.
+# dataset they would be silently ignored, so they are refused, as are NETWORK_FLAGS with a model whose
+# network does not read them.
 DATASET_FLAGS = {
     "cellspike": ("cell_name", "probe_type", "data_cache", "in_memory", "read_chunk", "shuffle_buffer",
                   "stage_dir"),
     "mnist": ("mnist_source",),
 }
+# Flags that only some networks read: flag -> the ModelInfo attribute that says a model's does.
+NETWORK_FLAGS = {"design": "uses_design", "batch_norm_statistics": "has_batch_norm"}
 # Paths made absolute: run_config.yaml must work from any working directory (tools/predict.py).
 PATH_FLAGS = ("data_path", "data_cache", "stage_dir", "cache_dir")
 
@@ -101,6 +105,11 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 
 def _define_neuron_inverter_flags() -> None:
   _on.DEFINE_enum("design", _default("design"), sorted(DESIGNS), "Neuron-Inverter network design.")
+  _on.DEFINE_enum("batch_norm_statistics", _default("batch_norm_statistics"), BATCH_NORM_STATISTICS,
+                  "What the batch normalisation normalises with in evaluation and prediction: moving = "
+                  "Keras' moving statistics (the reference's GPU model), batch = each batch's own, in "
+                  "training too (the reference's IPU model); auto = batch in pipelined IPU training, "
+                  "which cannot update moving statistics, else moving.")
   _on.DEFINE_string("cell_name", None, "cellSpike cell name (e.g. witness2c) when --data_path is a folder.")
   _on.DEFINE_string("probe_type", _default("probe_type"), "cellSpike probe type: selects "
                       "meta.cellSpike_<probe_type>.yaml.")
@@ -277,14 +286,14 @@ def to_config(values: flags.FlagValues, refuse_unused: bool = True) -> RunConfig
 
 
 def _models_using(name: str) -> list:
-  """The models that read flag `name`, one of DATASET_FLAGS' or --design."""
-  if name == "design":
-    return sorted(key for key, info in model.MODELS.items() if info.uses_design)
+  """The models that read flag `name`, one of DATASET_FLAGS' or NETWORK_FLAGS."""
+  if name in NETWORK_FLAGS:
+    return sorted(key for key, info in model.MODELS.items() if getattr(info, NETWORK_FLAGS[name]))
   return sorted(key for key, info in model.MODELS.items() if name in DATASET_FLAGS.get(info.dataset, ()))
 
 
 def _refuse_unused(values: flags.FlagValues) -> None:
-  for name in ("design",) + tuple(name for names in DATASET_FLAGS.values() for name in names):
+  for name in tuple(NETWORK_FLAGS) + tuple(name for names in DATASET_FLAGS.values() for name in names):
     users = _models_using(name)
     if values[name].present and values.model not in users:
       raise UserError("--%s is not used by --model=%s (only by --model=%s): drop it, or pick that model"

@@ -23,7 +23,8 @@ Adding a model: one module here, one entry in `MODELS` (and, for new data, one l
   accuracy; "regression" on the cellSpike data allows `--predict` and `tools/predict.py`, whose
   report is per conductance), the banner title and the defaults of the flags that
   are left unset (`flags.MODEL_DEFAULTED`), with `source_defaults` for those that depend on the data
-  source. Set `uses_design` if `--design` picks its network.
+  source. Set `uses_design` if `--design` picks its network, `has_batch_norm` if it builds its batch
+  normalisation by `config.batch_norm_statistics`.
 """
 
 import dataclasses
@@ -45,6 +46,7 @@ class ModelInfo:
   description: str
   defaults: dict         # flag values used when the user leaves the flag unset
   uses_design: bool = False  # --design picks its network (model.designs); part of a checkpoint's identity
+  has_batch_norm: bool = False  # --batch_norm_statistics applies; part of a checkpoint's identity
   # Defaults that depend on the run's other flags (its data source): flag values -> {flag: default}.
   source_defaults: Optional[Callable[[dict], dict]] = None
 
@@ -78,6 +80,7 @@ MODELS = {
         defaults={"batch_size": 48, "epochs": 3, "learning_rate": 1e-3, "optimizer": "adam", "dropout": 0.0,
                   "warmup_epochs": 0, "lr_schedule": "cosine"},
         uses_design=True,
+        has_batch_norm=True,
     ),
 }
 

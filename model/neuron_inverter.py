@@ -3,8 +3,9 @@
 Faithful to the reference PyTorch model, including its input quirk: the (1600 time bins, 4 probes)
 sample is *reshaped* row-major to (4, 1600) and used as 4 channels of 1600 positions, so each "channel"
 holds 400 consecutive time bins with the probes interleaved. Keras' channels-last Conv1D then needs the
-transpose back to (1600, 4). Each conv block is Conv1D(valid) -> MaxPool -> ReLU; one BatchNormalization
-on the flattened features; Dense+ReLU+Dropout layers (rate `--dropout`; the reference's is the design's
+transpose back to (1600, 4). Each conv block is Conv1D(valid) -> MaxPool -> ReLU; one batch
+normalisation on the flattened features (moving statistics, or each batch's own as in the reference's IPU
+model: `--batch_norm_statistics`); Dense+ReLU+Dropout layers (rate `--dropout`; the reference's is the design's
 `dropout`); a linear output. Weights start as PyTorch's
 defaults would (`model.initializers`).
 
@@ -23,6 +24,7 @@ from errors import UserError
 from model import initializers
 from model.conv_layers import LeadingChannels, PooledConv1D
 from model.designs import DESIGNS
+from model.normalization import BatchStatisticsNormalization
 from run_config import RunConfig
 
 STAGE_BOUNDARIES = ("flatten",)
@@ -49,6 +51,15 @@ def _conv_blocks(x, design, standard_layers, pooling, phases_max_in_channels, **
                        **conv_options)(x)
     in_channels = filters
   return x if standard_layers else LeadingChannels(in_channels, name="conv_channels")(x)
+
+
+def _batch_norm(statistics: str) -> tf.keras.layers.Layer:
+  """The reference's BatchNorm1d on the flattened features: moving statistics for evaluation (its GPU
+  model; PyTorch's momentum 0.1 is Keras' 0.9, eps 1e-5), or each batch's own (its IPU model). Every run
+  has "auto" settled by strategies.select.resolve; a config made directly (tests) builds Keras' layer."""
+  if statistics == "batch":
+    return BatchStatisticsNormalization(epsilon=1e-5, name="batch_norm")
+  return tf.keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name="batch_norm")
 
 
 def min_time_bins(design: dict) -> int:
@@ -82,8 +93,7 @@ def build(config: RunConfig, input_shape=(1600, 4), num_outputs=15, channel_mult
                    channel_multiple=channel_multiple, input_grad_by_forward_conv=input_grad_by_forward_conv,
                    kernel_grad_by_matmul=kernel_grad_by_matmul)
   x = layers.Flatten(name="flatten")(x)
-  # PyTorch BatchNorm1d defaults: momentum 0.1 (Keras 0.9), eps 1e-5.
-  x = layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name="batch_norm")(x)
+  x = _batch_norm(config.batch_norm_statistics)(x)
   for i, dim in enumerate(design["fc_dims"], start=1):
     x = layers.Dense(dim, activation="relu", name="fc%d" % i, kernel_initializer=initializers.kernel(),
                      bias_initializer=initializers.bias(int(x.shape[-1])))(x)

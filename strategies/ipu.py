@@ -22,8 +22,9 @@ semantics traps it handles:
   poprun); never an inference model, whose predictions MEAN would average too. Otherwise the log
   says the losses are one replica's.
 - Pipelined training does not update BatchNormalization's moving statistics properly
-  (keras/ipu/extensions/extensions_base.py warns for 0 < momentum < 1), and evaluation uses them: a
-  pipelined model with such a layer gets a warning that says what it means for the run.
+  (keras/ipu/extensions/extensions_base.py warns for 0 < momentum < 1), and evaluation uses them: by
+  default a pipelined run normalises with each batch's own statistics instead (strategies/select.py,
+  model/normalization.py); one that asks for moving statistics gets a warning that says what it means.
 - One execution runs `steps_per_execution` steps, and Keras calls per-batch callbacks only between
   executions (keras/ipu/docs/keras.rst): the cosine learning rate is the optimizer's own schedule,
   computed in the step (training/lr_schedule.py), and a signal is acted on when an execution ends.
@@ -253,7 +254,9 @@ def _warn_pipelined_batch_norm(model: tf.keras.Model) -> None:
     logging.warning("Pipelined: IPU Keras does not update the moving statistics of BatchNormalization "
                     "(%s) in pipelined training (keras/ipu/extensions/extensions_base.py), and validation, "
                     "test and tools/predict.py normalise with them, so their losses may be worse than the "
-                    "weights are; data-parallel replicas (--pipeline_stages=1) do not have this problem",
+                    "weights are: --batch_norm_statistics=batch (or auto) normalises with each batch's "
+                    "own statistics instead; data-parallel replicas (--pipeline_stages=1) do not have "
+                    "this problem",
                     ", ".join(names))
 
 

@@ -1,8 +1,8 @@
 """`select_backend(config)`: the one function that turns a run config into a `Backend`.
 
-A plain dispatcher over `strategies/registry.py`: `resolve` settles `--backend=auto` and
-`--precision=auto` from what the chosen backend's module says of its hardware, before anything is
-built; then that module creates the backend, and its Keras policy for the precision is set.
+A plain dispatcher over `strategies/registry.py`: `resolve` settles `--backend=auto`,
+`--precision=auto` (from what the chosen backend's module says of its hardware) and
+`--batch_norm_statistics=auto`, before anything is built; then that module creates the backend, and its Keras policy for the precision is set.
 """
 
 import dataclasses
@@ -44,11 +44,28 @@ def resolve_precision(requested: str, kind: str) -> str:
   return "16.32" if backend_module(kind).has_16bit_units() else "32.32"
 
 
+def resolve_batch_norm_statistics(requested: str, kind: str, pipeline_stages: int) -> str:
+  """--batch_norm_statistics=auto: Keras' moving statistics, except in pipelined IPU training, where IPU
+  Keras does not update them (keras/ipu/extensions/extensions_base.py warns so, graphcore/keras
+  r2.6/sdk-release-3.4): there each batch's own, as the reference's IPU model normalises."""
+  if requested != "auto":
+    return requested
+  if kind == "ipu" and pipeline_stages > 1:
+    logging.info("Batch normalisation by each batch's own statistics, in evaluation and prediction too "
+                 "(--batch_norm_statistics=auto: pipelined IPU training cannot update moving statistics; "
+                 "the reference's IPU model does the same)")
+    return "batch"
+  return "moving"
+
+
 def resolve(config: RunConfig) -> RunConfig:
-  """`config` with its backend and precision settled: never "auto" from here on (run_config.yaml and
-  summary.yaml record these)."""
+  """`config` with its backend, precision and batch-norm statistics settled: never "auto" from here on
+  (run_config.yaml and summary.yaml record these)."""
   kind = resolve_kind(config.backend)
-  return dataclasses.replace(config, backend=kind, precision=resolve_precision(config.precision, kind))
+  return dataclasses.replace(
+      config, backend=kind, precision=resolve_precision(config.precision, kind),
+      batch_norm_statistics=resolve_batch_norm_statistics(config.batch_norm_statistics, kind,
+                                                          config.pipeline_stages))
 
 
 def keras_version() -> str:

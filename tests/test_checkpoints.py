@@ -144,6 +144,26 @@ def test_a_mid_epoch_resume_needs_the_same_batch_layout(tmp_path, monkeypatch):
     loop._resume_state(accumulating, ipu)  # pylint: disable=protected-access
 
 
+def test_a_resume_keeps_the_batch_norm_statistics_its_checkpoint_was_written_with(tmp_path):
+  """Moving statistics are weights of the checkpoint, or there are none; checkpoints from before the
+  choice was recorded were written with moving statistics."""
+  from run_config import RunConfig  # pylint: disable=import-outside-toplevel
+  from training import loop  # pylint: disable=import-outside-toplevel
+  config = RunConfig(model="neuron_inverter", optimizer="adam", learning_rate=1e-3,
+                     batch_norm_statistics="batch", logdir=str(tmp_path), resume=True)
+  identity = loop._identity(config)  # pylint: disable=protected-access
+  checkpoints_lib.check_identity("ckpt", dict(identity), identity)
+  with pytest.raises(UserError, match="ckpt was written with batch_norm_statistics=batch, this run has "
+                                      "batch_norm_statistics=moving"):
+    checkpoints_lib.check_identity("ckpt", dict(identity), dict(identity, batch_norm_statistics="moving"))
+  older = {key: value for key, value in identity.items() if key != "batch_norm_statistics"}
+  checkpoints_lib.check_identity("ckpt", older, dict(identity, batch_norm_statistics="moving"))
+  with pytest.raises(UserError, match="written with batch_norm_statistics=moving, this run has "
+                                      "batch_norm_statistics=batch"):
+    checkpoints_lib.check_identity("ckpt", older, identity)
+  assert "batch_norm_statistics" not in loop._identity(RunConfig(model="mnist"))  # pylint: disable=protected-access
+
+
 def test_evaluation_takes_the_best_checkpoint_else_the_last(tmp_path):
   with pytest.raises(UserError, match="has no checkpoint .*has the run finished an epoch"):
     checkpoints_lib.best_or_last(str(tmp_path))

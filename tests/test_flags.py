@@ -97,6 +97,8 @@ def test_flagfile_is_read(tmp_path):
     (["--cell_name=witness2c"], ["--cell_name", "--data_path folder", "ignored"]),
     (["--model=mnist", "--design=dev"], ["--design is not used by --model=mnist", "neuron_inverter"]),
     (["--model=mnist", "--read_chunk=64"], ["--read_chunk is not used by --model=mnist"]),
+    (["--model=mnist", "--batch_norm_statistics=batch"], ["--batch_norm_statistics is not used by --model=mnist",
+                                                         "--model=neuron_inverter"]),
     (["--model=neuron_inverter", "--mnist_source=tfds"], ["--mnist_source is not used by --model=neuron_inverter",
                                                          "--model=mnist"]),
     (["--cell_name=witness2c", "--data_path=" + os.path.join(REPO_ROOT, "README.md")],

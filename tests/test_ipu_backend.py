@@ -204,15 +204,18 @@ def test_stage_assignment_at_the_builder_boundary(monkeypatch):
 
 def test_a_pipelined_batch_norm_is_warned_about_and_replicas_are_not(monkeypatch, caplog):
   """keras/ipu/extensions/extensions_base.py: BatchNormalization's moving statistics (0 < momentum < 1)
-  are not properly updated in pipelined training; the log says so once, naming the layer."""
+  are not properly updated in pipelined training; a run that asks for them anyway is told so, naming
+  the layer; each batch's own statistics need no warning."""
   fake_ipu.install(monkeypatch)
   module = model.get_model_module("neuron_inverter")
   caplog.set_level("WARNING")
-  for stages, warned in ((1, False), (2, True)):
-    backend = ipu_backend.create(_config(ipus_per_replica=stages, pipeline_stages=stages,
-                                         gradient_accumulation=8))
-    backend.prepare_model(fake_ipu.inject_keras_extensions(module.build(_config())), module.STAGE_BOUNDARIES)
+  for stages, statistics, warned in ((1, "moving", False), (2, "batch", False), (2, "moving", True)):
+    config = _config(ipus_per_replica=stages, pipeline_stages=stages, gradient_accumulation=8,
+                     batch_norm_statistics=statistics)
+    backend = ipu_backend.create(config)
+    backend.prepare_model(fake_ipu.inject_keras_extensions(module.build(config)), module.STAGE_BOUNDARIES)
     assert ("moving statistics of BatchNormalization (batch_norm)" in caplog.text) == warned
+  assert "--batch_norm_statistics=batch" in caplog.text
 
 
 def test_optimizer_steps_are_micro_batch_steps_over_the_accumulation_count(monkeypatch):
@@ -672,3 +675,30 @@ def test_prediction_returns_every_replicas_samples_in_order(monkeypatch):
   net.set_replication_options(replicated_metric_reduction_method="MEAN")
   averaged = net.predict(dataset.map(lambda x, y: x), steps=steps)
   assert averaged[0:2] == pytest.approx(averaged[2:4]) and averaged[0:2] != pytest.approx(expected[0:2])
+
+
+def test_a_pipelined_run_normalises_by_batch_statistics_and_its_predictions_do_too(monkeypatch, tmp_path,
+                                                                                  caplog):
+  """--batch_norm_statistics=auto in pipelined training: no moving statistics, which IPU Keras would not
+  update (extensions_base.py); run_config.yaml records the choice, so evaluation, which runs the model
+  unpipelined (summary.EVAL_OVERRIDES), builds the same layer and restores the checkpoint."""
+  from analysis import evaluation  # pylint: disable=import-outside-toplevel
+  from strategies import select  # pylint: disable=import-outside-toplevel
+  from strategies.backend import Backend  # pylint: disable=import-outside-toplevel
+  from training import checkpoints, loop, summary  # pylint: disable=import-outside-toplevel
+  fake_ipu.install(monkeypatch)
+  caplog.set_level(python_logging.INFO, logger="absl")  # other tests may leave absl's logger at WARNING
+  config = select.resolve(_config(ipus_per_replica=2, pipeline_stages=2, gradient_accumulation=4, batch_size=4,
+                                  epochs=1, steps_per_epoch=8, eval_steps=4, synthetic_data=True,
+                                  optimizer="adam", learning_rate=1e-3, lr_schedule="cosine",
+                                  logdir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache")))
+  assert config.batch_norm_statistics == "batch"
+  loop.run(config, select.select_backend(config))
+  assert "each batch's own statistics" in caplog.text and "moving statistics of" not in caplog.text
+  path = checkpoints.best_or_last(config.logdir)
+  assert not [name for name, _ in tf.train.list_variables(path) if "moving_" in name]
+  saved = summary.load_run_config(config.logdir)
+  assert (saved.pipeline_stages, saved.batch_norm_statistics) == (1, "batch")
+  net = evaluation.build_model(saved, (1600, 4), 15, Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",)))
+  evaluation.restore_weights(net, path, (1600, 4), 15)
+  assert type(net.get_layer("batch_norm")).__name__ == "BatchStatisticsNormalization"

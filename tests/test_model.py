@@ -40,6 +40,57 @@ def test_neuron_inverter_parameter_counts_match_the_reference(design, trainable)
   assert net.output_shape == (None, 15)
 
 
+@pytest.mark.parametrize("statistics, layer_type, saved", [
+    ("moving", "BatchNormalization", ["gamma", "beta", "moving_mean", "moving_variance"]),
+    ("auto", "BatchNormalization", ["gamma", "beta", "moving_mean", "moving_variance"]),
+    ("batch", "BatchStatisticsNormalization", ["gamma", "beta"])])
+def test_neuron_inverter_batch_norm_keeps_moving_statistics_or_none(statistics, layer_type, saved):
+  """The reference's GPU model keeps moving statistics; its IPU model (track_running_stats=False) none.
+  The trainable weights are the same either way."""
+  net = model.get_model_module("neuron_inverter").build(
+      RunConfig(model="neuron_inverter", batch_norm_statistics=statistics))
+  layer = net.get_layer("batch_norm")
+  assert type(layer).__name__ == layer_type
+  assert [w.name.split("/")[-1].split(":")[0] for w in layer.weights] == saved
+  assert sum(int(np.prod(w.shape)) for w in net.trainable_weights) == 2988843
+
+
+def test_batch_statistics_normalise_evaluation_as_training_and_as_keras_training_does():
+  from model.normalization import BatchStatisticsNormalization  # pylint: disable=import-outside-toplevel
+  x = tf.constant(np.random.default_rng(0).normal(3.0, 2.0, (48, 7)), tf.float32)
+  ours, keras = BatchStatisticsNormalization(epsilon=1e-5), tf.keras.layers.BatchNormalization(epsilon=1e-5)
+  ours.build(x.shape)
+  keras.build(x.shape)
+  for layer in (ours, keras):
+    layer.gamma.assign(tf.linspace(0.5, 2.0, 7))
+    layer.beta.assign(tf.linspace(-1.0, 1.0, 7))
+  with tf.GradientTape(persistent=True) as tape:
+    tape.watch(x)
+    expected = keras(x, training=True)
+    trained, evaluated = ours(x, training=True), ours(x, training=False)
+  np.testing.assert_allclose(trained, expected, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(evaluated, trained)               # no moving statistics to switch to
+  assert not np.allclose(keras(x, training=False), expected, atol=0.1)  # Keras' would
+  for ours_grad, keras_grad in zip(tape.gradient(trained, [x, ours.gamma, ours.beta]),
+                                   tape.gradient(expected, [x, keras.gamma, keras.beta])):
+    np.testing.assert_allclose(ours_grad, keras_grad, rtol=1e-4, atol=1e-4)
+
+
+def test_batch_statistics_are_float32_under_mixed_precision():
+  from model.normalization import BatchStatisticsNormalization  # pylint: disable=import-outside-toplevel
+  tf.keras.mixed_precision.set_global_policy("mixed_bfloat16")
+  try:
+    layer = BatchStatisticsNormalization()
+    x = tf.cast(tf.constant(np.random.default_rng(1).normal(1e3, 1e2, (32, 5)), tf.bfloat16), tf.float32)
+    y = layer(x)
+  finally:
+    tf.keras.mixed_precision.set_global_policy("float32")
+  assert y.dtype == tf.bfloat16 and {w.dtype for w in layer.weights} == {tf.float32}
+  # Sums of 32 values near 1e3 in bfloat16 (8 bits of mantissa) would be off by whole steps of 128.
+  mean, variance = tf.nn.moments(x, axes=[0])
+  np.testing.assert_allclose(tf.cast(y, tf.float32), (x - mean) / tf.sqrt(variance + 1e-5), atol=0.02)
+
+
 @pytest.mark.parametrize("name, rate", [("neuron_inverter", 0.05), ("mnist", 0.3)])
 def test_dropout_layers_take_the_configured_rate(name, rate):
   net = model.get_model_module(name).build(RunConfig(model=name, design="dev", dropout=rate))

@@ -221,6 +221,18 @@ def test_resolve_settles_auto_before_the_backend_is_built():
   assert select.resolve(config) == config
 
 
+@pytest.mark.parametrize("kind, stages, requested, settled", [
+    ("ipu", 2, "auto", "batch"), ("ipu", 1, "auto", "moving"), ("cpu", 2, "auto", "moving"),
+    ("ipu", 2, "moving", "moving"), ("cpu", 1, "batch", "batch")])
+def test_batch_norm_statistics_are_each_batchs_own_only_where_moving_ones_cannot_be_kept(
+    kind, stages, requested, settled):
+  """keras/ipu/extensions/extensions_base.py: pipelined IPU training does not update moving statistics."""
+  assert select.resolve_batch_norm_statistics(requested, kind, stages) == settled
+  config = select.resolve(RunConfig(model="neuron_inverter", backend="cpu", pipeline_stages=stages,
+                                    batch_norm_statistics=requested))
+  assert config.batch_norm_statistics == (requested if requested != "auto" else "moving")
+
+
 def test_a_worker_alone_keeps_the_runs_precision_and_hardware_choices():
   """--predict after a multi-worker run evaluates in one process at the precision it trained with."""
   from strategies.multiworker import MultiWorkerBackend  # pylint: disable=import-outside-toplevel

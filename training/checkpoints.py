@@ -306,11 +306,16 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
     return self.last_saved
 
 
+# What a checkpoint written before its identity held a key was made with.
+_IDENTITY_BEFORE_RECORDED = {"batch_norm_statistics": "moving"}
+
+
 def check_identity(path: str, state: dict, identity: dict) -> None:
   for key, value in identity.items():
-    if state.get(key) != value:
+    saved = state.get(key, _IDENTITY_BEFORE_RECORDED.get(key))
+    if saved != value:
       raise UserError("--resume: %s was written with %s=%s, this run has %s=%s"
-                      % (path, key, state.get(key), key, value))
+                      % (path, key, saved, key, value))
 
 
 def _first_line(error: Exception) -> str:

@@ -110,9 +110,12 @@ def write_test_scalars(logdir: str, results: dict, step: int) -> None:
 
 def _identity(config: RunConfig) -> dict:
   """What a checkpoint must match to be resumed by this run (weights, optimizer slots, schedule)."""
-  uses_design = model.get_model_info(config.model).uses_design
-  return {"model": config.model, "design": config.design if uses_design else None,
-          "optimizer": config.optimizer, "learning_rate": config.learning_rate}
+  info = model.get_model_info(config.model)
+  identity = {"model": config.model, "design": config.design if info.uses_design else None,
+              "optimizer": config.optimizer, "learning_rate": config.learning_rate}
+  if info.has_batch_norm:  # the weights differ: moving statistics or none
+    identity["batch_norm_statistics"] = config.batch_norm_statistics
+  return identity
 
 
 def _batch_layout(config: RunConfig, backend: Backend) -> dict:
