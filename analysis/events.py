@@ -1,12 +1,14 @@
-"""TensorBoard event files: scalar series read back (for tools, plots and tests), and the prediction
-report written for TensorBoard's Images and Text dashboards."""
+"""TensorBoard event files: scalar series and run settings read back (for tools, plots and tests), and the
+prediction report written for TensorBoard's Images and Text dashboards."""
 
 import glob
 import logging
 import os
 
 import numpy as np
+from google.protobuf import json_format
 from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tensorboard.util import tensor_util
 
 
@@ -34,6 +36,16 @@ def read_scalars(folder: str) -> dict:
     if numeric:
       series[tag] = numeric
   return series
+
+
+def read_hparams(folder: str):
+  """(trial id, {setting: value}) of the run settings in `folder`'s event files, as TensorBoard's HParams
+  dashboard reads them (training/hparams.py writes them); numbers come back as floats."""
+  accumulator = event_accumulator.EventAccumulator(folder)
+  accumulator.Reload()
+  content = accumulator.PluginTagToContent(hparams_metadata.PLUGIN_NAME)[hparams_metadata.SESSION_START_INFO_TAG]
+  info = hparams_metadata.parse_session_start_info_plugin_data(content)
+  return info.group_name, json_format.MessageToDict(info)["hparams"]
 
 
 def write_prediction_events(outdir: str, figures: list, table: str, split: str, mse: float, step: int) -> str:

@@ -39,9 +39,11 @@ def test_closing_report_lists_what_the_run_folder_holds_and_predict_only_for_reg
   assert "tools/predict.py" not in mnist  # its reports are per conductance: regression models only
   for folder in ("checkpoints/best", "validation", "predict"):
     os.makedirs(os.path.join(logdir, folder))
+  open(os.path.join(logdir, "events.out.tfevents.1.host.2.v2"), "w").close()
   regression = closing_report({"model": "neuron_inverter", "epochs": 3}, logdir)
   assert ("  outputs: summary.yaml, checkpoints/{last,best}, TensorBoard events (train/, validation/, "
-          "test/), predict/ (figures, sum_pred.yaml, TensorBoard images)") in regression
+          "test/, the settings for the HParams tab), predict/ (figures, sum_pred.yaml, TensorBoard "
+          "images)") in regression
   assert "tools/predict.py --logdir " + logdir in regression
   assert regression.endswith("# train on to epoch 8")
   two_workers = closing_report({"model": "neuron_inverter", "epochs": 3}, logdir, processes=2)

@@ -202,6 +202,7 @@ def report(scan_dir: str) -> int:
         row["name"], row["status"], _number(row.get("best_val_loss")), _number(row.get("test_loss")),
         "exit %s: %s" % (row.get("returncode"), row.get("error")) if row["status"] == "failed" else ""))
   print("report: %s, %s" % (os.path.join(scan_dir, "scan.yaml"), os.path.join(scan_dir, "scan.png")))
+  print("TensorBoard, one HParams row per point: tensorboard --logdir %s" % scan_dir)
   if table["not_finished"]:
     print("error: %d of %d scan points did not finish: %s" % (len(table["not_finished"]), len(rows),
                                                               ", ".join(table["not_finished"])))

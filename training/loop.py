@@ -33,6 +33,7 @@ from training import checkpoints as checkpoints_lib
 from training import interrupt as interrupt_lib
 from training import logs
 from training import run_folder
+from training.hparams import write_hparams
 from training.lr_schedule import LearningRateSchedule, optimizer_rate, warmup_problem
 from training.optimizers import create_slots, make_optimizer
 from training import summary as summary_lib
@@ -336,6 +337,8 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
   if outdir == config.logdir:
     run_folder.claim(config.logdir, config.resume)
   write_run_config(outdir, config)  # backend and precision resolved (strategies.select.resolve)
+  if not config.compile_only:
+    write_hparams(outdir, config, global_batch_size)
 
   # --- Training ---------------------------------------------------------------------------------------
   history, fit_seconds = _train(net, config, backend, splits, resume_state, callbacks, flag)

@@ -5,6 +5,7 @@ global_batch_size, epochs, train_loss, val_loss (null without validation), test_
 (classification only), samples_per_sec_per_replica, compile_seconds, wall_seconds.
 """
 
+import glob
 import math
 import os
 import shlex
@@ -206,9 +207,11 @@ def _outputs(logdir: str) -> str:
   if checkpoints:
     parts.append("checkpoints/{%s}" % ",".join(checkpoints) if len(checkpoints) > 1
                  else "checkpoints/%s" % checkpoints[0])
-  events = present("train", "validation", "test")
+  events = [name + "/" for name in present("train", "validation", "test")]
+  if glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
+    events.append("the settings for the HParams tab")  # training/hparams.py
   if events:
-    parts.append("TensorBoard events (%s)" % ", ".join(name + "/" for name in events))
+    parts.append("TensorBoard events (%s)" % ", ".join(events))
   if present("predict"):
     parts.append("predict/ (figures, sum_pred.yaml, TensorBoard images)")
   return ", ".join(parts)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from analysis.events import read_scalars
+from analysis.events import read_hparams, read_scalars
 from tests.support.helpers import REPO_ROOT, assert_one_line_error, run_main
 from tests.support.idx_files import write_mnist_folder
 
@@ -61,8 +61,13 @@ def test_mnist_check_end_to_end(tmp_path, replicas):
   assert len(train["epoch_samples_per_sec"]) == 2
   test = _scalars(os.path.join(logdir, "test"))
   np.testing.assert_allclose(test["test_loss"], [summary["test_loss"]], rtol=1e-5)
+  trial, settings = read_hparams(logdir)
+  assert trial == "run" and "design" not in settings and "batch_norm_statistics" not in settings
+  assert (settings["model"], settings["replicas"], settings["global_batch_size"], settings["data"]) == (
+      "mnist", replicas, 32 * replicas, "built-in")
   if replicas == 2:
     _run_the_printed_resume_line(closing, logdir)
+    assert read_hparams(logdir)[1]["epochs"] == 7  # the resumed run's settings are the dashboard's
 
 
 def _run_the_printed_resume_line(closing, logdir):

@@ -109,7 +109,8 @@ def test_main_predict_writes_the_report(trained_run):
   # The closing report lists the folder as it is, and the report tool for this regression model.
   closing = result.stdout[result.stdout.index("Run finished: " + logdir):]
   assert ("outputs: summary.yaml, run_config.yaml, checkpoints/{last,best}, TensorBoard events (train/, "
-          "validation/, test/), predict/ (figures, sum_pred.yaml, TensorBoard images)") in closing
+          "validation/, test/, the settings for the HParams tab), predict/ (figures, sum_pred.yaml, "
+          "TensorBoard images)") in closing
   assert "tools/predict.py --logdir " + logdir in closing
 
 

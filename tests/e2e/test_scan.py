@@ -7,6 +7,7 @@ import sys
 import pytest
 import yaml
 
+from analysis.events import read_hparams
 from tests.support.cellspike_files import write_cellspike
 from tests.support.helpers import REPO_ROOT
 
@@ -40,6 +41,9 @@ def test_a_serial_scan_reports_every_point_and_lists_the_failed_one(tmp_path):
     summary = yaml.safe_load(open(os.path.join(scan_dir, name, "summary.yaml")))
     assert summary["replicas"] == 2 and summary["params"]["learning_rate"] == rows[name]["learning_rate"]
     assert rows[name]["best_val_loss"] == pytest.approx(summary["best_val_loss"])
+    trial, settings = read_hparams(os.path.join(scan_dir, name))  # TensorBoard's HParams row of the point
+    assert trial == name and settings["replicas"] == 2
+    assert settings["learning_rate"] == pytest.approx(rows[name]["learning_rate"])
   assert table["best"]["name"] in ("replicas2_lr0.001", "replicas2_lr0.003")
   assert os.path.getsize(os.path.join(scan_dir, "scan.png")) > 10000
 
