@@ -11,7 +11,8 @@ so that it gives the application's predictions exactly. (Standard Keras layers w
 16-bit units oneDNN fuses a Conv1D's bias into the convolution and rounds once, so their bfloat16 results
 differ in the last bits.) The graph is saved, not the Python classes: loading needs none of this code.
 Float32 in, float32 out,
-inference graph (dropout off, BatchNorm moving statistics). The serving signature takes `frames` of shape (batch, time bins,
+inference graph (dropout off, BatchNorm moving statistics, or each call's batch statistics for a run
+trained with `--batch_norm_statistics=batch`, which export_info.yaml then notes). The serving signature takes `frames` of shape (batch, time bins,
 probes) and returns `conductances` (batch, parameters) in the training targets' units (u*). The
 parameter names travel with it as `loaded.par_names()` (and in `export_info.yaml` beside the model).
 The same folder also loads with `tf.keras.models.load_model` under Keras 2 (TF <= 2.15, or tf-keras).
@@ -65,7 +66,10 @@ def export_saved_model(net: tf.keras.Model, config: RunConfig, input_shape, num_
           "par_names": names, "model": config.model, "design": config.design,
           "trained_precision": config.precision,
           "compute_policy": tf.keras.mixed_precision.global_policy().name,
-          "tensorflow_version": tf.__version__}
+          "tensorflow_version": tf.__version__, "batch_norm_statistics": config.batch_norm_statistics}
+  if config.batch_norm_statistics == "batch":
+    info["note"] = ("normalises each call's batch with that batch's own statistics (the reference's IPU "
+                    "model): pass batches of many samples, as in training, not single frames")
   with open(os.path.join(export_dir, "export_info.yaml"), "w") as f:
     yaml.safe_dump(info, f, sort_keys=False)
   return export_dir

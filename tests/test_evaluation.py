@@ -2,8 +2,11 @@
 an export that computes exactly as the application. End to end through the tools: tests/e2e/test_predict.py.
 """
 
+import os
+
 import numpy as np
 import pytest
+import yaml
 
 from analysis import evaluation
 from run_config import RunConfig
@@ -63,16 +66,19 @@ def test_weak_correlation_is_weak():
 # --- End to end: a tiny trained run -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("precision", ["32.32", "16.32"])
-def test_export_computes_as_the_application_at_its_precision(tmp_path, precision):
-  """A model trained at mixed 16-bit is exported at the same policy: the same predictions, exactly."""
+@pytest.mark.parametrize("precision, statistics", [("32.32", "moving"), ("16.32", "moving"),
+                                                    ("32.32", "batch")])
+def test_export_computes_as_the_application_at_its_precision(tmp_path, precision, statistics):
+  """A model trained at mixed 16-bit is exported at the same policy: the same predictions, exactly. A
+  model normalised by batch statistics says so in export_info.yaml: its callers must pass batches."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from strategies import cpu, select  # pylint: disable=import-outside-toplevel
   from analysis import export  # pylint: disable=import-outside-toplevel
   import model  # pylint: disable=import-outside-toplevel
   if precision != "32.32" and not cpu.bfloat16_kernels_available():
     precision = "32.32"  # TF 2.6 has no CPU bfloat16 kernels: the float32 case is the one it can run
-  config = RunConfig(model="neuron_inverter", design="dev", precision=precision)
+  config = RunConfig(model="neuron_inverter", design="dev", precision=precision,
+                     batch_norm_statistics=statistics)
   try:
     select.set_precision(precision, "cpu")
     net = model.get_model_module("neuron_inverter").build(config, (1600, 4), 15)
@@ -85,3 +91,6 @@ def test_export_computes_as_the_application_at_its_precision(tmp_path, precision
   got = loaded.signatures["serving_default"](frames=tf.constant(frames))["conductances"].numpy()
   assert got.dtype == np.float32
   np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+  info = yaml.safe_load(open(os.path.join(export_dir, "export_info.yaml")))
+  assert info["batch_norm_statistics"] == statistics
+  assert ("each call's batch" in info.get("note", "")) == (statistics == "batch")
