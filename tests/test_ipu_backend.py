@@ -702,3 +702,20 @@ def test_a_pipelined_run_normalises_by_batch_statistics_and_its_predictions_do_t
   net = evaluation.build_model(saved, (1600, 4), 15, Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",)))
   evaluation.restore_weights(net, path, (1600, 4), 15)
   assert type(net.get_layer("batch_norm")).__name__ == "BatchStatisticsNormalization"
+
+
+def test_compile_only_also_compiles_the_test_evaluation(monkeypatch, tmp_path):
+  """A pipelined evaluation embeds its iterations in the graph (extensions_base.py
+  `_make_ipu_test_function_wrapper`): a test split of another size than the validation split has an
+  executable of its own, which --compile_only puts in the cache too."""
+  from strategies import select  # pylint: disable=import-outside-toplevel
+  from tests.support.cellspike_files import write_cellspike  # pylint: disable=import-outside-toplevel
+  from training import loop  # pylint: disable=import-outside-toplevel
+  fake_ipu.install(monkeypatch)
+  data_path = write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 64, "val": 16, "test": 24})
+  config = select.resolve(_config(ipus_per_replica=2, pipeline_stages=2, gradient_accumulation=4, batch_size=2,
+                                  epochs=1, data_path=data_path, optimizer="adam", learning_rate=1e-3,
+                                  compile_only=True, logdir=str(tmp_path / "run"),
+                                  cache_dir=str(tmp_path / "cache")))
+  loop.run(config, select.select_backend(config))
+  assert [options["steps_per_execution"] for _, _, options in _calls("evaluate")] == [8, 12]

@@ -343,6 +343,7 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
   # --- Training ---------------------------------------------------------------------------------------
   history, fit_seconds = _train(net, config, backend, splits, resume_state, callbacks, flag)
   if config.compile_only:
+    _compile_test(net, backend, splits)
     logging.info("--compile_only: compiled in %.1f s; exiting before training",
                  throughput.compile_seconds or 0.0)
     return {"compile_seconds": throughput.compile_seconds}
@@ -389,6 +390,18 @@ def _train(net, config, backend, splits, resume_state, callbacks, flag):
   # Training alone, from the first step to the return of the last fit (its input torn down): beside
   # the epochs' own wall times it shows any wait that no epoch accounts for.
   return history, time.perf_counter() - fit_started
+
+
+def _compile_test(net, backend, splits) -> None:
+  """--compile_only: evaluates the test split once too (the fit ran the validation), so that a real run
+  finds its executable in the cache: a pipelined IPU model's evaluation embeds its iterations, the
+  steps_per_execution truncated to the split's steps, in the graph (keras/ipu/extensions/
+  extensions_base.py `_make_ipu_test_function_wrapper`), so a test split of another size than the
+  validation split has an executable of its own."""
+  if splits.test:
+    test_x, test_steps = backend.fit_input(splits.test.dataset, splits.test.steps)
+    with DroppedLines(logs.ONE_OFF_NATIVE_LINES):
+      net.evaluate(test_x, steps=test_steps, verbose=0)
 
 
 def _test(net, config, backend, splits, checkpointing, outdir, last_epoch):
