@@ -2,7 +2,8 @@
 
 A plain dispatcher over `strategies/registry.py`: `resolve` settles `--backend=auto`,
 `--precision=auto` (from what the chosen backend's module says of its hardware) and
-`--batch_norm_statistics=auto`, before anything is built; then that module creates the backend, and its Keras policy for the precision is set.
+`--batch_norm_statistics=auto`, before anything is built; then that module creates the backend, and
+its Keras policy for the precision is set.
 """
 
 import dataclasses
@@ -50,12 +51,7 @@ def resolve_batch_norm_statistics(requested: str, kind: str, pipeline_stages: in
   r2.6/sdk-release-3.4): there each batch's own, as the reference's IPU model normalises."""
   if requested != "auto":
     return requested
-  if kind == "ipu" and pipeline_stages > 1:
-    logging.info("Batch normalisation by each batch's own statistics, in evaluation and prediction too "
-                 "(--batch_norm_statistics=auto: pipelined IPU training cannot update moving statistics; "
-                 "the reference's IPU model does the same)")
-    return "batch"
-  return "moving"
+  return "batch" if kind == "ipu" and pipeline_stages > 1 else "moving"
 
 
 def resolve(config: RunConfig) -> RunConfig:

@@ -321,6 +321,10 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
                "%d optimizer steps per epoch", global_batch_size, config.batch_size,
                backend.gradient_accumulation, backend.replicas, backend.optimizer_steps(splits.train.steps))
 
+  if info.has_batch_norm and config.batch_norm_statistics == "batch":
+    logging.info("Batch normalisation by each batch's own statistics, in evaluation and prediction too "
+                 "(--batch_norm_statistics=batch, the reference's IPU model; auto chooses it for pipelined "
+                 "IPU training, which cannot update moving statistics)")
   problem = warmup_problem(config.warmup_epochs, config.epochs, config.lr_schedule)
   if problem:
     logging.warning(problem)
