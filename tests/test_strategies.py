@@ -49,6 +49,15 @@ def test_too_many_cpu_replicas_after_start_is_a_clear_error():
     select.select_backend(RunConfig(model="mnist", backend="cpu", replicas=8))
 
 
+@pytest.mark.parametrize("replicas, cores, environ, threads", [
+    (4, 2, {}, (1, 4)), (2, 2, {}, (1, 2)), (8, 8, {}, (1, 8)),
+    (1, 1, {}, None), (1, 2, {}, None), (2, 4, {}, None),          # fewer replicas than cores: TF's
+    (4, 2, {"TF_NUM_INTRAOP_THREADS": "2"}, None),                  # the user's choice stands
+    (4, 2, {"TF_NUM_INTEROP_THREADS": "8"}, None), (4, 2, {"TF_NUM_INTRAOP_THREADS": ""}, (1, 4))])
+def test_replicas_on_as_many_cores_run_their_ops_side_by_side(replicas, cores, environ, threads):
+  assert cpu.side_by_side_threads(replicas, cores, environ) == threads
+
+
 def test_gpu_replicas_need_visible_gpus():
   visible = len(tf.config.list_physical_devices("GPU"))
   with pytest.raises(UserError, match=r"--replicas=%d needs %d GPU\(s\) but TensorFlow sees %d"

