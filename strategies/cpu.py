@@ -195,9 +195,9 @@ def side_by_side_threads(replicas: int, cores: int, environ) -> Optional[Tuple[i
   default (every op split over all cores, so the replicas' small ops take turns).
 
   With at least as many replicas as cores (and more than one), each op runs on one thread and the
-  replicas' ops side by side. On a 2-core Zen 4 the 4 x 48 main job trained 5 % faster so in float32
-  with AVX2 code (eight alternating pairs of runs, -5 to +16 %) and 6 % in mixed bfloat16 (two pairs;
-  docs/PERFORMANCE.md). Thread counts the user set (TF_NUM_INTRAOP_THREADS, TF_NUM_INTEROP_THREADS)
+  replicas' ops side by side. On a 2-core Zen 4 the 4 x 48 main job trained about 5 % faster so in
+  float32 with AVX2 code (ten alternating pairs of runs, -5 to +16 %) and in mixed bfloat16 (two pairs,
+  +4 and +5 %; docs/PERFORMANCE.md). Thread counts the user set (TF_NUM_INTRAOP_THREADS, TF_NUM_INTEROP_THREADS)
   stand."""
   if replicas < max(cores, 2) or any(environ.get(name) for name in _THREAD_VARIABLES):
     return None
