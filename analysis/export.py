@@ -10,12 +10,12 @@ computed with (float32, or mixed 16-bit for `--precision=16.32`), and the traine
 so that it gives the application's predictions exactly. (Standard Keras layers would not: on CPUs with
 16-bit units oneDNN fuses a Conv1D's bias into the convolution and rounds once, so their bfloat16 results
 differ in the last bits.) The graph is saved, not the Python classes: loading needs none of this code.
-Float32 in, float32 out,
-inference graph (dropout off, BatchNorm moving statistics, or each call's batch statistics for a run
-trained with `--batch_norm_statistics=batch`, which export_info.yaml then notes). The serving signature takes `frames` of shape (batch, time bins,
-probes) and returns `conductances` (batch, parameters) in the training targets' units (u*). The
-parameter names travel with it as `loaded.par_names()` (and in `export_info.yaml` beside the model).
-The same folder also loads with `tf.keras.models.load_model` under Keras 2 (TF <= 2.15, or tf-keras).
+Float32 in, float32 out, inference graph (dropout off, BatchNorm moving statistics, or each call's
+batch statistics for a run trained with `--batch_norm_statistics=batch`, which export_info.yaml then
+notes). The serving signature takes `frames` of shape (batch, time bins, probes) and returns
+`conductances` (batch, parameters) in the training targets' units (u*). The parameter names travel
+with it as `loaded.par_names()` (and in `export_info.yaml` beside the model). The same folder also
+loads with `tf.keras.models.load_model` under Keras 2 (TF <= 2.15, or tf-keras).
 """
 
 import os

@@ -5,7 +5,7 @@ This is the Neuron-Inverter reference's IPU model: its poptorch `Model.py` build
 every batch with its own mean and variance, at inference too. The application uses it where Keras'
 moving statistics cannot be kept right: in pipelined IPU training, IPU Keras does not update them
 (keras/ipu/extensions/extensions_base.py, graphcore/keras r2.6/sdk-release-3.4), so a pipelined run's
-validation, test and predictions would normalise with the statistics of the initialisation.
+validation, test and predictions would normalise with statistics that do not follow its data.
 
 The layer has the scale and offset of Keras' BatchNormalization (gamma, beta), and nothing else to
 save. The statistics are those of one replica's batch (as Keras' BatchNormalization without
