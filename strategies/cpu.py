@@ -197,15 +197,16 @@ def side_by_side_threads(replicas: int, cores: int, environ) -> Optional[Tuple[i
   With at least as many replicas as cores (and more than one), each op runs on one thread and the
   replicas' ops side by side. On a 2-core Zen 4 the 4 x 48 main job trained about 5 % faster so in
   float32 with AVX2 code (ten alternating pairs of runs, -5 to +16 %) and in mixed bfloat16 (two pairs,
-  +4 and +5 %; docs/PERFORMANCE.md). Thread counts the user set (TF_NUM_INTRAOP_THREADS, TF_NUM_INTEROP_THREADS)
-  stand."""
+  +4 and +5 %; docs/PERFORMANCE.md). Thread counts the user set (TF_NUM_INTRAOP_THREADS,
+  TF_NUM_INTEROP_THREADS) stand."""
   if replicas < max(cores, 2) or any(environ.get(name) for name in _THREAD_VARIABLES):
     return None
   return 1, replicas
 
 
 def _set_threads(replicas: int) -> None:
-  threads = side_by_side_threads(replicas, _usable_cores(), os.environ)
+  cores = _usable_cores()
+  threads = side_by_side_threads(replicas, cores, os.environ)
   if threads is None:
     return
   try:
@@ -214,7 +215,7 @@ def _set_threads(replicas: int) -> None:
   except RuntimeError:
     return  # TensorFlow started already in this process (a second run in one test session)
   logging.info("%d replicas on %d cores: each op on one thread, the replicas' ops side by side "
-               "(set TF_NUM_INTRAOP_THREADS to choose otherwise)", replicas, _usable_cores())
+               "(set TF_NUM_INTRAOP_THREADS to choose otherwise)", replicas, cores)
 
 
 def _ensure_logical_cpus(count: int) -> list:

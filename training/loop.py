@@ -396,6 +396,13 @@ def _train(net, config, backend, splits, resume_state, callbacks, flag):
   return history, time.perf_counter() - fit_started
 
 
+def _evaluate_test(net, backend, splits, verbose: int) -> dict:
+  """The test split's metrics with `net`'s current weights (the application's one evaluation of it)."""
+  test_x, test_steps = backend.fit_input(splits.test.dataset, splits.test.steps)
+  with DroppedLines(logs.ONE_OFF_NATIVE_LINES):
+    return net.evaluate(test_x, steps=test_steps, return_dict=True, verbose=verbose)
+
+
 def _compile_test(net, backend, splits) -> None:
   """--compile_only: evaluates the test split once too (the fit ran the validation), so that a real run
   finds its executable in the cache: a pipelined IPU model's evaluation embeds its iterations, the
@@ -403,9 +410,7 @@ def _compile_test(net, backend, splits) -> None:
   extensions_base.py `_make_ipu_test_function_wrapper`), so a test split of another size than the
   validation split has an executable of its own."""
   if splits.test:
-    test_x, test_steps = backend.fit_input(splits.test.dataset, splits.test.steps)
-    with DroppedLines(logs.ONE_OFF_NATIVE_LINES):
-      net.evaluate(test_x, steps=test_steps, verbose=0)
+    _evaluate_test(net, backend, splits, verbose=0)
 
 
 def _test(net, config, backend, splits, checkpointing, outdir, last_epoch):
@@ -414,8 +419,6 @@ def _test(net, config, backend, splits, checkpointing, outdir, last_epoch):
     return {}, None
   test_epoch = _use_best_weights(checkpointing, last_epoch)
   print("\nEvaluation", flush=True)
-  test_x, test_steps = backend.fit_input(splits.test.dataset, splits.test.steps)
-  with DroppedLines(logs.ONE_OFF_NATIVE_LINES):
-    test_results = net.evaluate(test_x, steps=test_steps, return_dict=True, verbose=1)
+  test_results = _evaluate_test(net, backend, splits, verbose=1)
   write_test_scalars(outdir, test_results, step=config.epochs)
   return test_results, test_epoch
