@@ -170,8 +170,8 @@ def _define_placement_flags() -> None:
                     "with --ipu_connection=pre_compile to compile without IPUs.")
   _on.DEFINE_enum("precision", _default("precision"), PRECISIONS, "compute.weights precision: 32.32 float32, 16.32 "
                     "mixed (16-bit compute, 32-bit weights), 16.16; auto: 16.32 where the processor "
-                    "has 16-bit arithmetic units (IPUs, GPUs with tensor cores, CPUs with AMX or "
-                    "AVX-512 BF16), else 32.32.")
+                    "has 16-bit arithmetic units that outrun 32-bit ones (IPUs, GPUs with tensor cores, "
+                    "CPUs with AMX, AMD CPUs with AVX-512 BF16), else 32.32.")
   _on.DEFINE_string("profile_dir", _default("profile_dir"), "Write profiles here: PopVision reports on IPU, a TensorBoard "
                       "profile on CPU/GPU.")
 

@@ -73,9 +73,22 @@ def has_bfloat16_units() -> bool:
   return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+# Where training in mixed bfloat16 was measured faster than in float32 (docs/PERFORMANCE.md,
+# "Precision on the CPU"): AMX (a Sapphire Rapids, 1.4-2.1x per step) and AMD's AVX-512 BF16 (a Zen 4, 1.8x
+# per epoch). Intel's AVX-512 BF16 without AMX (an Emerald Rapids whose hypervisor hides its AMX) was
+# the slower one: the main job at 0.70-0.74x, a 2048 x 2048 matmul at 162 against 314 GFLOP/s.
+def bfloat16_outruns_float32(cpu_flags=None, vendor=None) -> bool:
+  """Whether this CPU trains faster in mixed bfloat16 than in float32 (`cpu_flags` and `vendor`
+  default to this machine's)."""
+  flags = _cpu_flags() if cpu_flags is None else set(cpu_flags)
+  vendor = _cpu_generation()[0] if vendor is None else vendor
+  return "amx_bf16" in flags or ("avx512_bf16" in flags and vendor == "AuthenticAMD")
+
+
 def has_16bit_units() -> bool:
-  """Whether --precision=auto means mixed bfloat16 here: the units, and TensorFlow kernels for them."""
-  return has_bfloat16_units() and bfloat16_kernels_available()
+  """Whether --precision=auto means mixed bfloat16 here: bfloat16 units that outrun float32, and
+  TensorFlow kernels for them."""
+  return bfloat16_outruns_float32() and bfloat16_kernels_available()
 
 
 def bfloat16_kernels_available() -> bool:
@@ -97,6 +110,10 @@ def check_precision(precision: str) -> None:
     raise UserError("--precision=%s on the CPU needs TensorFlow >= 2.9 (bfloat16 kernels); this is "
                     "TensorFlow %s: use --precision=32.32" % (precision, tf.__version__))
   if has_bfloat16_units():
+    if not bfloat16_outruns_float32():
+      logging.warning("--precision=%s: this CPU's bfloat16 units (AVX-512 BF16 without AMX) trained slower "
+                      "than float32 on a CPU of its kind (0.7x); --precision=auto picks 32.32 here",
+                      precision)
     return
   uncapped = _cpu_flags(environ={})
   if "amx_bf16" in uncapped or "avx512_bf16" in uncapped:

@@ -100,7 +100,7 @@ def test_precision_maps_to_keras_policies(precision, kind, policy):
 ])
 def test_auto_precision_is_mixed_only_where_the_processor_has_16_bit_units(monkeypatch, requested, kind,
                                                                            native, resolved):
-  monkeypatch.setattr(cpu, "has_bfloat16_units", lambda: native)
+  monkeypatch.setattr(cpu, "bfloat16_outruns_float32", lambda: native)
   monkeypatch.setattr(cpu, "bfloat16_kernels_available", lambda: True)
   monkeypatch.setattr(gpu, "has_tensor_cores", lambda: native)
   assert select.resolve_precision(requested, kind) == resolved
@@ -112,6 +112,17 @@ def test_cpu_bfloat16_detection_reads_this_machines_cpu_flags(monkeypatch):
   with open("/proc/cpuinfo") as cpuinfo:
     flags = next(line for line in cpuinfo if line.startswith("flags")).split()
   assert cpu.has_bfloat16_units() == ("amx_bf16" in flags or "avx512_bf16" in flags)
+
+
+@pytest.mark.parametrize("flags, vendor, outruns", [
+    ({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "GenuineIntel", True),  # Sapphire Rapids
+    ({"avx2", "avx512f", "avx512_bf16"}, "AuthenticAMD", True),                        # Zen 4
+    ({"avx2", "avx512f", "avx512_bf16"}, "GenuineIntel", False),   # Intel, AMX absent or hidden
+    ({"avx2", "avx512f"}, "GenuineIntel", False),
+    ({"avx2"}, "AuthenticAMD", False),                                                  # Zen 1
+])
+def test_auto_precision_is_bfloat16_only_where_it_was_measured_faster_than_float32(flags, vendor, outruns):
+  assert cpu.bfloat16_outruns_float32(flags, vendor) == outruns
 
 
 def test_a_onednn_isa_cap_hides_the_features_it_caps():
@@ -136,15 +147,16 @@ def test_auto_precision_stays_float32_where_tensorflow_lacks_cpu_bfloat16_kernel
     cpu.check_precision("16.32")
 
 
-@pytest.mark.parametrize("flags, cap, outcome", [
-    ("fma avx2 avx512f avx512_bf16", "", "runs"),        # a Zen 4: the units are there
-    ("fma avx2 avx512f avx512_bf16", "AVX2", "refused"),  # the cap hides them from oneDNN
-    ("fma avx2", "", "warned"),                          # a Zen 1: TensorFlow emulates bfloat16
+@pytest.mark.parametrize("flags, vendor, cap, outcome", [
+    ("fma avx2 avx512f avx512_bf16", "AuthenticAMD", "", "runs"),        # a Zen 4: the units are there
+    ("fma avx2 avx512f avx512_bf16", "AuthenticAMD", "AVX2", "refused"),  # the cap hides them from oneDNN
+    ("fma avx2", "AuthenticAMD", "", "emulated"),                        # a Zen 1: TensorFlow emulates
+    ("fma avx2 avx512f avx512_bf16", "GenuineIntel", "", "slower"),      # Intel without AMX
 ])
-def test_bfloat16_is_refused_under_a_cap_that_hides_the_units_and_a_warning_without_them(
-    monkeypatch, flags, cap, outcome):
+def test_bfloat16_is_refused_under_a_cap_that_hides_the_units_and_a_warning_where_it_is_slow(
+    monkeypatch, flags, vendor, cap, outcome):
   monkeypatch.setattr(cpu, "bfloat16_kernels_available", lambda: True)
-  monkeypatch.setattr(cpu, "_first_processor", lambda: {"flags": flags})
+  monkeypatch.setattr(cpu, "_first_processor", lambda: {"flags": flags, "vendor_id": vendor})
   # The cap as the backend reads it, without setting the variable in this process: oneDNN reads it
   # once, at its first kernel, and later tests in this worker must not inherit a cap.
   monkeypatch.setattr(cpu, "_isa_cap", lambda environ=None: "" if environ == {} else cap)
@@ -157,8 +169,9 @@ def test_bfloat16_is_refused_under_a_cap_that_hides_the_units_and_a_warning_with
     return
   cpu.check_precision("16.32")
   cpu.check_precision("32.32")
-  assert [w.split(":")[0] for w in warnings] == (["--precision=16.32"] if outcome == "warned" else [])
-  assert all("no bfloat16 units" in w for w in warnings)
+  assert [w.split(":")[0] for w in warnings] == (["--precision=16.32"] if outcome != "runs" else [])
+  assert all({"emulated": "no bfloat16 units", "slower": "trained slower than float32"}[outcome] in w
+             for w in warnings)
 
 
 def test_cpu_bfloat16_kernels_are_known_from_the_tensorflow_version():

@@ -35,7 +35,8 @@ from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
 flags.DEFINE_list("designs", ["ontra4", "dev"], "Neuron-Inverter designs to measure.")
 flags.DEFINE_integer("batch_size", 192, "Batch size per replica.", lower_bound=1)
 flags.DEFINE_list("precisions", ["auto"], "--precision values of main.py to compare side by side "
-                  "(32.32, 16.32, 16.16); auto: 32.32, and 16.32 where the CPU has bfloat16 units.")
+                  "(32.32, 16.32, 16.16); auto: 32.32, and 16.32 where main.py's --precision=auto "
+                  "picks it.")
 flags.DEFINE_bool("jit_compile", False, "XLA-compile the steps.")
 flags.DEFINE_integer("windows", 5, "Timed windows (the median is reported).", lower_bound=1)
 flags.DEFINE_integer("window_steps", 30, "Steps per timed window.", lower_bound=1)
