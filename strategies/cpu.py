@@ -150,9 +150,10 @@ def conv_options(precision: str, cpu_flags=None, generation=None) -> dict:
   """Backend fields for oneDNN's convolutions on this CPU, each chosen by a measurement
   (docs/PERFORMANCE.md; `cpu_flags` and `generation` default to this machine's).
 
-  - On AVX-512 CPUs (a Sapphire Rapids, a Zen 4) oneDNN's backward-data convolution ran 3-4x slower
-    than its forward one at the Neuron-Inverter's shapes, so the input gradient is a forward conv
-    there; on an AVX2 EPYC the backward-data kernel was the faster one.
+  - In bfloat16 on AVX-512 CPUs (a Sapphire Rapids, a Zen 4) oneDNN's backward-data convolution ran
+    3-4x slower than its forward one at the Neuron-Inverter's shapes, so the input gradient is a
+    forward conv there. In float32 the backward-data kernel was the faster one: on an AVX2 EPYC, on a
+    Zen 4 with AVX-512 (conv2 alone) and on an Emerald Rapids Xeon (the whole step, 1.04-1.07x).
   - With AVX2 code (a Zen 4 under ONEDNN_MAX_CPU_ISA=AVX2), oneDNN's backward-filter kernel ran
     1.1-1.7x slower than one im2col matmul; with AVX-512 it was the faster one.
   - AMX bfloat16 kernels take their fast path only for channel counts that are multiples of 32
@@ -165,27 +166,36 @@ def conv_options(precision: str, cpu_flags=None, generation=None) -> dict:
   sixteen_bit = precision != "32.32"
   maxima = not sixteen_bit and generation in _MAXIMA_POOLING_CPUS
   return {"conv_channel_multiple": 32 if sixteen_bit else 1,
-          "conv_input_grad_by_forward_conv": "avx512f" in flags,
+          "conv_input_grad_by_forward_conv": sixteen_bit and "avx512f" in flags,
           "conv_kernel_grad_by_matmul": "avx512f" not in flags,
           **(_MAXIMA_FORMS if maxima else _MAXPOOL_FORMS)}
 
 
 # The choices above whose measurements came from some CPUs and not others: on a CPU that computes in
 # float32 the run may time the other forms of these for a few steps and keep the fastest
-# (training/autotune.py). MaxPool against maxima was decided on a Zen 1 at 1 x 192 only, and the
-# kernel gradient as a matmul on a Zen 4 under an AVX2 cap only (docs/PERFORMANCE.md).
-def conv_alternatives(precision: str, chosen: dict) -> tuple:
+# (training/autotune.py; docs/PERFORMANCE.md). Everywhere: the kernel gradient as a matmul, decided on
+# a Zen 4 under an AVX2 cap only. With AVX2 code: MaxPool against maxima, decided on a Zen 1 at 1 x 192
+# only (with AVX-512 MaxPool won on both CPUs that had it). With AVX-512: the input gradient's form,
+# which went one way in bfloat16 and the other in float32 on the CPUs that measured it.
+def conv_alternatives(precision: str, chosen: dict, cpu_flags=None) -> tuple:
   """The convolution options worth timing on this machine, as Backend field overrides, the built-in
   `chosen` (conv_options' fields) first; () where the choice was measured on the CPUs it applies to
   (16-bit: the AMX Xeon and the Zen 4 both chose these forms)."""
   if precision != "32.32":
     return ()
-  forms = []
-  for pooling in (_MAXPOOL_FORMS, _MAXIMA_FORMS) if chosen["conv_pooling"] == "max_pool" else (
-      _MAXIMA_FORMS, _MAXPOOL_FORMS):
-    for by_matmul in (chosen["conv_kernel_grad_by_matmul"], not chosen["conv_kernel_grad_by_matmul"]):
-      forms.append(tuple(sorted(dict(pooling, conv_kernel_grad_by_matmul=by_matmul).items())))
-  return tuple(forms)
+  flags = _cpu_flags() if cpu_flags is None else set(cpu_flags)
+  if "avx512f" in flags:
+    first = _both_ways("conv_input_grad_by_forward_conv", chosen)
+  else:
+    first = (_MAXPOOL_FORMS, _MAXIMA_FORMS) if chosen["conv_pooling"] == "max_pool" else (
+        _MAXIMA_FORMS, _MAXPOOL_FORMS)
+  return tuple(tuple(sorted(dict(outer, **inner).items()))
+               for outer in first for inner in _both_ways("conv_kernel_grad_by_matmul", chosen))
+
+
+def _both_ways(field: str, chosen: dict) -> tuple:
+  """The two settings of a boolean option, `chosen`'s first."""
+  return {field: chosen[field]}, {field: not chosen[field]}
 
 
 def machine_signature() -> str:

@@ -20,7 +20,8 @@ ZEN1_FORMS = cpu.conv_options("32.32", {"fma", "avx2"}, ("AuthenticAMD", 23))
 def _backend(**fields):
   chosen = cpu.conv_options("32.32", {"fma", "avx2"}, ("AuthenticAMD", 25))
   return Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",), **chosen,
-                 form_alternatives=cpu.conv_alternatives("32.32", chosen), machine_signature="test cpu",
+                 form_alternatives=cpu.conv_alternatives("32.32", chosen, {"fma", "avx2"}),
+                 machine_signature="test cpu",
                  **fields)
 
 
@@ -30,7 +31,7 @@ def _accept_all(options):
 
 def test_float32_alternatives_are_the_product_of_the_uncertain_choices_builtin_first():
   for chosen in (AVX2_FORMS, ZEN1_FORMS):
-    alternatives = cpu.conv_alternatives("32.32", chosen)
+    alternatives = cpu.conv_alternatives("32.32", chosen, {"fma", "avx2"})
     assert len(set(alternatives)) == 4
     first = dict(alternatives[0])
     assert all(first[field] == chosen[field] for field in first)
@@ -39,6 +40,16 @@ def test_float32_alternatives_are_the_product_of_the_uncertain_choices_builtin_f
     # The phases go with the maxima form, never with MaxPool.
     assert all((dict(forms)["conv_phases_max_in_channels"] > 0) == (dict(forms)["conv_pooling"] == "maximum")
                for forms in alternatives)
+
+
+def test_with_avx512_the_input_gradient_is_timed_instead_of_the_pooling():
+  flags = {"fma", "avx2", "avx512f", "avx512_bf16"}
+  chosen = cpu.conv_options("32.32", flags, ("GenuineIntel", 6))
+  alternatives = [dict(forms) for forms in cpu.conv_alternatives("32.32", chosen, flags)]
+  assert len(alternatives) == 4 and all(alternatives[0][field] == chosen[field] for field in alternatives[0])
+  assert {(forms["conv_input_grad_by_forward_conv"], forms["conv_kernel_grad_by_matmul"])
+          for forms in alternatives} == {(False, False), (False, True), (True, False), (True, True)}
+  assert not any("conv_pooling" in forms for forms in alternatives)  # MaxPool, measured on two CPUs
 
 
 def test_sixteen_bit_has_no_alternatives():

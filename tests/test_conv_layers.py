@@ -185,7 +185,8 @@ def test_cpu_options_follow_the_measurements_per_cpu():
   avx2, amx = {"avx2", "fma"}, {"avx2", "avx512f", "amx_bf16"}
   zen1, zen4, xeon = ("AuthenticAMD", 23), ("AuthenticAMD", 25), ("GenuineIntel", 6)
   assert not cpu.conv_options("32.32", avx2, zen1)["conv_input_grad_by_forward_conv"]
-  assert all(cpu.conv_options(p, amx, xeon)["conv_input_grad_by_forward_conv"] for p in ("32.32", "16.32"))
+  assert cpu.conv_options("16.32", amx, xeon)["conv_input_grad_by_forward_conv"]
+  assert not cpu.conv_options("32.32", amx, xeon)["conv_input_grad_by_forward_conv"]
   assert cpu.conv_options("32.32", avx2, zen1)["conv_kernel_grad_by_matmul"]
   assert not cpu.conv_options("32.32", amx, xeon)["conv_kernel_grad_by_matmul"]
   assert cpu.conv_options("32.32", avx2, zen1)["conv_pooling"] == "maximum"
