@@ -73,10 +73,11 @@ def has_bfloat16_units() -> bool:
   return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-# Where training in mixed bfloat16 was measured faster than in float32 (docs/PERFORMANCE.md,
-# "Precision on the CPU"): AMX (a Sapphire Rapids, 1.4-2.1x per step) and AMD's AVX-512 BF16 (a Zen 4, 1.8x
-# per epoch). Intel's AVX-512 BF16 without AMX (an Emerald Rapids whose hypervisor hides its AMX) was
-# the slower one: the main job at 0.70-0.74x, a 2048 x 2048 matmul at 162 against 314 GFLOP/s.
+# Where training in mixed bfloat16 was measured faster than in float32 (docs/PERFORMANCE.md, "Session
+# 19: precision on an Intel Xeon without AMX"): AMX (a Sapphire Rapids, 1.4-2.1x per step) and AMD's
+# AVX-512 BF16 (a Zen 4, 1.8x per epoch). Intel's AVX-512 BF16 without AMX (an Emerald Rapids whose
+# hypervisor hides its AMX) was the slower one: the main job at 0.70-0.74x, a 2048 x 2048 matmul at 162
+# against 314 GFLOP/s.
 def bfloat16_outruns_float32(cpu_flags=None, vendor=None) -> bool:
   """Whether this CPU trains faster in mixed bfloat16 than in float32 (`cpu_flags` and `vendor`
   default to this machine's)."""
