@@ -46,6 +46,9 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
       "val_loss": _last(history, "val_loss"),
       "test_loss": float(test_results["loss"]) if "loss" in test_results else None,
       "test_weights_epoch": test_epoch,
+      # Whole batches of every process (static shapes, as IPUs need): a test split of 2,048 samples
+      # in global batches of 192 evaluates 1,920 of them, so tools/predict.py's figure may differ.
+      "test_samples": splits.test.samples * backend.world_size if splits.test and test_results else None,
       "samples_per_sec_per_replica": throughput.samples_per_sec_per_replica,
       "compile_seconds": throughput.compile_seconds,
       "executable_from_cache": throughput.from_cache,
@@ -160,8 +163,13 @@ def closing_report(summary: dict, logdir: str, argv=(), processes: int = 1) -> s
     test = _loss_line("loss", summary["test_loss"], baseline)
     if summary.get("test_accuracy") is not None:
       test += ", accuracy %.4f" % summary["test_accuracy"]
+    details = []
+    if summary.get("test_samples"):
+      details.append("%d samples" % summary["test_samples"])
     if summary.get("test_weights_epoch"):
-      test += " (weights of epoch %d)" % summary["test_weights_epoch"]
+      details.append("weights of epoch %d" % summary["test_weights_epoch"])
+    if details:
+      test += " (%s)" % ", ".join(details)
     lines.append("  test: %s" % test)
   lines.append("  outputs: %s" % _outputs(logdir))
   python, tensorboard = _commands()
