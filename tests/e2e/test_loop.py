@@ -47,6 +47,7 @@ def test_two_replicas_one_epoch(tmp_path, fp16_file):
   assert summary["steps_per_epoch"] == 8                       # 256 // 2 // 16
   assert np.isfinite(summary["val_loss"]) and np.isfinite(summary["test_loss"])
   assert "test_accuracy" not in summary
+  assert summary["test_samples"] == 64 and "(64 samples, weights of epoch 1)" in result.stdout  # 2 x 32
   assert summary["mean_predictor_val_loss"] == pytest.approx(1 / 3, rel=0.3)
   assert summary["best_val_epoch"] == 1 and summary["params"]["design"] == "dev"
   with open(os.path.join(logdir, "run_config.yaml")) as f:   # --precision=auto, resolved once for both

@@ -77,6 +77,7 @@ def test_two_workers_train_in_sync_on_disjoint_shards(tmp_path):
   assert "in each of the 2 processes, launched as before" in outputs[0][0]
   assert "Run finished" not in outputs[1][0]
   assert summaries[0]["steps_per_epoch"] == 3 and summaries[0]["train_samples_per_epoch"] == 96
+  assert summaries[0]["test_samples"] == 32  # --eval_steps=1: a batch of 16 on each of the two workers
   # Identical weights after training: the all-reduce kept both replicas in step.
   assert summaries[0]["weights_sha256"] == summaries[1]["weights_sha256"]
   # Disjoint contiguous shards: worker 0 rows [0, 128), worker 1 rows [128, 256).
