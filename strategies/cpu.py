@@ -186,12 +186,12 @@ def conv_alternatives(precision: str, chosen: dict, cpu_flags=None) -> tuple:
     return ()
   flags = _cpu_flags() if cpu_flags is None else set(cpu_flags)
   if "avx512f" in flags:
-    first = _both_ways("conv_input_grad_by_forward_conv", chosen)
+    uncertain = _both_ways("conv_input_grad_by_forward_conv", chosen)
   else:
-    first = (_MAXPOOL_FORMS, _MAXIMA_FORMS) if chosen["conv_pooling"] == "max_pool" else (
+    uncertain = (_MAXPOOL_FORMS, _MAXIMA_FORMS) if chosen["conv_pooling"] == "max_pool" else (
         _MAXIMA_FORMS, _MAXPOOL_FORMS)
   return tuple(tuple(sorted(dict(outer, **inner).items()))
-               for outer in first for inner in _both_ways("conv_kernel_grad_by_matmul", chosen))
+               for outer in uncertain for inner in _both_ways("conv_kernel_grad_by_matmul", chosen))
 
 
 def _both_ways(field: str, chosen: dict) -> tuple:
@@ -268,9 +268,10 @@ def create(config: RunConfig) -> Backend:
   except RuntimeError:
     pass
   device_pipelines.apply()
-  chosen = conv_options(config.precision)
+  flags = _cpu_flags()  # read once: the choice and its alternatives see the same CPU (and ISA cap)
+  chosen = conv_options(config.precision, flags)
   fields = dict(options_from_config(config), **chosen,
-                form_alternatives=conv_alternatives(config.precision, chosen),
+                form_alternatives=conv_alternatives(config.precision, chosen, flags),
                 machine_signature=machine_signature())
   source = multiworker.cluster_source()
   if source:
