@@ -383,6 +383,25 @@ def _print_table(results) -> None:
     print("matmul %dx%d: %s" % (results["matmul_peak"]["matmul_size"], results["matmul_peak"]["matmul_size"],
                                  ", ".join("%s %.0f GFLOP/s" % item
                                            for item in results["matmul_peak"]["gflops"].items())))
+    for line in _float32_ceiling_lines(results):
+      print(line)
+
+
+def _float32_ceiling_lines(results) -> list:
+  """Each float32 design's training, and the reference's, as shares of the float32 matmul peak: how
+  far the step is from what these cores can multiply, and what a given speed-up would ask of it."""
+  peak = results["matmul_peak"]["gflops"].get("float32")
+  lines = []
+  for design, row in results["precisions"].get("32.32", {}).items():
+    train, reference = row.get("train", {}), row.get("reference", {})
+    if not (peak and train.get("samples_per_sec") and reference.get("samples_per_sec")):
+      continue
+    step_gflop = 3 * train["flops_per_sample_forward"] / 1e9  # per sample; the reference's network is the same
+    ours = train["samples_per_sec"] * step_gflop / peak
+    theirs = reference["samples_per_sec"] * step_gflop / peak
+    lines.append("32.32 %s: training at %.0f %% of the float32 matmul peak, the reference at %.0f %%; "
+                 "twice the reference would take %.0f %%" % (design, 100 * ours, 100 * theirs, 200 * theirs))
+  return lines
 
 
 def _fmt(value, pattern: str) -> str:

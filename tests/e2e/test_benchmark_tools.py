@@ -46,6 +46,23 @@ def test_benchmark_produces_every_figure(tmp_path):
       {"float32", "bfloat16"} if cpu.has_bfloat16_units() else {"float32"})
 
 
+def test_benchmark_reads_float32_training_against_the_matmul_peak():
+  # ontra4's 28.3 MFLOP forward per sample; 1,000 samples/s against the reference's 500, a 100 GFLOP/s peak.
+  results = {"matmul_peak": {"gflops": {"float32": 100.0}},
+             "precisions": {"32.32": {"ontra4": {"train": {"samples_per_sec": 1000.0,
+                                                           "flops_per_sample_forward": 28.3e6},
+                                                 "reference": {"samples_per_sec": 500.0}}},
+                            "16.32": {"ontra4": {"train": {"samples_per_sec": 2000.0,
+                                                           "flops_per_sample_forward": 28.3e6}}}}}
+  script = ("import sys; sys.path.insert(0, %r); import benchmark; print(benchmark._float32_ceiling_lines(%r))"
+            % (os.path.join(REPO_ROOT, "tools"), results))
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+  assert result.returncode == 0, result.stderr[-3000:]
+  # 1,000 x 84.9 MFLOP = 84.9 GFLOP/s; the reference's 42.5, twice that 84.9; only the float32 row.
+  assert result.stdout.strip() == ("['32.32 ontra4: training at 85 % of the float32 matmul peak, the reference "
+                                   "at 42 %; twice the reference would take 85 %']")
+
+
 def test_benchmark_trains_with_the_forms_the_autotune_chose_and_times_them_once(tmp_path):
   """In float32 the first measurement times the convolution forms, as main.py's --autotune does, and
   the next one reads the choice from --cache_dir."""
