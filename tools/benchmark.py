@@ -403,9 +403,9 @@ def _float32_ceiling_lines(results) -> list:
     if not rounds:
       continue
     step_gflop = 3 * rounds[0][0]["flops_per_sample_forward"] / 1e9  # per sample; the same network
-    peaks = [o["matmul_gflops_float32"] for o, _ in rounds]  # measured in our child of each round
-    ours = statistics.median(o["samples_per_sec"] * step_gflop / p for (o, _), p in zip(rounds, peaks))
-    theirs = statistics.median(r["samples_per_sec"] * step_gflop / p for (_, r), p in zip(rounds, peaks))
+    # Each round's matmul rate was measured in our process of that round.
+    ours = statistics.median(o["samples_per_sec"] * step_gflop / o["matmul_gflops_float32"] for o, _ in rounds)
+    theirs = statistics.median(r["samples_per_sec"] * step_gflop / o["matmul_gflops_float32"] for o, r in rounds)
     lines.append("32.32 %s: training at %.0f %% of the float32 matmul rate of its round, the reference at "
                  "%.0f %%; twice the reference would take %.0f %%" % (design, 100 * ours, 100 * theirs,
                                                                      200 * theirs))
