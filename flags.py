@@ -19,7 +19,7 @@ import model
 from data import mnist_sources
 from errors import UserError
 from model.designs import DESIGNS
-from run_config import AUTOTUNE_MIN_STEPS, AUTOTUNE_MODES, RunConfig
+from run_config import AUTOTUNE_MIN_STEPS, AUTOTUNE_MODES, PROGRESS_MODES, RunConfig
 from strategies import pipeline_rules, registry
 from strategies.registry import CHOICES as BACKENDS
 
@@ -98,6 +98,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                        lower_bound=0)
   _on.DEFINE_integer("eval_steps", _default("eval_steps"), "Limit evaluation to this many global batches (0: all).",
                        lower_bound=0)
+  _on.DEFINE_enum("progress", _default("progress"), PROGRESS_MODES, "Training and test output: bar = "
+                    "Keras' progress bar, rewritten in place; epoch = one line per epoch; auto = the bar "
+                    "when stdout is a terminal, else one line per epoch (a Slurm job's output file, a "
+                    "pipe to tee).")
   _define_neuron_inverter_flags()
   _define_placement_flags()
   _register_validators()

@@ -20,6 +20,9 @@ DEFAULT_EXECUTABLE_CACHE = os.path.join(_CACHE_ROOT, "executables")
 AUTOTUNE_MODES = ("auto", "on", "off")
 AUTOTUNE_MIN_STEPS = 500
 
+# --progress: Keras' progress bar, or one line per epoch; auto = the bar on a terminal only.
+PROGRESS_MODES = ("auto", "bar", "epoch")
+
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
@@ -73,6 +76,7 @@ class RunConfig:
   compile_only: bool = False       # compile (and fill the cache), then exit
   precision: str = "auto"          # compute.weights: 32.32 | 16.32 (mixed) | 16.16 | auto (strategies/)
   profile_dir: Optional[str] = None
+  progress: str = "auto"           # bar | epoch (one line per epoch) | auto (training/loop.py)
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)

@@ -141,3 +141,21 @@ def test_each_epoch_line_says_how_long_the_epochs_left_would_take(caplog):
   with caplog.at_level(python_logging.INFO):
     resumed.on_epoch_end(1, {"loss": 0.2, "epoch_seconds": 12.0, "epoch_wall_seconds": 13.0})
   assert caplog.records[-1].getMessage().endswith("about 52 s left for 1 more epoch")
+
+
+class _Stream:
+  def __init__(self, tty):
+    self.tty = tty
+
+  def isatty(self):
+    return self.tty
+
+
+def test_progress_bar_on_a_terminal_and_one_line_per_epoch_in_a_file():
+  """--progress=auto: Keras' bar redraws itself with backspaces in a file too (a Slurm job's output)."""
+  from training.loop import keras_verbosity  # pylint: disable=import-outside-toplevel
+  assert keras_verbosity("auto", True, _Stream(True)) == 1
+  assert keras_verbosity("auto", True, _Stream(False)) == 2
+  assert keras_verbosity("bar", True, _Stream(False)) == 1
+  assert keras_verbosity("epoch", True, _Stream(True)) == 2
+  assert keras_verbosity("bar", False, _Stream(True)) == 2  # a worker's bar would interleave with the chief's

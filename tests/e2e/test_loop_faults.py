@@ -199,7 +199,8 @@ def test_sigkill_at_random_points_then_sigterm_then_resume(tmp_path, data_file, 
     assert progress[-1][0] < EPOCHS, context
 
   # SIGTERM once the resumed process has trained a step: it saves where it is, mid-epoch, and exits.
-  job = Job(logdir, data_file, "--epochs=%d" % EPOCHS, "--resume")
+  # With Keras' progress bar, whose line is still open mid-epoch (a pipe would get one line per epoch).
+  job = Job(logdir, data_file, "--epochs=%d" % EPOCHS, "--resume", "--progress=bar")
   try:
     job.wait_for(lambda: "Compilation and first step done" in job.output(), what="the first step")
     job.process.send_signal(signal.SIGTERM)
@@ -225,8 +226,8 @@ def test_sigkill_at_random_points_then_sigterm_then_resume(tmp_path, data_file, 
   assert "--resume --logdir=%s (exit status 143)" % logdir in lines[0]
   # The next line is that command, to paste: this run's flags, with the resume's put in.
   command = shlex.split(output[output.index("Continue with:\n"):].splitlines()[1])
-  assert command[1:] == ["main.py", *ARGS, "--data_path=" + data_file, "--logdir=" + logdir, "--resume",
-                         "--epochs=%d" % EPOCHS], command
+  assert command[1:] == ["main.py", *ARGS, "--data_path=" + data_file, "--progress=bar", "--logdir=" + logdir,
+                         "--resume", "--epochs=%d" % EPOCHS], command
   assert np.isfinite(state["partial_logs"]["loss"])
   assert_checkpoints_sound(logdir)
 

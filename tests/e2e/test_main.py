@@ -47,6 +47,10 @@ def test_mnist_check_end_to_end(tmp_path, replicas):
   assert "test: loss" in closing and "--resume --epochs=7" in closing
   if not glob.glob("/dev/nvidia[0-9]*"):
     assert "cuInit" not in result.stderr and "Could not find cuda drivers" not in result.stderr
+  # Output to a pipe, as to a Slurm job's file: one line per epoch, no redrawn progress bar.
+  assert "\b" not in result.stdout and "ETA:" not in result.stdout
+  assert [line.split(" - ")[0] for line in result.stdout.splitlines() if " - loss: " in line] == ["10/10"] * 2 + [
+      "5/5"]
 
   summary = yaml.safe_load(open(os.path.join(logdir, "summary.yaml")))
   for key in CONTRACT_KEYS:
