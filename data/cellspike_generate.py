@@ -152,8 +152,9 @@ class _Progress:
       return
     self.last = now
     rate = self.rate(now)
-    line = "generate %s: %d/%d samples (%.0f%%), %.1f samples/s, %.0f s left" % (
-        domain, self.done, self.total, 100.0 * self.done / self.total, rate, (self.total - self.done) / rate)
+    # The count runs over all splits; the split named is the one being made now.
+    line = "generating: %d/%d samples (%.0f%%), %.1f samples/s, %.0f s left (%s split)" % (
+        self.done, self.total, 100.0 * self.done / self.total, rate, (self.total - self.done) / rate, domain)
     sys.stderr.write(("\r%s\033[K" % line) if self.tty else line + "\n")
     if finished and self.tty:
       sys.stderr.write("\n")

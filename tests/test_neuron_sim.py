@@ -311,4 +311,4 @@ def test_progress_rate_leaves_out_the_workers_start_up(monkeypatch, capsys):
     clock[0] += 1.0
     progress.update("train", 1000)
   last = capsys.readouterr().err.strip().splitlines()[-1]   # 10 s after the previous line
-  assert "13000/30000 samples (43%), 1000.0 samples/s, 17 s left" in last, last
+  assert "13000/30000 samples (43%), 1000.0 samples/s, 17 s left (train split)" in last, last
