@@ -402,7 +402,7 @@ def keras_verbosity(progress: str, is_chief: bool, stdout=None) -> int:
   workers always, whose bars would interleave with the chief's). tf-keras' bar redraws itself with
   backspaces and carriage returns in every POSIX process, terminal or not (Progbar's
   `_dynamic_display`), so in a file, such as a Slurm job's output, each epoch of the default job leaves
-  about 50 kB of redrawn bars: auto shows the bar on a terminal only, as the data generator's status
+  about 55 kB of redrawn bars: auto shows the bar on a terminal only, as the data generator's status
   line does."""
   if not is_chief or progress == "epoch":
     return 2
