@@ -153,9 +153,8 @@ class _Stream:
 
 def test_progress_bar_on_a_terminal_and_one_line_per_epoch_in_a_file():
   """--progress=auto: Keras' bar redraws itself with backspaces in a file too (a Slurm job's output)."""
-  from training.loop import keras_verbosity  # pylint: disable=import-outside-toplevel
-  assert keras_verbosity("auto", True, _Stream(True)) == 1
-  assert keras_verbosity("auto", True, _Stream(False)) == 2
-  assert keras_verbosity("bar", True, _Stream(False)) == 1
-  assert keras_verbosity("epoch", True, _Stream(True)) == 2
-  assert keras_verbosity("bar", False, _Stream(True)) == 2  # a worker's bar would interleave with the chief's
+  assert logs.keras_verbosity("auto", True, _Stream(True)) == 1
+  assert logs.keras_verbosity("auto", True, _Stream(False)) == 2
+  assert logs.keras_verbosity("bar", True, _Stream(False)) == 1
+  assert logs.keras_verbosity("epoch", True, _Stream(True)) == 2
+  assert logs.keras_verbosity("bar", False, _Stream(True)) == 2  # a worker's bar would interleave with the chief's

@@ -6,10 +6,13 @@ checkpoint saver's "Sharding callback duration", TensorBoard's directory watcher
 as noise between the epoch lines. Warnings and errors from anywhere still show, except the few lines
 of TensorFlow's C++ core in ONE_OFF_NATIVE_LINES, dropped while a first step, a validation, the test
 evaluation or a prediction pass runs (stderr_lines.DroppedLines).
+
+Keras' own output, its progress bar or one line per epoch, is chosen here too (--progress).
 """
 
 import logging as python_logging
 import os
+import sys
 
 from absl import logging
 
@@ -44,3 +47,18 @@ def setup() -> None:
   handler = logging.get_absl_handler()
   if not any(isinstance(f, _OwnInfoOnly) for f in handler.filters):
     handler.addFilter(_OwnInfoOnly())
+
+
+def keras_verbosity(progress: str, is_chief: bool, stdout=None) -> int:
+  """Keras' `verbose` for --progress: 1, the progress bar, or 2, one line per epoch (and non-chief
+  workers always, whose bars would interleave with the chief's). tf-keras' bar redraws itself with
+  backspaces and carriage returns in every POSIX process, terminal or not (Progbar's
+  `_dynamic_display`), so in a file, such as a Slurm job's output, each epoch of the default job leaves
+  about 55 kB of redrawn bars: auto shows the bar on a terminal only, as the data generator's status
+  line does."""
+  if not is_chief or progress == "epoch":
+    return 2
+  if progress == "bar":
+    return 1
+  stdout = sys.stdout if stdout is None else stdout
+  return 1 if hasattr(stdout, "isatty") and stdout.isatty() else 2

@@ -15,7 +15,6 @@ Backend specifics stay behind `backend`.
 import hashlib
 import os
 import random
-import sys
 import time
 
 import numpy as np
@@ -251,7 +250,7 @@ def _fit(net, config, backend, splits, first_epoch, first_step, callbacks) -> di
   if splits.validation:
     val_x, val_steps = backend.fit_input(splits.validation.epochs_from(0), splits.validation.steps)
   histories = []
-  verbose = keras_verbosity(config.progress, backend.is_chief)
+  verbose = logs.keras_verbosity(config.progress, backend.is_chief)
   steps = splits.train.steps
   if first_step:
     part_x, part_steps = backend.fit_input(splits.train.epochs_from(first_epoch, first_step),
@@ -397,21 +396,6 @@ def _train(net, config, backend, splits, resume_state, callbacks, flag):
   return history, time.perf_counter() - fit_started
 
 
-def keras_verbosity(progress: str, is_chief: bool, stdout=None) -> int:
-  """Keras' `verbose` for --progress: 1, the progress bar, or 2, one line per epoch (and non-chief
-  workers always, whose bars would interleave with the chief's). tf-keras' bar redraws itself with
-  backspaces and carriage returns in every POSIX process, terminal or not (Progbar's
-  `_dynamic_display`), so in a file, such as a Slurm job's output, each epoch of the default job leaves
-  about 55 kB of redrawn bars: auto shows the bar on a terminal only, as the data generator's status
-  line does."""
-  if not is_chief or progress == "epoch":
-    return 2
-  if progress == "bar":
-    return 1
-  stdout = sys.stdout if stdout is None else stdout
-  return 1 if hasattr(stdout, "isatty") and stdout.isatty() else 2
-
-
 def _evaluate_test(net, backend, splits, verbose: int) -> dict:
   """The test split's metrics with `net`'s current weights (the application's one evaluation of it)."""
   test_x, test_steps = backend.fit_input(splits.test.dataset, splits.test.steps)
@@ -436,6 +420,6 @@ def _test(net, config, backend, splits, checkpointing, outdir, last_epoch):
   test_epoch = _use_best_weights(checkpointing, last_epoch)
   print("\nEvaluation", flush=True)
   test_results = _evaluate_test(net, backend, splits,
-                                verbose=keras_verbosity(config.progress, backend.is_chief))
+                                verbose=logs.keras_verbosity(config.progress, backend.is_chief))
   write_test_scalars(outdir, test_results, step=config.epochs)
   return test_results, test_epoch
