@@ -152,9 +152,33 @@ class _Stream:
 
 
 def test_progress_bar_on_a_terminal_and_one_line_per_epoch_in_a_file():
-  """--progress=auto: Keras' bar redraws itself with backspaces in a file too (a Slurm job's output)."""
-  assert logs.keras_verbosity("auto", True, _Stream(True)) == 1
-  assert logs.keras_verbosity("auto", True, _Stream(False)) == 2
-  assert logs.keras_verbosity("bar", True, _Stream(False)) == 1
-  assert logs.keras_verbosity("epoch", True, _Stream(True)) == 2
-  assert logs.keras_verbosity("bar", False, _Stream(True)) == 2  # a worker's bar would interleave with the chief's
+  """--progress=auto: Keras' bar redraws itself with backspaces in a file too (a Slurm job's output).
+  Without the bar, Keras prints nothing while training (the EpochLogger's line is the epoch's) and
+  one line for the test evaluation."""
+  assert (logs.fit_verbosity("auto", True, _Stream(True)), logs.evaluate_verbosity("auto", True, _Stream(True))) == (1, 1)
+  assert (logs.fit_verbosity("auto", True, _Stream(False)), logs.evaluate_verbosity("auto", True, _Stream(False))) == (0, 2)
+  assert logs.shows_bar("bar", True, _Stream(False)) and not logs.shows_bar("epoch", True, _Stream(True))
+  assert not logs.shows_bar("bar", False, _Stream(True))  # a worker's bar would interleave with the chief's
+
+
+def test_the_epoch_line_names_every_loss_and_metric_and_the_bar_leaves_the_bookkeeping_to_it(caplog, capsys):
+  from training.callbacks import BOOKKEEPING_KEYS, EpochLogger, RunProgbar  # pylint: disable=import-outside-toplevel
+  epoch_logs = {"loss": 0.25, "mae": 0.5, "val_loss": 0.125, "val_mae": 0.375, "epoch_seconds": 30.0,
+                "epoch_wall_seconds": 31.0, "samples_per_sec": 2000.0, "samples_per_sec_per_replica": 500.0,
+                "lr": 0.001}
+  assert set(BOOKKEEPING_KEYS) < set(epoch_logs)
+  with caplog.at_level(python_logging.INFO):
+    EpochLogger(epochs=3).on_epoch_end(0, dict(epoch_logs))
+  assert caplog.records[-1].getMessage() == (
+      "Epoch 1/3 took 30.0 s (wall 31.0 s since the previous epoch), LR=0.001, Loss: train=0.2500, "
+      "val=0.1250, mae: train=0.5000, val=0.3750, 500 samples/s per replica, about 1 min 2 s left for 2 "
+      "more epochs")
+  bar = RunProgbar(3)
+  bar.set_params({"verbose": 1, "epochs": 1, "steps": 4})
+  bar.on_train_begin()
+  bar.on_epoch_begin(0)
+  bar.on_train_batch_end(3, {"loss": 0.25, "mae": 0.5})
+  bar.on_epoch_end(0, dict(epoch_logs))
+  shown = capsys.readouterr().out
+  assert "val_mae: 0.3750" in shown and "Epoch 1/3" in shown
+  assert not any(key in shown for key in BOOKKEEPING_KEYS), shown

@@ -15,10 +15,18 @@ def _cache_entries(folder) -> set:
           if not name.endswith((".compile_lock", ".read_lock"))}
 
 
+# Values the callbacks add to each epoch's logs for TensorBoard and History, which EpochLogger's line
+# says in its own words (ThroughputCallback's, and the learning-rate schedule's "lr").
+BOOKKEEPING_KEYS = ("epoch_seconds", "epoch_wall_seconds", "samples_per_sec", "samples_per_sec_per_replica",
+                    "lr")
+
+
 class RunProgbar(tf.keras.callbacks.ProgbarLogger):
   """Keras' progress bar, headed with the run's epoch count. The rest of an epoch that a resumed run
   trains is a fit of its own (training/loop.py `_fit`), which Keras' own bar would head "Epoch 2/2"
-  before the next fit's "Epoch 3/3". Given among a fit's callbacks, it replaces Keras' default bar."""
+  before the next fit's "Epoch 3/3". Given among a fit's callbacks, it replaces Keras' default bar.
+  Its last update shows the losses and metrics, not the BOOKKEEPING_KEYS, which the epoch line after it
+  gives."""
 
   def __init__(self, epochs: int):
     super().__init__(count_mode="steps")
@@ -26,6 +34,10 @@ class RunProgbar(tf.keras.callbacks.ProgbarLogger):
 
   def set_params(self, params):
     super().set_params(dict(params, epochs=self.run_epochs))
+
+  def on_epoch_end(self, epoch, logs=None):
+    shown = {key: value for key, value in (logs or {}).items() if key not in BOOKKEEPING_KEYS}
+    super().on_epoch_end(epoch, shown)
 
 
 class QuietNativeLines(tf.keras.callbacks.Callback):
@@ -147,11 +159,11 @@ def duration(seconds: float) -> str:
 
 
 class EpochLogger(tf.keras.callbacks.Callback):
-  """One line per epoch in the reference's style: time, rate, losses, throughput per replica; while
-  epochs of the run's `epochs` are left, the time they would take at the pace of this one (its wall
-  time, validation included, for a whole epoch of `steps_per_epoch` steps: the first epoch of a
-  resumed run may be the rest of one), so that a user on a slow machine knows early how long the run
-  will be."""
+  """One line per epoch, the only one where Keras draws no bar: time, learning rate, each loss and
+  metric on the training and validation data, throughput per replica; while epochs of the run's
+  `epochs` are left, the time they would take at the pace of this one (its wall time, validation
+  included, for a whole epoch of `steps_per_epoch` steps: the first epoch of a resumed run may be the
+  rest of one), so that a user on a slow machine knows early how long the run will be."""
 
   def __init__(self, epochs: int, steps_per_epoch: int = 0, throughput=None):
     super().__init__()
@@ -166,15 +178,12 @@ class EpochLogger(tf.keras.callbacks.Callback):
 
   def on_epoch_end(self, epoch, logs=None):
     logs = logs or {}
-    parts = ["Epoch %d took %.1f s (wall %.1f s since the previous epoch)"
-             % (epoch + 1, logs.get("epoch_seconds", float("nan")),
+    parts = ["Epoch %d/%d took %.1f s (wall %.1f s since the previous epoch)"
+             % (epoch + 1, self.run_epochs, logs.get("epoch_seconds", float("nan")),
                 logs.get("epoch_wall_seconds", float("nan")))]
     if "lr" in logs:
       parts.append("LR=%.3g" % logs["lr"])
-    losses = "Loss: train=%.4f" % logs.get("loss", float("nan"))
-    if "val_loss" in logs:
-      losses += ", val=%.4f" % logs["val_loss"]
-    parts.append(losses)
+    parts += _train_and_validation_values(logs)
     if "samples_per_sec_per_replica" in logs:
       parts.append("%.0f samples/s per replica" % logs["samples_per_sec_per_replica"])
     left = self.run_epochs - (epoch + 1)
@@ -182,6 +191,19 @@ class EpochLogger(tf.keras.callbacks.Callback):
       parts.append("about %s left for %d more epoch%s" % (
           duration(left * self._epoch_pace(logs["epoch_wall_seconds"])), left, "s" if left > 1 else ""))
     logging.info(", ".join(parts))
+
+
+def _train_and_validation_values(logs: dict) -> list:
+  """"Loss: train=0.2185, val=0.2430", then "mae: train=0.3727, val=0.3816" for each metric."""
+  names = ["loss"] + [key for key in logs if key != "loss" and not key.startswith("val_")
+                      and key not in BOOKKEEPING_KEYS]
+  parts = []
+  for name in names:
+    values = "%s: train=%.4f" % ("Loss" if name == "loss" else name, logs.get(name, float("nan")))
+    if "val_" + name in logs:
+      values += ", val=%.4f" % logs["val_" + name]
+    parts.append(values)
+  return parts
 
 
 class StopAfterFirstStep(tf.keras.callbacks.Callback):

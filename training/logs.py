@@ -7,7 +7,7 @@ as noise between the epoch lines. Warnings and errors from anywhere still show, 
 of TensorFlow's C++ core in ONE_OFF_NATIVE_LINES, dropped while a first step, a validation, the test
 evaluation or a prediction pass runs (stderr_lines.DroppedLines).
 
-Keras' own output, its progress bar or one line per epoch, is chosen here too (--progress).
+Whether Keras draws its progress bar is chosen here too (--progress).
 """
 
 import logging as python_logging
@@ -49,16 +49,27 @@ def setup() -> None:
     handler.addFilter(_OwnInfoOnly())
 
 
-def keras_verbosity(progress: str, is_chief: bool, stdout=None) -> int:
-  """Keras' `verbose` for --progress: 1, the progress bar, or 2, one line per epoch (and non-chief
-  workers always, whose bars would interleave with the chief's). tf-keras' bar redraws itself with
-  backspaces and carriage returns in every POSIX process, terminal or not (Progbar's
-  `_dynamic_display`), so in a file, such as a Slurm job's output, each epoch of the default job leaves
-  about 55 kB of redrawn bars: auto shows the bar on a terminal only, as the data generator's status
-  line does."""
+def shows_bar(progress: str, is_chief: bool, stdout=None) -> bool:
+  """Whether Keras draws its progress bar for --progress. tf-keras' bar redraws itself with backspaces
+  and carriage returns in every POSIX process, terminal or not (Progbar's `_dynamic_display`), so in a
+  file, such as a Slurm job's output, each epoch of the default job leaves about 55 kB of redrawn bars:
+  auto shows the bar on a terminal only, as the data generator's status line does. Non-chief workers
+  never draw one: their bars would interleave with the chief's."""
   if not is_chief or progress == "epoch":
-    return 2
+    return False
   if progress == "bar":
-    return 1
+    return True
   stdout = sys.stdout if stdout is None else stdout
-  return 1 if hasattr(stdout, "isatty") and stdout.isatty() else 2
+  return hasattr(stdout, "isatty") and stdout.isatty()
+
+
+def fit_verbosity(progress: str, is_chief: bool, stdout=None) -> int:
+  """Keras' `verbose` for training: 1, the bar, or 0. Without a bar the application's own epoch line
+  (training.callbacks.EpochLogger) is the epoch's only line: Keras' (verbose 2) would say part of it
+  again, with the callbacks' bookkeeping values at full precision."""
+  return 1 if shows_bar(progress, is_chief, stdout) else 0
+
+
+def evaluate_verbosity(progress: str, is_chief: bool, stdout=None) -> int:
+  """Keras' `verbose` for the test evaluation: 1, the bar, or 2, its one line of results."""
+  return 1 if shows_bar(progress, is_chief, stdout) else 2

@@ -200,11 +200,12 @@ def _make_callbacks(config, backend, schedule, checkpointing, state, global_batc
   if config.profile_dir and backend.profiles_with_tensorflow:
     callbacks.append(tf.keras.callbacks.TensorBoard(log_dir=config.profile_dir, profile_batch=(2, 4),
                                                     write_graph=False))
-  # Keras' bar where Keras (tf_keras) puts its own, after the others, so that its epoch line shows every
-  # callback's logs; the epoch's log line after the bar has ended its line (before, it was glued to the
-  # bar's last update on a terminal); `graceful` last, so that a stop at an epoch's end logs it first.
-  callbacks += [callbacks_lib.RunProgbar(config.epochs),
-                callbacks_lib.EpochLogger(config.epochs, steps_per_epoch, throughput), graceful]
+  # Keras' bar where Keras (tf_keras) puts its own, after the others; the epoch's log line after the bar
+  # has ended its line (before, it was glued to the bar's last update on a terminal); `graceful` last,
+  # so that a stop at an epoch's end logs it first.
+  if logs.shows_bar(config.progress, backend.is_chief):
+    callbacks.append(callbacks_lib.RunProgbar(config.epochs))
+  callbacks += [callbacks_lib.EpochLogger(config.epochs, steps_per_epoch, throughput), graceful]
   return callbacks, throughput
 
 
@@ -250,7 +251,7 @@ def _fit(net, config, backend, splits, first_epoch, first_step, callbacks) -> di
   if splits.validation:
     val_x, val_steps = backend.fit_input(splits.validation.epochs_from(0), splits.validation.steps)
   histories = []
-  verbose = logs.keras_verbosity(config.progress, backend.is_chief)
+  verbose = logs.fit_verbosity(config.progress, backend.is_chief)
   steps = splits.train.steps
   if first_step:
     part_x, part_steps = backend.fit_input(splits.train.epochs_from(first_epoch, first_step),
@@ -420,6 +421,6 @@ def _test(net, config, backend, splits, checkpointing, outdir, last_epoch):
   test_epoch = _use_best_weights(checkpointing, last_epoch)
   print("\nEvaluation", flush=True)
   test_results = _evaluate_test(net, backend, splits,
-                                verbose=logs.keras_verbosity(config.progress, backend.is_chief))
+                                verbose=logs.evaluate_verbosity(config.progress, backend.is_chief))
   write_test_scalars(outdir, test_results, step=config.epochs)
   return test_results, test_epoch

@@ -148,9 +148,9 @@ def test_each_epoch_line_starts_a_line_of_its_own_after_the_progress_bar(tmp_pat
   line (written by absl to stderr), which used to be glued to the bar's last update."""
   result = run_main("--model=neuron_inverter", "--design=dev", "--backend=cpu", "--batch_size=16",
                     "--data_path=" + fp16_file, "--logdir=" + str(tmp_path / "run"), "--epochs=2",
-                    one_stream=True)
+                    "--progress=bar", one_stream=True)
   assert result.returncode == 0, result.stdout[-3000:]
-  lines = [line for line in result.stdout.replace("\r", "\n").splitlines() if "Epoch 1 took" in line
-           or "Epoch 2 took" in line]
+  lines = [line for line in result.stdout.replace("\r", "\n").splitlines() if "Epoch 1/2 took" in line
+           or "Epoch 2/2 took" in line]
   assert len(lines) == 2 and all(line.startswith("I") for line in lines), lines
   assert " left for 1 more epoch" in lines[0] and " left" not in lines[1], lines

@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -47,10 +48,13 @@ def test_mnist_check_end_to_end(tmp_path, replicas):
   assert "test: loss" in closing and "--resume --epochs=7" in closing
   if not glob.glob("/dev/nvidia[0-9]*"):
     assert "cuInit" not in result.stderr and "Could not find cuda drivers" not in result.stderr
-  # Output to a pipe, as to a Slurm job's file: one line per epoch, no redrawn progress bar.
+  # Output to a pipe, as to a Slurm job's file: one line per epoch (the application's, with every loss
+  # and metric), no redrawn progress bar; Keras' one line for the test evaluation.
   assert "\b" not in result.stdout and "ETA:" not in result.stdout
-  assert [line.split(" - ")[0] for line in result.stdout.splitlines() if " - loss: " in line] == ["10/10"] * 2 + [
-      "5/5"]
+  assert [line.split(" - ")[0] for line in result.stdout.splitlines() if " - loss: " in line] == ["5/5"]
+  epoch_lines = [line for line in result.stderr.splitlines() if re.search(r"Epoch \d/2 took", line)]
+  assert len(epoch_lines) == 2 and all("accuracy: train=" in line for line in epoch_lines), epoch_lines
+  assert not re.search(r"^Epoch \d/2$", result.stdout, re.MULTILINE)  # Keras' epoch header
 
   summary = yaml.safe_load(open(os.path.join(logdir, "summary.yaml")))
   for key in CONTRACT_KEYS:
