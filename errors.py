@@ -7,7 +7,10 @@ other exception is a bug and keeps its traceback.
 """
 
 import contextlib
+import os
 import sys
+
+from absl import flags
 
 
 class UserError(Exception):
@@ -27,3 +30,13 @@ def reported_on_one_line(status: int = 1):
   except KeyboardInterrupt:
     sys.stderr.write("\ninterrupted by SIGINT (Ctrl-C)\n")
     sys.exit(130)
+
+
+def parse_flags(argv):
+  """absl `flags_parser` for `app.run` (main.py and the tools): a bad flag is one `error:` line on
+  stderr, naming the program and the flag, and exit status 2 (absl's own is a FATAL line and a hint)."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as error:
+    sys.stderr.write("%s: error: %s\n" % (os.path.basename(argv[0]), " ".join(str(error).split())))
+    sys.exit(2)

@@ -11,13 +11,12 @@ import datetime
 import functools
 import math
 import os
-import sys
 
 from absl import flags
 
 import model
 from data import mnist_sources
-from errors import UserError
+from errors import UserError, parse_flags
 from model.designs import DESIGNS
 from run_config import AUTOTUNE_MIN_STEPS, AUTOTUNE_MODES, PROGRESS_MODES, RunConfig
 from strategies import pipeline_rules, registry
@@ -257,13 +256,7 @@ def _register_validators() -> None:
     return not values["resume"] or values["logdir"] is not None
 
 
-def parse(argv):
-  """absl `flags_parser` for `app.run`: a bad flag is one line on stderr and exit status 2."""
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as error:
-    sys.stderr.write("%s: error: %s\n" % (os.path.basename(argv[0]), " ".join(str(error).split())))
-    sys.exit(2)
+parse = parse_flags  # main.py's absl `flags_parser`: a bad flag is one line and exit status 2
 
 
 def to_config(values: flags.FlagValues, refuse_unused: bool = True) -> RunConfig:

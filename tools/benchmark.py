@@ -31,6 +31,7 @@ sys.path.insert(0, REPO_ROOT)
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
+from errors import parse_flags  # noqa: E402  pylint: disable=wrong-import-position
 
 flags.DEFINE_list("designs", ["ontra4", "dev"], "Neuron-Inverter designs to measure.")
 flags.DEFINE_integer("batch_size", 192, "Batch size per replica.", lower_bound=1)
@@ -417,4 +418,4 @@ def _fmt(value, pattern: str) -> str:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)  # a bad flag: one `error:` line, exit status 2

@@ -25,6 +25,7 @@ sys.path.insert(0, REPO_ROOT)
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
+from errors import parse_flags  # noqa: E402  pylint: disable=wrong-import-position
 from model.designs import DESIGNS  # noqa: E402  pylint: disable=wrong-import-position  (plain data)
 
 FLAGS = flags.FLAGS
@@ -117,4 +118,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)  # a bad flag: one `error:` line, exit status 2

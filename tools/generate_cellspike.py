@@ -20,7 +20,7 @@ from absl import logging  # noqa: E402  pylint: disable=wrong-import-position
 
 from data import cellspike_generate  # noqa: E402  pylint: disable=wrong-import-position
 from data import neuron_sim  # noqa: E402  pylint: disable=wrong-import-position
-from errors import UserError, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
+from errors import UserError, parse_flags, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 
@@ -68,4 +68,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)  # a bad flag: one `error:` line, exit status 2

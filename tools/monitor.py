@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
+from errors import parse_flags  # noqa: E402  pylint: disable=wrong-import-position
 
 def define_flags() -> None:
   """Flags only when run as a program: tests import this module beside main.py's flags."""
@@ -140,4 +141,4 @@ def main(argv):
 if __name__ == "__main__":
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)  # a bad flag: one `error:` line, exit status 2

@@ -21,7 +21,7 @@ sys.path.insert(0, REPO_ROOT)
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
 
-from errors import UserError  # noqa: E402  pylint: disable=wrong-import-position
+from errors import UserError, parse_flags  # noqa: E402  pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 # Events on executor threads that wrap ops rather than being ops.
@@ -114,4 +114,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)  # a bad flag: one `error:` line, exit status 2

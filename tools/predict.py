@@ -22,7 +22,7 @@ from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
 
 import flags as app_flags  # noqa: E402  pylint: disable=wrong-import-position
-from errors import UserError, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
+from errors import UserError, parse_flags, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 SPLITS = ("test", "validation", "train")
@@ -85,4 +85,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main, flags_parser=app_flags.parse)  # a bad flag: one `error:` line, exit status 2
+  app.run(main, flags_parser=parse_flags)  # a bad flag: one `error:` line, exit status 2

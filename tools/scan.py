@@ -26,6 +26,7 @@ from absl import flags
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
+from errors import parse_flags  # noqa: E402  pylint: disable=wrong-import-position
 from training.summary import write_yaml  # noqa: E402  pylint: disable=wrong-import-position
 MODES = ("serial", "slurm", "point", "report")
 FLAGS = flags.FLAGS
@@ -271,4 +272,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)  # a bad flag: one `error:` line, exit status 2

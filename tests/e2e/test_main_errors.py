@@ -12,6 +12,8 @@ to check the whole contract end to end (exit status, one stderr line, no traceba
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -24,7 +26,7 @@ import flags
 import main
 from errors import UserError
 from tests.support.cellspike_files import write_cellspike, write_meta_yaml
-from tests.support.helpers import assert_one_line_error, can_mount_tmpfs, hold_lock, run_main
+from tests.support.helpers import REPO_ROOT, assert_one_line_error, can_mount_tmpfs, hold_lock, run_main
 
 flags.define_flags()
 FLAGS = absl_flags.FLAGS
@@ -419,3 +421,16 @@ def test_main_on_a_really_full_staging_disk_is_one_error_line_and_leaves_nothing
   assert_one_line_error(result, "staging train_frames/train_unitStar_par needs 6.6 MB but",
                         "has 1.0 MB free; free space there or choose a larger --stage_dir")
   assert listing.read_text().split() == []
+
+
+TOOLS_WITH_FLAGS = ("benchmark", "benchmark_forms", "benchmark_input", "generate_cellspike", "monitor",
+                    "op_profile", "predict", "scan")
+
+
+@pytest.mark.parametrize("tool", TOOLS_WITH_FLAGS)
+def test_a_tools_unknown_flag_is_one_line_and_exit_status_2(tool):
+  """As main.py's: absl's own report is a FATAL line and a hint."""
+  result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", tool + ".py"), "--no_such_flag=3"],
+                          capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode == 2 and result.stderr.strip() == (
+      "%s.py: error: Unknown command line flag 'no_such_flag'" % tool), result.stderr
