@@ -10,8 +10,6 @@ import contextlib
 import os
 import sys
 
-from absl import flags
-
 
 class UserError(Exception):
   """A problem with the user's input or environment, reported without a traceback."""
@@ -35,6 +33,9 @@ def reported_on_one_line(status: int = 1):
 def parse_flags(argv):
   """absl `flags_parser` for `app.run` (main.py and the tools): a bad flag is one `error:` line on
   stderr, naming the program and the flag, and exit status 2 (absl's own is a FATAL line and a hint)."""
+  # Imported here: this module stays free of third-party imports, for the reference PyTorch tools'
+  # environment, which imports the model's plain-data modules without absl.
+  from absl import flags  # pylint: disable=import-outside-toplevel
   try:
     return flags.FLAGS(argv)
   except flags.Error as error:

@@ -166,6 +166,16 @@ def start_backend(config: RunConfig):
     return config, select_backend(config)
 
 
+def import_tensorflow(config: RunConfig):
+  """TensorFlow, imported and its devices found with the CUDA probe's lines dropped, for the tools
+  that run TensorFlow without a backend (`start_backend` does the same for a run). `prepare(config)`
+  must have run."""
+  with quiet_cuda_probe(config):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    tf.config.list_physical_devices()
+  return tf
+
+
 def executable_cache_dir(kind: str):
   """The executable cache folder in effect for a backend kind, read back from the environment."""
   variable, prefix = (("TF_POPLAR_FLAGS", "--executable_cache_path=") if kind == "ipu" else

@@ -75,6 +75,7 @@ def _prepare():
                      precision=FLAGS.precisions[0], jit_compile=FLAGS.jit_compile, in_memory=True,
                      cache_dir="", autotune=FLAGS.autotune)
   environment.prepare(config)  # without an XLA persistent cache: compile times are measured apart
+  environment.import_tensorflow(config)
   return dataclasses.replace(config, data_path=_data_path(),
                              cache_dir=FLAGS.cache_dir or RunConfig.cache_dir)
 

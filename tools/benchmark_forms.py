@@ -92,6 +92,7 @@ def main(argv):
   config = RunConfig(model="neuron_inverter", design=FLAGS.design, backend="cpu", precision=FLAGS.precision,
                      batch_size=FLAGS.batch_size, dropout=DESIGNS[FLAGS.design]["dropout"])
   environment.prepare(config)
+  environment.import_tensorflow(config)
   steps, batches = _forms(config)
   for step in steps.values():  # tracing and first allocations
     for _ in range(3):

@@ -149,6 +149,7 @@ def main(argv):
                      in_memory=FLAGS.in_memory, read_chunk=FLAGS.read_chunk,
                      shuffle_buffer=FLAGS.shuffle_buffer)
   environment.prepare(config)
+  environment.import_tensorflow(config)
   result = {"mode": "in_memory" if FLAGS.in_memory else "streaming", "replicas": FLAGS.replicas}
   result["pipeline"] = time_pipeline(config, FLAGS.replicas, FLAGS.passes)
   result["pipeline"]["peak_rss_mb"] = peak_rss_mb()

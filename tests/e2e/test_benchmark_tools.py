@@ -3,6 +3,7 @@
 The reference PyTorch model runs from `.venv-torch`, which `make test` builds (requirements-reference.txt).
 """
 
+import glob
 import json
 import os
 import subprocess
@@ -96,6 +97,8 @@ def test_input_benchmark_reports_what_sizes_a_host(tmp_path):
   assert pipeline["samples_per_sec"] == pytest.approx(512 / pipeline["seconds"])
   assert result["raw_h5py"]["gb_per_sec"] > 0 and result["raw_h5py_parallel"]["processes"] == 2
   assert "feeds 2 device(s) at" in run.stdout and "A100 GPUs" in run.stdout
+  if not glob.glob("/dev/nvidia[0-9]*"):
+    assert "cuInit" not in run.stderr and "Could not find cuda drivers" not in run.stderr
 
 
 def test_reference_torch_model_has_the_reference_parameter_count(tmp_path):
@@ -115,6 +118,8 @@ def test_forms_benchmark_times_both_forms():
   assert result.returncode == 0, result.stderr[-3000:]
   assert "round 2/2" in result.stdout and "standard / application:" in result.stdout
   assert result.stdout.count("ms/step") == 2
+  if not glob.glob("/dev/nvidia[0-9]*"):  # as in main.py's log: no CUDA probe lines without a GPU
+    assert "cuInit" not in result.stderr and "Could not find cuda drivers" not in result.stderr
 
 
 def test_reference_trainer_follows_the_reference_schedule(tmp_path):
