@@ -16,7 +16,7 @@ from absl import flags
 
 import model
 from data import mnist_sources
-from errors import UserError, parse_flags
+from errors import UserError
 from model.designs import DESIGNS
 from run_config import AUTOTUNE_MIN_STEPS, AUTOTUNE_MODES, PROGRESS_MODES, RunConfig
 from strategies import pipeline_rules, registry
@@ -254,9 +254,6 @@ def _register_validators() -> None:
                                message="--resume needs --logdir=<folder of the run to continue>")
   def _resume_needs_logdir(values):  # pylint: disable=unused-variable
     return not values["resume"] or values["logdir"] is not None
-
-
-parse = parse_flags  # main.py's absl `flags_parser`: a bad flag is one line and exit status 2
 
 
 def to_config(values: flags.FlagValues, refuse_unused: bool = True) -> RunConfig:

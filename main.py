@@ -12,7 +12,7 @@ import sys
 from absl import app
 from absl import flags as absl_flags
 import flags
-from errors import reported_on_one_line
+from errors import parse_flags, reported_on_one_line
 from strategies import environment
 from training import logs
 
@@ -55,4 +55,4 @@ def main(argv):
 if __name__ == "__main__":
   flags.define_flags()
   absl_flags.adopt_module_key_flags(flags)  # --help lists the application's flags, not only --helpfull
-  app.run(main, flags_parser=flags.parse)
+  app.run(main, flags_parser=parse_flags)  # a bad flag: one `error:` line, exit status 2

@@ -3,9 +3,9 @@ exit, and the outputs of an earlier run in the same --logdir are left exactly as
 
 Each case runs against a copy of a finished tiny run (summary.yaml, run_config.yaml, events,
 checkpoints/last and best), snapshotted (names, sizes, mtimes, SHA-256) before and compared after.
-Most cases run in this process through the functions main.py calls (`flags.parse`, `flags.to_config`,
+Most cases run in this process through the functions main.py calls (`errors.parse_flags`, `flags.to_config`,
 `main.train_and_evaluate`; conftest has prepared TensorFlow's start-up environment): a `UserError` is what main.py prints as its one `error:` line
-(exit 1) and a flag error is `flags.parse`'s line and exit 2. A few cases run `python main.py` itself
+(exit 1) and a flag error is `errors.parse_flags`'s line and exit 2. A few cases run `python main.py` itself
 to check the whole contract end to end (exit status, one stderr line, no traceback).
 """
 
@@ -24,7 +24,7 @@ from absl.testing import flagsaver
 
 import flags
 import main
-from errors import UserError
+from errors import UserError, parse_flags
 from tests.support.cellspike_files import write_cellspike, write_meta_yaml
 from tests.support.helpers import REPO_ROOT, assert_one_line_error, can_mount_tmpfs, hold_lock, run_main
 
@@ -95,7 +95,7 @@ def parse_flag_error(capsys, *args):
   with flagsaver.flagsaver():
     FLAGS.unparse_flags()
     with pytest.raises(SystemExit) as exit_info:
-      flags.parse(["main.py"] + list(args))
+      parse_flags(["main.py"] + list(args))
   return exit_info.value.code, capsys.readouterr().err.strip().splitlines()
 
 
@@ -103,7 +103,7 @@ def run_in_process(*args):
   """main.py without the process: flags -> RunConfig -> main.train_and_evaluate; returns the UserError."""
   with flagsaver.flagsaver():
     FLAGS.unparse_flags()
-    flags.parse(["main.py"] + list(args))  # a flag error exits here (SystemExit), failing the test
+    parse_flags(["main.py"] + list(args))  # a flag error exits here (SystemExit), failing the test
     config = flags.to_config(FLAGS)
   with pytest.raises(UserError) as error:
     main.train_and_evaluate(config)
