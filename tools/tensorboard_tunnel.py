@@ -14,8 +14,11 @@ import socket
 import subprocess
 import sys
 
-from absl import app
-from absl import flags
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app  # noqa: E402  pylint: disable=wrong-import-position
+from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
+from errors import parse_flags  # noqa: E402  pylint: disable=wrong-import-position
 
 flags.DEFINE_string("logdir", None, "Run folder (or a parent of several runs).", required=True)
 flags.DEFINE_integer("port", 6006, "TensorBoard port on this host and on the laptop.", lower_bound=1)
@@ -45,4 +48,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)  # a bad flag: one `error:` line, exit status 2

@@ -423,8 +423,14 @@ def test_main_on_a_really_full_staging_disk_is_one_error_line_and_leaves_nothing
   assert listing.read_text().split() == []
 
 
-TOOLS_WITH_FLAGS = ("benchmark", "benchmark_forms", "benchmark_input", "generate_cellspike", "monitor",
-                    "op_profile", "predict", "scan")
+def _absl_tools() -> list:
+  """The tools that parse absl flags (the reference's PyTorch tools use argparse, without absl)."""
+  folder = os.path.join(REPO_ROOT, "tools")
+  return sorted(name[:-3] for name in os.listdir(folder)
+                if name.endswith(".py") and "app.run(" in open(os.path.join(folder, name)).read())
+
+
+TOOLS_WITH_FLAGS = _absl_tools()
 
 
 @pytest.mark.parametrize("tool", TOOLS_WITH_FLAGS)
