@@ -86,16 +86,19 @@ def time_pipeline(config, replicas: int, passes: int = 3) -> dict:
   """Throughput of `passes` epochs of the training split through one iterator, after a warm-up epoch."""
   from data import cellspike  # pylint: disable=import-outside-toplevel
   from data.splits import BatchLayout  # pylint: disable=import-outside-toplevel
+  from stderr_lines import DroppedLines  # pylint: disable=import-outside-toplevel
+  from training.logs import ONE_OFF_NATIVE_LINES  # pylint: disable=import-outside-toplevel
   info = cellspike.open_configured(config)
   layout = BatchLayout(replicas, config.batch_size)
   split = cellspike.split_from_file(info, "train", config, layout, first_epoch=0, shuffle=True, max_steps=0)
   itemsize = info.splits["train"].dtype.itemsize
   bytes_per_sample = itemsize * (info.time_bins * info.num_probes + info.num_params)
-  pull = _consumer(split.epochs_from(0))
-  pull(split.steps)  # warm-up: tracing, the file's pages mapped
-  wall, cpu = time.perf_counter(), time.process_time()
-  rows = int(pull(split.steps * passes))
-  seconds, cpu_seconds = time.perf_counter() - wall, time.process_time() - cpu
+  with DroppedLines(ONE_OFF_NATIVE_LINES):  # TensorFlow's one-off lines, dropped as in main.py's log
+    pull = _consumer(split.epochs_from(0))
+    pull(split.steps)  # warm-up: tracing, the file's pages mapped
+    wall, cpu = time.perf_counter(), time.process_time()
+    rows = int(pull(split.steps * passes))
+    seconds, cpu_seconds = time.perf_counter() - wall, time.process_time() - cpu
   return {"samples": rows, "epoch_samples": split.samples, "seconds": seconds, "samples_per_sec": rows / seconds,
           "cpu_seconds_per_1000": cpu_seconds / rows * 1000, "gb_per_sec": rows * bytes_per_sample / seconds / 1e9,
           "bytes_per_sample": bytes_per_sample, "file_gb": os.path.getsize(info.path) / 1e9}
