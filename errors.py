@@ -3,7 +3,7 @@
 Anything a user can cause (a bad flag combination, a missing or malformed data file, a backend that is
 not installed) is raised as `UserError` with a message naming the flag, file or key and what was
 expected. `main.py` and the tools print it on one line and exit non-zero (`reported_on_one_line`); any
-other exception is a bug and keeps its traceback.
+other exception is a bug and keeps its traceback. A bad flag is one line too (`parse_flags`).
 """
 
 import contextlib

@@ -96,9 +96,9 @@ def time_pipeline(config, replicas: int, passes: int = 3) -> dict:
   with DroppedLines(ONE_OFF_NATIVE_LINES):  # TensorFlow's one-off lines, dropped as in main.py's log
     pull = _consumer(split.epochs_from(0))
     pull(split.steps)  # warm-up: tracing, the file's pages mapped
-    wall, cpu = time.perf_counter(), time.process_time()
-    rows = int(pull(split.steps * passes))
-    seconds, cpu_seconds = time.perf_counter() - wall, time.process_time() - cpu
+  wall, cpu = time.perf_counter(), time.process_time()
+  rows = int(pull(split.steps * passes))
+  seconds, cpu_seconds = time.perf_counter() - wall, time.process_time() - cpu
   return {"samples": rows, "epoch_samples": split.samples, "seconds": seconds, "samples_per_sec": rows / seconds,
           "cpu_seconds_per_1000": cpu_seconds / rows * 1000, "gb_per_sec": rows * bytes_per_sample / seconds / 1e9,
           "bytes_per_sample": bytes_per_sample, "file_gb": os.path.getsize(info.path) / 1e9}
