@@ -2,6 +2,7 @@
 
 import logging as python_logging
 import os
+import re
 import subprocess
 import sys
 
@@ -29,6 +30,13 @@ def test_setup_installs_the_filter_once():
   from absl import logging  # pylint: disable=import-outside-toplevel
   handler = logging.get_absl_handler()
   assert sum(isinstance(f, logs._OwnInfoOnly) for f in handler.filters) == 1  # pylint: disable=protected-access
+
+
+def test_the_prefix_is_level_date_time_file_and_line():
+  record = python_logging.LogRecord("absl", python_logging.WARNING, "/app/training/loop.py", 321, "Global %s",
+                                    ("batch",), None)
+  line = logs.ShortPrefix().format(record)
+  assert re.fullmatch(r"W\d{4} \d\d:\d\d:\d\d loop\.py:321\] Global batch", line), line
 
 
 _PROBE_SCRIPT = """
@@ -124,7 +132,7 @@ def test_each_epoch_line_says_how_long_the_epochs_left_would_take(caplog):
   from training.callbacks import EpochLogger, ThroughputCallback, duration  # pylint: disable=import-outside-toplevel
   assert [duration(s) for s in (42.4, 185, 7860)] == ["42 s", "3 min 5 s", "2 h 11 min"]
   logger = EpochLogger(epochs=3)
-  with caplog.at_level(python_logging.INFO):
+  with caplog.at_level(python_logging.INFO, logger="absl"):
     for epoch in range(3):
       logger.on_epoch_end(epoch, {"loss": 0.2, "epoch_seconds": 50.0, "epoch_wall_seconds": 52.5})
   lines = [record.getMessage() for record in caplog.records]
@@ -138,7 +146,7 @@ def test_each_epoch_line_says_how_long_the_epochs_left_would_take(caplog):
   throughput.on_epoch_begin(1)
   throughput.on_train_batch_end(99)
   resumed = EpochLogger(epochs=3, steps_per_epoch=400, throughput=throughput)
-  with caplog.at_level(python_logging.INFO):
+  with caplog.at_level(python_logging.INFO, logger="absl"):
     resumed.on_epoch_end(1, {"loss": 0.2, "epoch_seconds": 12.0, "epoch_wall_seconds": 13.0})
   assert caplog.records[-1].getMessage().endswith("about 52 s left for 1 more epoch")
 
@@ -167,7 +175,7 @@ def test_the_epoch_line_names_every_loss_and_metric_and_the_bar_leaves_the_bookk
                 "epoch_wall_seconds": 31.0, "samples_per_sec": 2000.0, "samples_per_sec_per_replica": 500.0,
                 "lr": 0.001}
   assert set(BOOKKEEPING_KEYS) < set(epoch_logs)
-  with caplog.at_level(python_logging.INFO):
+  with caplog.at_level(python_logging.INFO, logger="absl"):
     EpochLogger(epochs=3).on_epoch_end(0, dict(epoch_logs))
   assert caplog.records[-1].getMessage() == (
       "Epoch 1/3 took 30.0 s (wall 31.0 s since the previous epoch), LR=0.001, Loss: train=0.2500, "

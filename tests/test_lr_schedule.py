@@ -131,7 +131,7 @@ def test_a_plateau_reduction_is_logged_after_the_epoch_not_inside_its_progress_b
   model.compile(tf.keras.optimizers.SGD(1.0), "mse")
   schedule = LearningRateSchedule(1.0, warmup_epochs=0, factor=0.5, patience=0, cooldown=0)
   schedule.set_model(model)
-  caplog.set_level("INFO")
+  caplog.set_level("INFO", logger="absl")
   for epoch, loss in enumerate((1.0, 1.0, 1.0)):   # no improvement: a reduction after epochs 2 and 3
     schedule.on_epoch_begin(epoch)
     schedule.on_epoch_end(epoch, {"val_loss": loss})
@@ -151,7 +151,7 @@ def test_a_reduction_just_before_a_stop_is_logged_when_the_interrupted_fit_is_en
   board = tf.keras.callbacks.TensorBoard(str(tmp_path))
   for callback in (schedule, board):
     callback.set_model(model)
-  caplog.set_level("INFO")
+  caplog.set_level("INFO", logger="absl")
   for epoch in range(2):
     schedule.on_epoch_begin(epoch)
     schedule.on_epoch_end(epoch, {"val_loss": 1.0})

@@ -121,7 +121,7 @@ def test_temporary_copies_of_killed_processes_are_removed_by_the_next_run(tmp_pa
   other_host = tmp_path / ("cellspike-stage-elsewhere-%d-abc" % dead.pid)
   for folder in (orphan, live, other_host):
     folder.mkdir()
-  with caplog.at_level(logging.INFO):
+  with caplog.at_level(logging.INFO, logger="absl"):
     staged = staging.stage_rows(path, ("train_frames",), 0, 64)
   assert not orphan.exists() and live.exists() and other_host.exists()
   assert "left by a process that was killed" in caplog.text

@@ -1,5 +1,8 @@
 """The application's log: its own INFO lines, and only warnings and errors from the libraries.
 
+Every line keeps absl's glog-style prefix (level, date and time, file and line), without the thread
+id and microseconds (`ShortPrefix`).
+
 TensorFlow and Keras log at INFO through the same absl logger as the application, some of it once per
 call: MirroredStrategy's "Reduce to ... then broadcast to" for every all-reduce it builds, the
 checkpoint saver's "Sharding callback duration", TensorBoard's directory watcher. A user reads those
@@ -41,12 +44,22 @@ class _OwnInfoOnly(python_logging.Filter):
         _APP_ROOT) and os.sep + "site-packages" + os.sep not in record.pathname
 
 
+class ShortPrefix(python_logging.Formatter):
+  """absl's glog prefix without what a reader of the log does not use: the thread id and the
+  microseconds. `I1125 11:51:30.464778 140597145541504 cpu.py:245] ` becomes `I1125 11:51:30 cpu.py:245] `
+  (the level's initial, month and day, time, file and line)."""
+
+  def __init__(self):
+    super().__init__("%(levelname).1s%(asctime)s %(filename)s:%(lineno)d] %(message)s", "%m%d %H:%M:%S")
+
+
 def setup() -> None:
-  """INFO for the application, WARNING for the libraries; call once at start-up."""
+  """INFO for the application, WARNING for the libraries, the short prefix; call once at start-up."""
   logging.set_verbosity(logging.INFO)
   handler = logging.get_absl_handler()
   if not any(isinstance(f, _OwnInfoOnly) for f in handler.filters):
     handler.addFilter(_OwnInfoOnly())
+  handler.setFormatter(ShortPrefix())
 
 
 def shows_bar(progress: str, is_chief: bool, stdout=None) -> bool:

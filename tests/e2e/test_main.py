@@ -54,6 +54,8 @@ def test_mnist_check_end_to_end(tmp_path, replicas):
   assert [line.split(" - ")[0] for line in result.stdout.splitlines() if " - loss: " in line] == ["5/5"]
   epoch_lines = [line for line in result.stderr.splitlines() if re.search(r"Epoch \d/2 took", line)]
   assert len(epoch_lines) == 2 and all("accuracy: train=" in line for line in epoch_lines), epoch_lines
+  # absl's prefix without the thread id: level, date, time, file and line.
+  assert all(re.match(r"I\d{4} \d\d:\d\d:\d\d callbacks\.py:\d+\] Epoch", line) for line in epoch_lines), epoch_lines
   assert not re.search(r"^Epoch \d/2$", result.stdout, re.MULTILINE)  # Keras' epoch header
 
   summary = yaml.safe_load(open(os.path.join(logdir, "summary.yaml")))
