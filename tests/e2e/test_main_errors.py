@@ -11,6 +11,7 @@ to check the whole contract end to end (exit status, one stderr line, no traceba
 
 import hashlib
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -425,9 +426,8 @@ def test_main_on_a_really_full_staging_disk_is_one_error_line_and_leaves_nothing
 
 def _absl_tools() -> list:
   """The tools that parse absl flags (the reference's PyTorch tools use argparse, without absl)."""
-  folder = os.path.join(REPO_ROOT, "tools")
-  return sorted(name[:-3] for name in os.listdir(folder)
-                if name.endswith(".py") and "app.run(" in open(os.path.join(folder, name)).read())
+  folder = pathlib.Path(REPO_ROOT, "tools")
+  return sorted(path.stem for path in folder.glob("*.py") if "app.run(" in path.read_text())
 
 
 TOOLS_WITH_FLAGS = _absl_tools()
