@@ -2,6 +2,8 @@
 the timing loop itself on a real (small) Keras model."""
 
 import dataclasses
+import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -194,3 +196,30 @@ def test_measure_trains_each_form_in_alternating_windows(tmp_path):
   assert choice.source == "measured" and choice.forms in backend.form_alternatives
   key = autotune.cache_key(config, backend, SHAPE, backend.form_alternatives)
   assert autotune.read_cached(choice.path, key, backend.form_alternatives).forms == choice.forms
+
+
+def test_the_timed_models_are_freed_before_the_run_builds_its_own(tmp_path):
+  """Keras models hold reference cycles, so only the cycle collector frees them. With the automatic
+  collector off, the throwaway models must still be gone when tune() returns: their weights, optimizer
+  slots and traced functions would otherwise stay beside the real model for the whole run."""
+  backend = _backend()
+  built = []
+
+  def build(variant):
+    del variant
+    model = tf.keras.Sequential([tf.keras.Input((16, 4)), tf.keras.layers.Flatten(),
+                                 tf.keras.layers.Dense(3)])
+    model.compile("adam", "mse")
+    built.append(weakref.ref(model))
+    return model
+
+  batch = (np.zeros((8, 16, 4), "float32"), np.zeros((8, 3), "float32"))
+  config = RunConfig(model="neuron_inverter", cache_dir=str(tmp_path), autotune="on")
+  gc.collect()
+  gc.disable()
+  try:
+    autotune.tune(config, backend, backend.form_alternatives, build, SHAPE, lambda: batch, 1)
+    alive = [ref for ref in built if ref() is not None]
+  finally:
+    gc.enable()
+  assert len(built) == 4 and not alive

@@ -19,6 +19,7 @@ one, so the run's initial weights do not depend on whether timing happened.
 
 import dataclasses
 import datetime
+import gc
 import hashlib
 import os
 import statistics
@@ -234,6 +235,10 @@ def _measured(backend, alternatives, build, first_batch, key, path) -> Choice:
   # The process's first batch and steps: TensorFlow's one-off lines come now, not in training's first step.
   with DroppedLines(logs.ONE_OFF_NATIVE_LINES):
     seconds = measure(backend, alternatives, build, first_batch())
+  # The throwaway models hold reference cycles (layers, optimizers, traced functions), which only the
+  # cycle collector frees: collected now, the main job of a first run trains in 1.35 GB of process
+  # memory instead of 1.63 (4 x 48, float32, Zen 5).
+  gc.collect()
   for forms in alternatives:
     print("  %s: %.3f s per step%s" % (describe(forms), seconds[describe(forms)],
                                        " (built-in)" if forms == alternatives[0] else ""), flush=True)

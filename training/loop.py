@@ -295,6 +295,11 @@ def run(config: RunConfig, backend: Backend) -> dict:
   info = model.get_model_info(config.model)
   outdir = backend.output_dir(config.logdir)
   prepare_logdir(outdir)
+  # The writer locks the folder and refuses to start over an earlier run before it reads data or
+  # builds anything: the first run's data generation alone takes minutes on a slow CPU. The lock file
+  # is no output of the run: a command that fails later still leaves an earlier run untouched.
+  if outdir == config.logdir:
+    run_folder.claim(config.logdir, config.resume)
   if outdir != config.logdir:
     logging.info("Process %d writes its events and checkpoints to %s (the chief writes %s)",
                  backend.rank, outdir, config.logdir)
@@ -338,9 +343,7 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
   callbacks, throughput = _make_callbacks(config, backend, schedule, checkpointing, state,
                                           global_batch_size, outdir, flag, splits.train.steps)
   # Only now, with the flags, data and any checkpoint to resume found good: a bad command leaves the
-  # outputs of the run already in the logdir untouched. The writer locks the folder first.
-  if outdir == config.logdir:
-    run_folder.claim(config.logdir, config.resume)
+  # outputs of the run already in the logdir untouched.
   write_run_config(outdir, config)  # backend and precision resolved (strategies.select.resolve)
   if not config.compile_only:
     write_hparams(outdir, config, global_batch_size)

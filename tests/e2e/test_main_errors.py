@@ -124,6 +124,12 @@ def check_bad_run(logdir, fragments, *args):
   assert_untouched(logdir, before)
 
 
+def check_bad_resume(logdir, fragments, *args):
+  """check_bad_run for a command that continues the finished run in `logdir` for one more epoch: the
+  run it would write into is left as it was. (A new run there is refused before anything is read.)"""
+  check_bad_run(logdir, fragments, *args, "--resume", "--epochs=2")
+
+
 # ---------------------------------------------------------------------------------------------------
 # Flags: parse-time validation (exit 2), before anything is read or written.
 
@@ -210,36 +216,36 @@ DATA_CASES = {
 def test_malformed_data_file(tmp_path, logdir, case):
   damage, fragments = DATA_CASES[case]
   path = damage(write_cellspike(str(tmp_path / "bad.h5"), sizes=SIZES, extra_keys=False))
-  check_bad_run(logdir, [path + ": "] + fragments, "--data_path=" + path, "--epochs=1")
+  check_bad_resume(logdir, [path + ": "] + fragments, "--data_path=" + path)
 
 
 def test_not_hdf5_file(tmp_path, logdir):
   path = tmp_path / "notes.h5"
   path.write_text("train_frames: [1, 2, 3]\n")
-  check_bad_run(logdir, [str(path), "not a readable HDF5 file"], "--data_path=%s" % path)
+  check_bad_resume(logdir, [str(path), "not a readable HDF5 file"], "--data_path=%s" % path)
 
 
 def test_folder_where_a_file_is_expected(tmp_path, logdir):
   folder = tmp_path / "cellA.h5"
   folder.mkdir()
-  check_bad_run(logdir, ["--data_path=%s is a folder without meta.cellSpike_excite_4prB8kHz.yaml" % folder],
+  check_bad_resume(logdir, ["--data_path=%s is a folder without meta.cellSpike_excite_4prB8kHz.yaml" % folder],
                 "--data_path=%s" % folder)
 
 
 def test_fewer_samples_than_one_global_batch(good_file, logdir):
   # 64 training samples, 2 replicas x 48: not one global batch (the file itself is valid).
-  check_bad_run(logdir, ["train split has 64 samples", "--batch_size"], "--data_path=" + good_file,
+  check_bad_resume(logdir, ["train split has 64 samples", "--batch_size"], "--data_path=" + good_file,
                 "--replicas=2", "--batch_size=48")
 
 
 def test_validation_split_smaller_than_one_batch(good_file, logdir):
-  check_bad_run(logdir, ["val split has 32 samples", "--batch_size"], "--data_path=" + good_file,
+  check_bad_resume(logdir, ["val split has 32 samples", "--batch_size"], "--data_path=" + good_file,
                 "--batch_size=48")
 
 
 def test_frames_too_short_for_the_design(tmp_path, logdir):
   path = write_cellspike(str(tmp_path / "short.h5"), sizes=SIZES, time_bins=20)
-  check_bad_run(logdir, ["--design=dev", "20 time bins"], "--data_path=" + path)
+  check_bad_resume(logdir, ["--design=dev", "20 time bins"], "--data_path=" + path)
 
 
 def test_truncated_mid_dataset_end_to_end(tmp_path, logdir):
@@ -248,7 +254,8 @@ def test_truncated_mid_dataset_end_to_end(tmp_path, logdir):
     chunks = [f["train_frames"].id.get_chunk_info(i) for i in range(f["train_frames"].id.get_num_chunks())]
   os.truncate(path, (min(c.byte_offset for c in chunks) + max(c.byte_offset + c.size for c in chunks)) // 2)
   before = snapshot(logdir)
-  result = run_main(*BASE_ARGS, "--data_path=" + path, "--logdir=" + logdir, "--epochs=2", timeout=120)
+  result = run_main(*BASE_ARGS, "--data_path=" + path, "--logdir=" + logdir, "--epochs=2", "--resume",
+                    timeout=120)
   assert result.returncode == 1
   assert_one_line_error(result, path, "not a readable HDF5 file")
   assert_untouched(logdir, before)
@@ -286,13 +293,13 @@ def test_meta_yaml_malformed_or_disagreeing(tmp_path, logdir, yaml_text, yaml_kw
     with open(yaml_path, "w") as f:
       f.write(yaml_text)
   where = "cellA_excite" if yaml_text is None else yaml_path
-  check_bad_run(logdir, [where] + fragments, "--data_path=" + folder, "--cell_name=cellA")
+  check_bad_resume(logdir, [where] + fragments, "--data_path=" + folder, "--cell_name=cellA")
 
 
 def test_meta_yaml_beside_the_file_is_checked_too(tmp_path, logdir):
   folder, _ = _folder_with_yaml(tmp_path, num_feature=2)
   path = os.path.join(folder, "cellA_excite.cellSpike_4prB8kHz.data.h5")
-  check_bad_run(logdir, [path, "numFeature=2 but the frames have 4 probes"], "--data_path=" + path)
+  check_bad_resume(logdir, [path, "numFeature=2 but the frames have 4 probes"], "--data_path=" + path)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -387,6 +394,15 @@ def test_resume_from_a_garbled_checkpoint_end_to_end(good_file, logdir):
 def test_a_new_run_into_a_finished_one_is_refused_and_keeps_it(logdir, good_file):
   check_bad_run(logdir, ["--logdir=" + logdir, "already holds a run", "--resume", "fresh --logdir"],
                 "--data_path=" + good_file, "--epochs=1")
+
+
+def test_a_new_run_into_a_finished_one_is_refused_before_the_data_is_generated(logdir, tmp_path):
+  """Without --data_path the run would first generate the built-in dataset (minutes on a slow CPU):
+  the refusal comes before it."""
+  cache = tmp_path / "data_cache"
+  check_bad_run(logdir, ["--logdir=" + logdir, "already holds a run"], "--data_cache=%s" % cache,
+                "--epochs=1")
+  assert not cache.exists()
 
 
 def test_a_second_job_into_a_busy_folder_is_refused(tmp_path, good_file):
