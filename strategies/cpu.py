@@ -12,7 +12,7 @@ from absl import logging
 
 from errors import UserError
 from run_config import RunConfig
-from strategies import collective_threads, device_pipelines, multiworker
+from strategies import collective_threads, cpuinfo, device_pipelines, multiworker
 from strategies.backend import Backend, options_from_config
 
 # Keras policies per --precision: this CPU family computes 16-bit in bfloat16 (AVX-512 BF16 / AMX) and
@@ -36,22 +36,6 @@ _ISA_CAP_HIDES = {
 }
 
 
-def _first_processor() -> dict:
-  """The fields of the first processor's block of /proc/cpuinfo (empty where there is none: not
-  Linux), e.g. {"vendor_id": "AuthenticAMD", "cpu family": "25", "flags": "fpu ... avx512f ..."}."""
-  fields = {}
-  try:
-    with open("/proc/cpuinfo") as cpuinfo:
-      for line in cpuinfo:
-        if not line.strip():
-          break
-        key, _, value = line.partition(":")
-        fields[key.strip()] = value.strip()
-  except OSError:
-    pass
-  return fields
-
-
 def _isa_cap(environ=None) -> str:
   """The ISA cap set for oneDNN (e.g. "AVX2"), or ""."""
   environ = os.environ if environ is None else environ
@@ -62,7 +46,7 @@ def _cpu_flags(proc_flags=None, environ=None) -> set:
   """The CPU features oneDNN's kernels may use: /proc/cpuinfo's, minus what a `ONEDNN_MAX_CPU_ISA` cap
   hides. A capped run (e.g. AVX2 on an AVX-512 machine, to see what an older CPU would run) then
   makes the choices of the CPU it imitates: float32 for `auto`, and that CPU's convolution options."""
-  flags = set(_first_processor().get("flags", "").split() if proc_flags is None else proc_flags)
+  flags = set(cpuinfo.first_processor().get("flags", "").split() if proc_flags is None else proc_flags)
   hidden = _ISA_CAP_HIDES.get(_isa_cap(environ).upper(), ())
   return {flag for flag in flags if not flag.startswith(hidden)} if hidden else flags
 
@@ -132,7 +116,7 @@ def check_precision(precision: str) -> None:
 def _cpu_generation() -> tuple:
   """(vendor_id, cpu family) of /proc/cpuinfo, e.g. ("AuthenticAMD", 23) for Zen 1 and 2; ("", 0)
   where there is none."""
-  fields = _first_processor()
+  fields = cpuinfo.first_processor()
   family = fields.get("cpu family", "0")
   return fields.get("vendor_id", ""), int(family) if family.isdigit() else 0
 
@@ -203,7 +187,7 @@ def machine_signature() -> str:
   """What identifies this CPU to oneDNN, for caching timings: vendor, family, model, name, the
   feature flags its kernels may use (after any ONEDNN_MAX_CPU_ISA cap) and the cores this process
   may run on."""
-  fields = _first_processor()
+  fields = cpuinfo.first_processor()
   features = sorted(flag for flag in _cpu_flags() if flag.startswith(("avx", "amx", "fma", "f16c")))
   cores = _usable_cores()
   return "%s family %s model %s (%s); %d cores; %s" % (

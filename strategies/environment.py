@@ -14,7 +14,7 @@ import sys
 from errors import UserError
 from run_config import RunConfig
 from stderr_lines import DroppedLines
-from strategies import registry
+from strategies import cpuinfo, registry
 
 _TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tensorflow-intel", "tf-nightly")
 # The XLA persistent cache flag exists in current TensorFlow; TF 2.6 aborts on any unknown TF_XLA_FLAGS.
@@ -112,6 +112,9 @@ def prepare(config: RunConfig) -> None:
   """Sets the start-up variables for this run; raises if TensorFlow is already loaded."""
   if "tensorflow" in sys.modules:
     raise RuntimeError("strategies.environment.prepare() must run before TensorFlow is imported")
+  unsupported = cpuinfo.tensorflow_unsupported_reason()
+  if unsupported:
+    raise UserError(unsupported)
   # Keras 2 everywhere: Graphcore's SDK ships Keras 2.6, and on TensorFlow >= 2.16 this makes
   # `tf.keras` the tf-keras package instead of Keras 3 (which has no multi-worker support either).
   os.environ["TF_USE_LEGACY_KERAS"] = "1"

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from errors import UserError
 from run_config import RunConfig
-from strategies import cpu, environment, gpu, ipu, select
+from strategies import cpu, cpuinfo, environment, gpu, ipu, select
 
 
 def test_auto_picks_cpu_here():
@@ -156,7 +156,7 @@ def test_auto_precision_stays_float32_where_tensorflow_lacks_cpu_bfloat16_kernel
 def test_bfloat16_is_refused_under_a_cap_that_hides_the_units_and_a_warning_where_it_is_slow(
     monkeypatch, flags, vendor, cap, outcome):
   monkeypatch.setattr(cpu, "bfloat16_kernels_available", lambda: True)
-  monkeypatch.setattr(cpu, "_first_processor", lambda: {"flags": flags, "vendor_id": vendor})
+  monkeypatch.setattr(cpuinfo, "first_processor", lambda: {"flags": flags, "vendor_id": vendor})
   # The cap as the backend reads it, without setting the variable in this process: oneDNN reads it
   # once, at its first kernel, and later tests in this worker must not inherit a cap.
   monkeypatch.setattr(cpu, "_isa_cap", lambda environ=None: "" if environ == {} else cap)
@@ -265,3 +265,18 @@ def test_a_worker_alone_keeps_the_runs_precision_and_hardware_choices():
   assert type(alone).__name__ == "Backend" and alone.world_size == 1 and alone.replicas == 1
   assert alone.devices == ("/cpu:0",) and alone.gradient_accumulation == 1
   assert alone.precision == "16.32" and alone.model_options() == worker.model_options()
+
+
+@pytest.mark.parametrize("fields, refused", [
+    ({"model name": "QEMU Virtual CPU version 2.5+", "flags": "fpu sse sse2 ssse3 sse4_1 sse4_2"}, True),
+    ({"model name": "AMD EPYC", "flags": "fpu sse4_2 avx avx2 fma"}, False),
+    ({"model name": "Intel Sandy Bridge", "flags": "fpu sse4_2 avx"}, False),  # AVX without AVX2 runs
+    ({"CPU implementer": "0x41", "Features": "fp asimd"}, False),             # ARM: nothing known
+    ({}, False),                                                              # no /proc/cpuinfo
+])
+def test_a_cpu_without_avx_is_refused_before_tensorflow_is_imported(fields, refused):
+  reason = cpuinfo.tensorflow_unsupported_reason(fields)
+  if refused:
+    assert reason.startswith("this CPU (QEMU Virtual CPU version 2.5+) lacks AVX") and "\n" not in reason
+  else:
+    assert reason is None

@@ -440,6 +440,23 @@ def test_main_on_a_really_full_staging_disk_is_one_error_line_and_leaves_nothing
   assert listing.read_text().split() == []
 
 
+def test_a_cpu_without_avx_is_one_error_line_not_an_abort(tmp_path):
+  """TensorFlow's x86 builds abort (SIGABRT) on a CPU without AVX, as a VM's generic CPU model is. The
+  application reads /proc/cpuinfo first: here a virtual CPU's, bound over the real one in a private
+  mount namespace."""
+  if not can_mount_tmpfs(str(tmp_path)):
+    pytest.skip("cannot mount in a private namespace here (needs unshare and mount rights)")
+  fake = tmp_path / "cpuinfo"
+  fake.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: QEMU Virtual CPU version 2.5+\n"
+                  "flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2\n\n")
+  script = 'mount --bind "$FAKE" /proc/cpuinfo || exit 77; exec "$@"'
+  result = run_main("--model=neuron_inverter", "--logdir=%s" % (tmp_path / "run"),
+                    prefix=("unshare", "-m", "sh", "-c", script, "sh"), env={"FAKE": str(fake)})
+  assert result.returncode == 1, result.stderr[-2000:]
+  assert_one_line_error(result, "this CPU (QEMU Virtual CPU version 2.5+) lacks AVX", "-cpu host")
+  assert not (tmp_path / "run").exists()
+
+
 def _absl_tools() -> list:
   """The tools that parse absl flags (the reference's PyTorch tools use argparse, without absl)."""
   folder = pathlib.Path(REPO_ROOT, "tools")
