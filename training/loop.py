@@ -300,7 +300,7 @@ def run(config: RunConfig, backend: Backend) -> dict:
   # is no output of the run: a command that fails later still leaves an earlier run untouched.
   if outdir == config.logdir:
     run_folder.claim(config.logdir, config.resume)
-  if outdir != config.logdir:
+  else:
     logging.info("Process %d writes its events and checkpoints to %s (the chief writes %s)",
                  backend.rank, outdir, config.logdir)
   try:
