@@ -189,7 +189,7 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
     config: the run's configuration (see `load_run_config`), possibly with another data_path/backend.
     backend: where to run; its strategy scope holds the model and its batch layout shapes the data.
     split: "test", "validation" or "train" of the cellSpike file.
-    max_samples: evaluate at most about this many samples (0: the whole split, in whole batches).
+    max_samples: evaluate at most about this many samples (0: the whole split).
     outdir: output folder (default <logdir>/predict).
     plots: also write the PNG figures.
     export_dir: also export the model as a self-contained SavedModel there.

@@ -2,7 +2,9 @@
 
 Sharding follows the reference: every replica (of every process) owns one contiguous, equal block of a
 split, a whole number of local batches long; the tail that does not fill a batch on every shard is
-left out. Each epoch's order within a block is computed by TensorFlow's stateless RNG from (seed, shard,
+left out. Evaluation splits, where the backend allows a short last batch (`BatchLayout.keeps_tail`),
+are read whole instead: equal blocks of any length, each ending with a short batch, so at most
+(shards - 1) samples are left out. Each epoch's order within a block is computed by TensorFlow's stateless RNG from (seed, shard,
 epoch) only, so a resumed run sees the same order as an uninterrupted one, on any machine.
 
 Streaming mode visits the block in chunks of `read_chunk` rows (rounded to whole batches) in a shuffled
@@ -37,13 +39,18 @@ DEFAULT_CELL = "synth"
 DEFAULT_DATA_VERSION = "v3"  # bump whenever the built-in dataset changes (simulation, size, dtype)
 
 
-def shard_blocks(num_samples: int, num_shards: int, batch_size: int, split: str) -> list:
-  """Contiguous, equal, disjoint [start, stop) blocks, each a whole number of local batches."""
-  per_shard = num_samples // num_shards // batch_size * batch_size
+def shard_blocks(num_samples: int, num_shards: int, batch_size: int, split: str,
+                 whole_batches: bool = True) -> list:
+  """Contiguous, equal, disjoint [start, stop) blocks, each a whole number of local batches unless
+  `whole_batches` is False."""
+  per_shard = num_samples // num_shards
+  if whole_batches:
+    per_shard = per_shard // batch_size * batch_size
   if per_shard == 0:
-    raise UserError("the %s split has %d samples: too few for %d shard(s) of at least one batch of %d "
+    least = "one batch of %d" % batch_size if whole_batches else "one sample"
+    raise UserError("the %s split has %d samples: too few for %d shard(s) of at least %s "
                     "(lower --batch_size, --gradient_accumulation or --replicas)"
-                    % (split, num_samples, num_shards, batch_size))
+                    % (split, num_samples, num_shards, least))
   return [(i * per_shard, (i + 1) * per_shard) for i in range(num_shards)]
 
 
@@ -70,6 +77,7 @@ class ShardPlan:
   seed: int
   shard: int
   whole_block: bool     # in-memory mode: one window holding the whole block
+  keeps_tail: bool = False  # unshuffled: the last batch may be short (the rest of the block)
 
 
 def _draw_seed(plan: ShardPlan, epoch, draw: int) -> tf.Tensor:
@@ -106,11 +114,18 @@ class ShardSource:
   first_row: int = 0
 
 
+def _epoch_batches(plan: ShardPlan, epoch) -> tf.data.Dataset:
+  """One epoch's batches of rows (int64, relative to the block's start)."""
+  if plan.shuffle or not plan.keeps_tail:
+    return tf.data.Dataset.from_tensor_slices(epoch_rows(plan, epoch))
+  block_rows = plan.block[1] - plan.block[0]
+  return tf.data.Dataset.range(block_rows).batch(plan.batch_rows).take(plan.batches)
+
+
 def _shard_stream(source: ShardSource, plan: ShardPlan, first_epoch: int) -> tf.data.Dataset:
   """Endless (frames, targets) batches of one replica, epoch `first_epoch` onwards, in the stored dtype."""
   block_start = plan.block[0] - source.first_row
-  indices = tf.data.Dataset.range(first_epoch, 2**62).flat_map(
-      lambda epoch: tf.data.Dataset.from_tensor_slices(epoch_rows(plan, epoch)))
+  indices = tf.data.Dataset.range(first_epoch, 2**62).flat_map(lambda epoch: _epoch_batches(plan, epoch))
   mapped = hdf5_native.mapped_file(source.frames.path, source.frames.file_size)
   if plan.whole_block:  # gathered once into host memory; every batch is then gathered from there
     block = tf.range(block_start, block_start + plan.block[1] - plan.block[0], dtype=tf.int64)
@@ -164,16 +179,18 @@ def split_from_file(info, split: str, config, layout: BatchLayout, *, first_epoc
                     max_steps: int) -> Split:
   """The tf.data pipeline of one split, one contiguous block per replica."""
   num = info.splits[split].num_samples
-  blocks = shard_blocks(num, layout.total_shards, layout.replica_rows, split)
+  keeps_tail = layout.keeps_tail and not shuffle
+  blocks = shard_blocks(num, layout.total_shards, layout.replica_rows, split, whole_batches=not keeps_tail)
   mine = [blocks[shard] for shard in layout.shards]
   block_rows = blocks[0][1] - blocks[0][0]
   steps = count_steps(block_rows * layout.replicas, layout.step_rows, max_steps, split,
-                      layout.steps_multiple)
+                      layout.steps_multiple, keeps_tail)
   source = _contiguous_source(info, split, (mine[0][0], mine[-1][1]), config.stage_dir)
   chunk_rows = chunk_rows_for(config.read_chunk, layout.replica_rows)
   plans = [ShardPlan(block=blocks[shard], batch_rows=layout.replica_rows, batches=steps,
                      chunk_rows=chunk_rows, window_chunks=max(1, config.shuffle_buffer // chunk_rows),
-                     shuffle=shuffle, seed=config.seed, shard=shard, whole_block=config.in_memory)
+                     shuffle=shuffle, seed=config.seed, shard=shard, whole_block=config.in_memory,
+                     keeps_tail=keeps_tail)
            for shard in layout.shards]
 
   def stream(epoch: int) -> tf.data.Dataset:
@@ -183,21 +200,23 @@ def split_from_file(info, split: str, config, layout: BatchLayout, *, first_epoc
 
   elements = steps * layout.elements_per_step
   one_pass = stream(first_epoch).take(elements).apply(tf.data.experimental.assert_cardinality(elements))
-  _log_split(info, split, layout, source, plans, steps, config.in_memory)
-  return Split(dataset=one_pass, steps=steps, samples=steps * layout.step_rows, blocks=tuple(mine),
-               stream=stream)
+  samples = min(block_rows, steps * layout.replica_rows) * layout.replicas
+  _log_split(info, split, layout, source, plans, steps, samples, config.in_memory)
+  return Split(dataset=one_pass, steps=steps, samples=samples, blocks=tuple(mine), stream=stream)
 
 
-def _log_split(info, split, layout, source, plans, steps, in_memory) -> None:
+def _log_split(info, split, layout, source, plans, steps, samples, in_memory) -> None:
   row_bytes = source.frames.row_bytes + source.targets.row_bytes
   if in_memory:
     held = sum(p.block[1] - p.block[0] for p in plans) * row_bytes
   else:  # queued + being gathered, per replica; the file itself is only mapped (page cache)
     held = len(plans) * (2 * _QUEUED_BATCHES + _PARALLEL_GATHERS) * plans[0].batch_rows * row_bytes
-  logging.info("%s split: %d samples, shards %d-%d of %d, %d rows each, %d steps of %d; %s, about "
-               "%.0f MB of host memory; %d bytes per sample to the device (%s frames, %s targets)",
-               split, info.splits[split].num_samples, layout.shards[0], layout.shards[-1],
-               layout.total_shards, plans[0].block[1] - plans[0].block[0], steps, layout.step_rows,
+  short = samples - (steps - 1) * layout.step_rows
+  last = ", the last of %d" % short if short != layout.step_rows else ""
+  logging.info("%s split: %d samples, %d per pass in %d steps of %d%s (shards %d-%d of %d, %d rows each); "
+               "%s, about %.0f MB of host memory; %d bytes per sample to the device (%s frames, %s targets)",
+               split, info.splits[split].num_samples, samples, steps, layout.step_rows, last,
+               layout.shards[0], layout.shards[-1], layout.total_shards, plans[0].block[1] - plans[0].block[0],
                "in-memory mode" if in_memory else "streaming", held / 1e6, row_bytes,
                source.frames.dtype.name, source.targets.dtype.name)
 

@@ -25,8 +25,15 @@ class BatchLayout:
   eval_replica_rows: int = None       # rows per replica for evaluation (no accumulation); None: same
   steps_multiple: int = 1             # training steps are trimmed to a multiple (whole optimizer steps)
   eval_steps_multiple: int = 1        # evaluation steps too (e.g. an IPU inference pipeline's depth)
+  eval_keeps_tail: bool = False       # evaluation may end with a short batch (see `keeps_tail`)
+  keeps_tail: bool = False            # a pass ends with a short batch instead of leaving its tail out
   first_shard: int = 0                # this process's first replica among all processes' replicas
   num_shards: int = 0                 # replicas of all processes (0: just this process's)
+
+  def __post_init__(self):
+    if (self.keeps_tail or self.eval_keeps_tail) and self.element_per_replica:
+      # A short last element would reach one replica only, and the others would wait for theirs.
+      raise ValueError("a short last batch needs one global batch per step (element_per_replica=False)")
 
   @property
   def shards(self) -> range:
@@ -51,10 +58,14 @@ class BatchLayout:
 
 
 def eval_layout(layout: BatchLayout) -> BatchLayout:
-  """Evaluation has no accumulation: each replica takes one micro-batch per step."""
+  """Evaluation has no accumulation: each replica takes one micro-batch per step. Where the backend
+  allows it (tf.distribute splits a short global batch between the replicas), every sample is
+  evaluated: the pass ends with a short batch. IPUs need every batch at its static shape, and
+  training always takes whole batches."""
   rows = layout.replica_rows if layout.eval_replica_rows is None else layout.eval_replica_rows
   return dataclasses.replace(layout, replica_rows=rows, eval_replica_rows=None,
-                             steps_multiple=layout.eval_steps_multiple)
+                             steps_multiple=layout.eval_steps_multiple,
+                             keeps_tail=layout.eval_keeps_tail, eval_keeps_tail=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +120,11 @@ def without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
   return dataset.with_options(options)
 
 
-def count_steps(num_samples: int, step_rows: int, max_steps: int, name: str, multiple: int = 1) -> int:
-  """Whole steps in a split (optionally capped, and trimmed to a multiple); a UserError if none."""
-  steps = num_samples // step_rows
+def count_steps(num_samples: int, step_rows: int, max_steps: int, name: str, multiple: int = 1,
+                keeps_tail: bool = False) -> int:
+  """Whole steps in a split, and the short last one if `keeps_tail` (optionally capped, and trimmed
+  to a multiple); a UserError if none."""
+  steps = -(-num_samples // step_rows) if keeps_tail else num_samples // step_rows
   if max_steps:
     steps = min(steps, max_steps)
   steps = steps // multiple * multiple
@@ -124,22 +137,24 @@ def count_steps(num_samples: int, step_rows: int, max_steps: int, name: str, mul
 
 def split_from_arrays(arrays: Arrays, layout: BatchLayout, transform: Callable, shuffle: bool, seed: int,
                max_steps: int, name: str) -> Split:
-  """Builds source -> shuffle -> batch(drop_remainder) -> transform -> take -> prefetch.
+  """Builds source -> shuffle -> batch -> transform -> take -> prefetch.
 
   Batching before the transform lets the per-sample work (cast, scale) run once per batch as one
-  vectorised op. `drop_remainder=True` keeps every batch the same static shape, which IPUs require and
-  which keeps XLA from compiling a second program for a short last batch.
+  vectorised op. Unless the layout keeps the tail, the remainder is dropped: every batch then has the
+  same static shape, which IPUs require and which keeps XLA from compiling a second program for a
+  short last batch.
   """
   if layout.total_shards > layout.replicas:  # several processes: this one's contiguous part only
     per_shard = len(arrays.x) // layout.total_shards
     rows = slice(layout.first_shard * per_shard, (layout.first_shard + layout.replicas) * per_shard)
     arrays = Arrays(arrays.x[rows], arrays.y[rows])
-  steps = count_steps(len(arrays.x), layout.step_rows, max_steps, name, layout.steps_multiple)
+  steps = count_steps(len(arrays.x), layout.step_rows, max_steps, name, layout.steps_multiple,
+                      layout.keeps_tail)
   dataset = tf.data.Dataset.from_tensor_slices((arrays.x, arrays.y))
   if shuffle:
     # A full-size buffer is a true shuffle; it reshuffles every epoch from the seeded start.
     dataset = dataset.shuffle(len(arrays.x), seed=seed, reshuffle_each_iteration=True)
-  dataset = dataset.batch(layout.element_rows, drop_remainder=True)
+  dataset = dataset.batch(layout.element_rows, drop_remainder=not layout.keeps_tail)
   dataset = dataset.map(transform, num_parallel_calls=2)
   dataset = without_autotune(dataset.take(steps * layout.elements_per_step).prefetch(2))
-  return Split(dataset=dataset, steps=steps, samples=steps * layout.step_rows)
+  return Split(dataset=dataset, steps=steps, samples=min(len(arrays.x), steps * layout.step_rows))

@@ -125,9 +125,11 @@ class Backend:
 
   def layout(self, micro_batch: int) -> BatchLayout:
     # tf.distribute splits each global batch between replicas; a replica's G micro-batches arrive
-    # together and the accumulating train step walks through them.
+    # together and the accumulating train step walks through them. It splits a short last batch
+    # too, so evaluation reads every sample; Keras weights each replica's mean by its rows.
     return BatchLayout(replicas=self.replicas, replica_rows=micro_batch * self.gradient_accumulation,
-                       eval_replica_rows=micro_batch if self.gradient_accumulation > 1 else None)
+                       eval_replica_rows=micro_batch if self.gradient_accumulation > 1 else None,
+                       eval_keeps_tail=True)
 
   def model_options(self) -> dict:
     """Hardware options for model builders (each takes those it declares: model.accepted_options)."""

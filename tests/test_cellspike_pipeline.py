@@ -77,6 +77,67 @@ def test_validation_is_not_shuffled_and_batches_are_static(tmp_path):
   assert tf.data.experimental.cardinality(splits.train.dataset).numpy() == splits.train.steps
 
 
+def _global_batch_rows(dataset, replicas):
+  """Row ids per replica, each global batch split into equal parts as tf.distribute splits a short one."""
+  per_replica = [[] for _ in range(replicas)]
+  for frames, _ in dataset:
+    rows = frames.numpy()[:, 0, 0].astype(int)
+    for r, part in enumerate(np.split(rows, replicas)):
+      per_replica[r].extend(part)
+  return per_replica
+
+
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_evaluation_that_keeps_the_tail_reads_every_row_once_in_order(tmp_path, in_memory):
+  path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64, n_eval=27)
+  splits = cellspike.load(_config(path, in_memory=in_memory), BatchLayout(2, 4, eval_keeps_tail=True))
+  validation = splits.validation
+  # Two shards of 27 // 2 = 13 rows: 3 whole batches of 4 and one of 1 each; 1 row of 27 left out.
+  assert (validation.steps, validation.samples) == (4, 26)
+  assert [len(frames) for frames, _ in validation.dataset] == [8, 8, 8, 2]
+  assert _global_batch_rows(validation.dataset, 2) == [list(range(13)), list(range(13, 26))]
+  again = _global_batch_rows(validation.epochs_from(0).take(2 * validation.steps), 2)
+  assert again == [2 * list(range(13)), 2 * list(range(13, 26))]      # every pass ends with the tail
+  # Training still takes whole batches of a static shape, and a capped evaluation whole ones too.
+  assert splits.train.dataset.element_spec[0].shape.as_list() == [8, 16, 4]
+  capped = cellspike.load(_config(path, eval_steps=2), BatchLayout(2, 4, eval_keeps_tail=True)).validation
+  assert (capped.steps, capped.samples) == (2, 16)
+
+
+def test_keras_evaluates_every_row_over_replicas_when_the_tail_is_kept(tmp_path):
+  """A short last global batch is split between the replicas, and Keras weights each replica's mean
+  by its rows: the loss is the mean over all 26 rows (the whole-batch one, over 24, differs)."""
+  path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64, n_eval=27)
+  validation = cellspike.load(_config(path), BatchLayout(2, 4, eval_keeps_tail=True)).validation
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  with strategy.scope():
+    inputs = tf.keras.Input((16, 4))
+    net = tf.keras.Model(inputs, tf.keras.layers.Dense(3)(tf.keras.layers.Flatten()(inputs)))
+    net.compile(loss="mse")
+  loss = net.evaluate(validation.dataset, steps=validation.steps, verbose=0)
+  frames = np.broadcast_to(np.arange(26, dtype=np.float32)[:, None, None], (26, 16, 4))
+  squared = (net.predict(frames, verbose=0) - np.arange(26, dtype=np.float32)[:, None]) ** 2
+  assert loss == pytest.approx(float(np.mean(squared)), rel=1e-5)
+  assert loss != pytest.approx(float(np.mean(squared[:24])), rel=1e-3)
+
+
+def test_an_evaluation_split_smaller_than_a_batch_is_read_whole_or_refused_where_batches_are_whole(tmp_path):
+  path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64, n_eval=3)
+  validation = cellspike.load(_config(path), BatchLayout(1, 4, eval_keeps_tail=True)).validation
+  assert (validation.steps, validation.samples) == (1, 3)
+  with pytest.raises(UserError, match="the val split has 3 samples: too few for 4 shard.s. of at least one "
+                                      "sample"):
+    cellspike.load(_config(path), BatchLayout(4, 4, eval_keeps_tail=True))
+  with pytest.raises(UserError, match="the val split has 3 samples: too few for 1 shard.s. of at least one "
+                                      "batch of 4"):
+    cellspike.load(_config(path), BatchLayout(1, 4))
+
+
+def test_a_layout_feeding_replicas_element_by_element_takes_no_short_batch():
+  with pytest.raises(ValueError, match="short last batch"):
+    BatchLayout(2, 4, element_per_replica=True, eval_keeps_tail=True)
+
+
 def test_fp16_file_stays_float16_on_the_host(tmp_path):
   path = write_cellspike(str(tmp_path / "c.h5"), dtype=np.float16)
   splits = cellspike.load(_config(path), BatchLayout(1, 4))

@@ -131,6 +131,7 @@ def test_poprun_instances_read_their_own_shards(monkeypatch):
   fake_ipu.install(monkeypatch, popdist=fake_ipu.build_popdist(total_replicas=4, instances=2, index=1))
   layout = ipu_backend.create(_config(replicas=4)).layout(16)
   assert layout.replicas == 2 and list(layout.shards) == [2, 3] and layout.total_shards == 4
+  assert not eval_layout(layout).keeps_tail    # static shapes: an evaluation leaves its tail out
 
 
 def test_keras_steps_count_the_elements_of_all_local_replicas(monkeypatch):

@@ -61,6 +61,15 @@ def test_pipeline_has_static_shapes_and_drops_remainder(tmp_path):
   assert 0.0 <= float(tf.reduce_min(batches[0][0])) and float(tf.reduce_max(batches[0][0])) <= 1.0
 
 
+def test_evaluation_keeps_its_short_last_batch_where_the_layout_allows(tmp_path):
+  folder = write_mnist_folder(str(tmp_path), _digits(100), _digits(30, seed=1))
+  splits = mnist.load(RunConfig(model="mnist", data_path=folder), BatchLayout(2, 8, eval_keeps_tail=True))
+  assert (splits.test.steps, splits.test.samples) == (2, 30)
+  labels = np.concatenate([y.numpy() for _, y in splits.test.dataset])
+  np.testing.assert_array_equal(labels, _digits(30, seed=1)[1])   # every test digit once, in order
+  assert (splits.train.steps, splits.train.samples) == (6, 96)      # training: whole batches only
+
+
 def test_shuffle_is_seeded_and_changes_every_epoch(tmp_path):
   folder = write_mnist_folder(str(tmp_path), _digits(64), _digits(16, seed=1))
   def labels(seed):

@@ -5,6 +5,7 @@ import os
 import pytest
 import tensorflow as tf
 
+from data.splits import eval_layout
 from errors import UserError
 from run_config import RunConfig
 from strategies import cpu, cpuinfo, environment, gpu, ipu, select
@@ -26,6 +27,8 @@ def test_two_cpu_replicas_use_mirrored_strategy_over_logical_devices():
   backend = select.select_backend(RunConfig(model="mnist", backend="cpu", replicas=2))
   assert isinstance(backend.strategy, tf.distribute.MirroredStrategy)
   assert backend.replicas == 2 and len(set(backend.devices)) == 2
+  # tf.distribute splits a short global batch too: evaluation reads every sample (training never).
+  assert eval_layout(backend.layout(16)).keeps_tail and not backend.layout(16).keeps_tail
   # The replicas really compute separately: each sees its own replica id.
   ids = backend.strategy.run(lambda: tf.distribute.get_replica_context().replica_id_in_sync_group)
   assert sorted(int(t) for t in backend.strategy.experimental_local_results(ids)) == [0, 1]

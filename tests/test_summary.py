@@ -31,8 +31,8 @@ def test_closing_report_prints_a_resume_line_without_placeholders():
 
 def test_closing_report_says_how_many_samples_the_test_loss_covers():
   summary = {"model": "neuron_inverter", "epochs": 3, "test_loss": 0.1632, "mean_predictor_val_loss": 0.3326,
-             "test_samples": 1920, "test_weights_epoch": 3}
-  assert "  test: loss 0.1632 (0.491 of the mean-predictor baseline 0.3326) (1920 samples, weights of " \
+             "test_samples": 2048, "test_weights_epoch": 3}
+  assert "  test: loss 0.1632 (0.491 of the mean-predictor baseline 0.3326) (2048 samples, weights of " \
          "epoch 3)" in closing_report(summary, "logs/r").splitlines()
   del summary["test_samples"]  # a summary.yaml of an earlier session
   assert "(weights of epoch 3)" in closing_report(summary, "logs/r")

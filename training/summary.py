@@ -46,8 +46,8 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
       "val_loss": _last(history, "val_loss"),
       "test_loss": float(test_results["loss"]) if "loss" in test_results else None,
       "test_weights_epoch": test_epoch,
-      # Whole batches of every process (static shapes, as IPUs need): a test split of 2,048 samples
-      # in global batches of 192 evaluates 1,920 of them, so tools/predict.py's figure may differ.
+      # Every sample on CPUs and GPUs (a short last batch); whole batches on IPUs, which need static
+      # shapes: 1,920 of a test split of 2,048 in global batches of 192.
       "test_samples": splits.test.samples * backend.world_size if splits.test and test_results else None,
       "samples_per_sec_per_replica": throughput.samples_per_sec_per_replica,
       "compile_seconds": throughput.compile_seconds,

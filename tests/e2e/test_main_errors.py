@@ -238,11 +238,6 @@ def test_fewer_samples_than_one_global_batch(good_file, logdir):
                 "--replicas=2", "--batch_size=48")
 
 
-def test_validation_split_smaller_than_one_batch(good_file, logdir):
-  check_bad_resume(logdir, ["val split has 32 samples", "--batch_size"], "--data_path=" + good_file,
-                "--batch_size=48")
-
-
 def test_frames_too_short_for_the_design(tmp_path, logdir):
   path = write_cellspike(str(tmp_path / "short.h5"), sizes=SIZES, time_bins=20)
   check_bad_resume(logdir, ["--design=dev", "20 time bins"], "--data_path=" + path)

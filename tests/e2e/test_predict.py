@@ -50,7 +50,8 @@ def png_size(path):
 def data_file(tmp_path_factory):
   folder = tmp_path_factory.mktemp("data")
   write_meta_yaml(str(folder / "meta.cellSpike_excite_4prB8kHz.yaml"))
-  return write_cellspike(str(folder / "tiny.h5"), sizes={"train": 256, "val": 64, "test": 64})
+  # Evaluation splits that are no multiple of the batch: every sample is evaluated all the same.
+  return write_cellspike(str(folder / "tiny.h5"), sizes={"train": 256, "val": 70, "test": 70})
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,8 @@ def test_main_predict_writes_the_report(trained_run):
   assert "Prediction (" in result.stdout and "verdict" in result.stdout
   assert _load_yaml(os.path.join(logdir, "run_config.yaml"))["design"] == "dev"   # written at the start
   sum_pred = _load_yaml(os.path.join(logdir, "predict", "sum_pred.yaml"))
-  _check_sum_pred(sum_pred, "test", 64)
+  _check_sum_pred(sum_pred, "test", 70)
+  assert _load_yaml(os.path.join(logdir, "summary.yaml"))["test_samples"] == 70
   # The test split is evaluated with the weights the run tested: its MSE is the run's test loss.
   assert sum_pred["mse"] == pytest.approx(_load_yaml(os.path.join(logdir, "summary.yaml"))["test_loss"],
                                           rel=1e-4)

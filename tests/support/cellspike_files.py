@@ -45,12 +45,12 @@ def write_meta_yaml(path, template="*_excite.cellSpike_4prB8kHz.data.h5", num_fe
   return path
 
 
-def write_row_marked(path, n_train, probes=4, time_bins=16, params=3, dtype=np.float32, **storage):
+def write_row_marked(path, n_train, probes=4, time_bins=16, params=3, dtype=np.float32, n_eval=24, **storage):
   """A tiny file whose train frames hold their own row index everywhere (for sharding tests).
 
   `storage`: h5py dataset options for the frames (e.g. chunks, compression); contiguous by default."""
   with h5py.File(path, "w") as f:
-    for dom, n in (("train", n_train), ("val", 24), ("test", 24)):
+    for dom, n in (("train", n_train), ("val", n_eval), ("test", n_eval)):
       rows = np.arange(n, dtype=np.float32)
       f.create_dataset(dom + "_frames", dtype=dtype, **storage,
                        data=np.broadcast_to(rows[:, None, None], (n, time_bins, probes)))
