@@ -8,8 +8,10 @@ the way the reference's `torch/toolbox/Trainer.py` does on one device: torch.opt
 the first `warmup_epochs` epochs the learning rate is lr * (epoch + 1) / warmup_epochs, afterwards
 ReduceLROnPlateau (factor, patience, cooldown) is stepped with each epoch's validation loss; the
 training rows are reshuffled every epoch (the last partial batch dropped), validation runs in eval
-mode. One difference, kept so that both sides see the same validation rows: the reference also
-shuffles its validation rows each epoch; here they are read in order, as the application reads them.
+mode. Two differences, kept so that both sides see the same validation rows: the reference also
+shuffles its validation rows each epoch and drops the last partial batch; here they are read in
+order and all of them are used (the short last batch weighted by its rows), as the application reads
+them on CPUs and GPUs.
 
 The file's splits are held in memory as float32 (input is not what is compared). Prints one JSON
 line: per-epoch training and validation loss, learning rate, and seconds (training + validation).
@@ -69,13 +71,12 @@ def train_epoch(net, optimizer, loss_fn, frames, targets, args, generator) -> fl
 
 def validate(net, loss_fn, frames, targets, args) -> float:
   net.eval()
-  batches = len(frames) // args.batch_size
   total = 0.0
   with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-    for b in range(batches):
-      rows = slice(b * args.batch_size, (b + 1) * args.batch_size)
-      total += loss_fn(net(frames[rows]).float(), targets[rows]).item()
-  return total / batches
+    for start in range(0, len(frames), args.batch_size):
+      rows = slice(start, start + args.batch_size)
+      total += loss_fn(net(frames[rows]).float(), targets[rows]).item() * len(frames[rows])
+  return total / len(frames)
 
 
 def main():

@@ -136,6 +136,16 @@ def test_reference_trainer_follows_the_reference_schedule(tmp_path):
   assert all(np.isfinite(history["loss"])) and all(s > 0 for s in history["epoch_seconds"])
 
 
+def test_reference_trainer_validates_every_row_as_the_application_does():
+  """35 rows in batches of 16: the short last batch counts, weighted by its 3 rows."""
+  code = ("import sys, types, torch; sys.path.insert(0, %r); import reference_train; "
+          "rows = torch.arange(35, dtype=torch.float32)[:, None]; "
+          "print(reference_train.validate(torch.nn.Identity(), torch.nn.MSELoss(), rows, torch.zeros(35, 1), "
+          "types.SimpleNamespace(batch_size=16, bf16=False)))" % os.path.join(REPO_ROOT, "tools"))
+  result = subprocess.run([TORCH_PYTHON, "-c", code], check=True, capture_output=True, text=True, timeout=120)
+  assert float(result.stdout) == pytest.approx(np.mean(np.arange(35.0) ** 2), rel=1e-6)   # not over 32
+
+
 def test_parity_report_and_time_to_quality(tmp_path):
   from tools import parity  # pylint: disable=import-outside-toplevel
   source = write_cellspike(str(tmp_path / "d.h5"), sizes={"train": 64, "val": 32, "test": 16})
