@@ -30,9 +30,15 @@ def reported_on_one_line(status: int = 1):
     sys.exit(130)
 
 
+HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort", "--helpfull", "-helpfull",
+              "--helpxml", "-helpxml")
+
+
 def parse_flags(argv):
   """absl `flags_parser` for `app.run` (main.py and the tools): a bad flag is one `error:` line on
-  stderr, naming the program and the flag, and exit status 2 (absl's own is a FATAL line and a hint)."""
+  stderr, naming the program and the flag, and exit status 2 (absl's own is a FATAL line and a hint).
+  Asked for help, the program prints it and exits with status 0, as argparse programs do (absl's
+  help flags exit with 1, which scripts read as a failure)."""
   # Imported here: this module stays free of third-party imports, for the reference PyTorch tools'
   # environment, which imports the model's plain-data modules without absl.
   from absl import flags  # pylint: disable=import-outside-toplevel
@@ -41,3 +47,7 @@ def parse_flags(argv):
   except flags.Error as error:
     sys.stderr.write("%s: error: %s\n" % (os.path.basename(argv[0]), " ".join(str(error).split())))
     sys.exit(2)
+  except SystemExit as stop:  # absl's HelpFlag.parse: the usage, then sys.exit(1)
+    if stop.code == 1 and any(arg.split("=")[0] in HELP_FLAGS for arg in argv[1:]):
+      sys.exit(0)
+    raise
