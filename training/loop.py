@@ -32,6 +32,7 @@ from training import callbacks as callbacks_lib
 from training import checkpoints as checkpoints_lib
 from training import interrupt as interrupt_lib
 from training import logs
+from training import replica_statistics
 from training import run_folder
 from training.hparams import write_hparams
 from training.lr_schedule import LearningRateSchedule, optimizer_rate, warmup_problem
@@ -194,8 +195,8 @@ def _make_callbacks(config, backend, schedule, checkpointing, state, global_batc
   # Order matters: each callback may add to the epoch logs that the later ones record; `resumed`
   # completes a resumed epoch's metrics before anything records them, `graceful` acts after the
   # epoch's checkpoint and TensorBoard scalars are written.
-  callbacks = [resumed, throughput, quiet, schedule, checkpointing,
-               tf.keras.callbacks.TerminateOnNaN(),
+  callbacks = [resumed, throughput, quiet, replica_statistics.ShareBeforeEvaluation(), schedule,
+               checkpointing, tf.keras.callbacks.TerminateOnNaN(),
                tf.keras.callbacks.TensorBoard(log_dir=outdir, profile_batch=0)]
   if config.profile_dir and backend.profiles_with_tensorflow:
     callbacks.append(tf.keras.callbacks.TensorBoard(log_dir=config.profile_dir, profile_batch=(2, 4),
@@ -403,6 +404,7 @@ def _train(net, config, backend, splits, resume_state, callbacks, flag):
 def _evaluate_test(net, backend, splits, verbose: int) -> dict:
   """The test split's metrics with `net`'s current weights (the application's one evaluation of it)."""
   test_x, test_steps = backend.fit_input(splits.test.dataset, splits.test.steps)
+  replica_statistics.share(net)  # the statistics the checkpoints hold, in every replica
   with DroppedLines(logs.ONE_OFF_NATIVE_LINES):
     return net.evaluate(test_x, steps=test_steps, return_dict=True, verbose=verbose)
 
