@@ -30,11 +30,6 @@ class BatchLayout:
   first_shard: int = 0                # this process's first replica among all processes' replicas
   num_shards: int = 0                 # replicas of all processes (0: just this process's)
 
-  def __post_init__(self):
-    if (self.keeps_tail or self.eval_keeps_tail) and self.element_per_replica:
-      # A short last element would reach one replica only, and the others would wait for theirs.
-      raise ValueError("a short last batch needs one global batch per step (element_per_replica=False)")
-
   @property
   def shards(self) -> range:
     """Global indices of the replicas (data shards) this process feeds."""
@@ -148,13 +143,30 @@ def split_from_arrays(arrays: Arrays, layout: BatchLayout, transform: Callable, 
     per_shard = len(arrays.x) // layout.total_shards
     rows = slice(layout.first_shard * per_shard, (layout.first_shard + layout.replicas) * per_shard)
     arrays = Arrays(arrays.x[rows], arrays.y[rows])
-  steps = count_steps(len(arrays.x), layout.step_rows, max_steps, name, layout.steps_multiple,
-                      layout.keeps_tail)
-  dataset = tf.data.Dataset.from_tensor_slices((arrays.x, arrays.y))
-  if shuffle:
-    # A full-size buffer is a true shuffle; it reshuffles every epoch from the seeded start.
-    dataset = dataset.shuffle(len(arrays.x), seed=seed, reshuffle_each_iteration=True)
-  dataset = dataset.batch(layout.element_rows, drop_remainder=not layout.keeps_tail)
+  parts = _replica_parts(arrays, layout)
+  rows = sum(len(part.x) for part in parts)
+  steps = count_steps(rows, layout.step_rows, max_steps, name, layout.steps_multiple, layout.keeps_tail)
+  batch_rows = layout.element_rows if len(parts) == 1 else layout.replica_rows
+  batched = []
+  for part in parts:
+    dataset = tf.data.Dataset.from_tensor_slices((part.x, part.y))
+    if shuffle:
+      # A full-size buffer is a true shuffle; it reshuffles every epoch from the seeded start.
+      dataset = dataset.shuffle(len(part.x), seed=seed, reshuffle_each_iteration=True)
+    batched.append(dataset.batch(batch_rows, drop_remainder=not layout.keeps_tail))
+  dataset = batched[0] if len(batched) == 1 else tf.data.experimental.choose_from_datasets(
+      batched, tf.data.Dataset.range(len(batched)).repeat())
   dataset = dataset.map(transform, num_parallel_calls=2)
   dataset = without_autotune(dataset.take(steps * layout.elements_per_step).prefetch(2))
-  return Split(dataset=dataset, steps=steps, samples=min(len(arrays.x), steps * layout.step_rows))
+  return Split(dataset=dataset, steps=steps, samples=min(rows, steps * layout.step_rows))
+
+
+def _replica_parts(arrays: Arrays, layout: BatchLayout) -> list:
+  """The arrays as batches are cut from them: where replicas take elements in turn and a pass ends
+  with a short batch, one equal part per replica (each replica then gets a short batch in the same
+  step); otherwise the whole arrays."""
+  if not (layout.keeps_tail and layout.element_per_replica and layout.replicas > 1):
+    return [arrays]
+  rows = len(arrays.x) // layout.replicas
+  return [Arrays(arrays.x[r * rows:(r + 1) * rows], arrays.y[r * rows:(r + 1) * rows])
+          for r in range(layout.replicas)]

@@ -68,10 +68,12 @@ class MultiWorkerBackend(Backend):
 
   def layout(self, micro_batch: int) -> BatchLayout:
     # distribute_datasets_from_function hands the worker's elements to its local replicas in turn;
-    # a replica's G micro-batches arrive together for the accumulating train step.
+    # a replica's G micro-batches arrive together for the accumulating train step. Evaluation ends
+    # with a short batch on every replica of every worker (equal shards), as on one machine.
     return BatchLayout(replicas=self.local_replicas, replica_rows=micro_batch * self.gradient_accumulation,
                        element_per_replica=True,
                        eval_replica_rows=micro_batch if self.gradient_accumulation > 1 else None,
+                       eval_keeps_tail=True,
                        first_shard=self.rank * self.local_replicas, num_shards=self.replicas)
 
   def fit_input(self, dataset: tf.data.Dataset, steps: int):

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 from data import cellspike, hdf5_native
-from data.splits import BatchLayout
+from data.splits import Arrays, BatchLayout, eval_layout, split_from_arrays
 from errors import UserError
 from run_config import RunConfig
 from tests.support.cellspike_files import write_cellspike, write_row_marked
@@ -133,9 +133,20 @@ def test_an_evaluation_split_smaller_than_a_batch_is_read_whole_or_refused_where
     cellspike.load(_config(path), BatchLayout(1, 4))
 
 
-def test_a_layout_feeding_replicas_element_by_element_takes_no_short_batch():
-  with pytest.raises(ValueError, match="short last batch"):
-    BatchLayout(2, 4, element_per_replica=True, eval_keeps_tail=True)
+def test_replicas_that_take_elements_in_turn_each_end_with_a_short_batch(tmp_path):
+  """Multi-worker layouts: each replica reads its own part, and all of them get their short batch in
+  the last step, from a file and from arrays alike."""
+  layout = BatchLayout(2, 4, element_per_replica=True, eval_keeps_tail=True)
+  expected = [[0, 1, 2, 3], [13, 14, 15, 16], [4, 5, 6, 7], [17, 18, 19, 20], [8, 9, 10, 11],
+              [21, 22, 23, 24], [12], [25]]                     # 2 parts of 27 // 2 = 13 rows, in turn
+  path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64, n_eval=27)
+  validation = cellspike.load(_config(path), layout).validation
+  assert (validation.steps, validation.samples) == (4, 26)
+  assert [frames.numpy()[:, 0, 0].astype(int).tolist() for frames, _ in validation.dataset] == expected
+  rows = np.arange(27, dtype=np.float32)[:, None]
+  test = split_from_arrays(Arrays(rows, rows), eval_layout(layout), lambda x, y: (x, y), False, 0, 0, "test")
+  assert (test.steps, test.samples) == (4, 26)
+  assert [x.numpy()[:, 0].astype(int).tolist() for x, _ in test.dataset] == expected
 
 
 def test_fp16_file_stays_float16_on_the_host(tmp_path):

@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 
+import pytest
 import yaml
 
 from tests.support.cellspike_files import write_cellspike
@@ -18,7 +19,7 @@ from training.checkpoints import read_index
 TIMEOUT_SECONDS = 240
 
 
-def _start_workers(data_path, logdir, count=2, steps=3, more=(), stderr_dir=None):
+def _start_workers(data_path, logdir, count=2, steps=3, more=(), stderr_dir=None, eval_steps=1):
   """`count` workers on 127.0.0.1; their stderr goes to files in `stderr_dir` if given (to watch)."""
   cluster = {"worker": ["127.0.0.1:%d" % port for port in free_ports(count)]}
   processes = []
@@ -30,7 +31,7 @@ def _start_workers(data_path, logdir, count=2, steps=3, more=(), stderr_dir=None
     processes.append(subprocess.Popen(
         [sys.executable, os.path.join(REPO_ROOT, "main.py"), "--model=neuron_inverter", "--design=dev",
          "--backend=cpu", "--batch_size=16", "--epochs=2", "--steps_per_epoch=%d" % steps,
-         "--eval_steps=1", "--data_path=" + data_path, "--logdir=" + logdir] + list(more),
+         "--eval_steps=%d" % eval_steps, "--data_path=" + data_path, "--logdir=" + logdir] + list(more),
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True))
   return processes
 
@@ -60,9 +61,9 @@ def _finish(processes):
 
 
 def test_two_workers_train_in_sync_on_disjoint_shards(tmp_path):
-  data_path = write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 256, "val": 64, "test": 64})
+  data_path = write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 256, "val": 70, "test": 70})
   logdir = str(tmp_path / "run")
-  outputs = _finish(_start_workers(data_path, logdir))
+  outputs = _finish(_start_workers(data_path, logdir, eval_steps=0, more=["--precision=32.32"]))
   for process_output in outputs:
     assert "Traceback" not in process_output[1], process_output[1][-3000:]
   chief_log = outputs[0][1]
@@ -77,7 +78,16 @@ def test_two_workers_train_in_sync_on_disjoint_shards(tmp_path):
   assert "in each of the 2 processes, launched as before" in outputs[0][0]
   assert "Run finished" not in outputs[1][0]
   assert summaries[0]["steps_per_epoch"] == 3 and summaries[0]["train_samples_per_epoch"] == 96
-  assert summaries[0]["test_samples"] == 32  # --eval_steps=1: a batch of 16 on each of the two workers
+  # Every test sample: 35 on each worker, 2 batches of 16 and a short one of 3. The loss is the mean
+  # over all 70 of the saved weights, as the predict tool computes it on one device.
+  assert summaries[0]["test_samples"] == 70
+  predicted = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "predict.py"), "--logdir=" + logdir,
+                              "--backend=cpu", "--noplots"], cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=TIMEOUT_SECONDS)
+  assert predicted.returncode == 0, predicted.stderr[-3000:]
+  sum_pred = yaml.safe_load(open(os.path.join(logdir, "predict", "sum_pred.yaml")))
+  assert sum_pred["num_samples"] == 70
+  assert sum_pred["mse"] == pytest.approx(summaries[0]["test_loss"], rel=1e-5)
   # Identical weights after training: the all-reduce kept both replicas in step.
   assert summaries[0]["weights_sha256"] == summaries[1]["weights_sha256"]
   # Disjoint contiguous shards: worker 0 rows [0, 128), worker 1 rows [128, 256).
