@@ -213,9 +213,10 @@ def _log_split(info, split, layout, source, plans, steps, samples, in_memory) ->
     held = len(plans) * (2 * _QUEUED_BATCHES + _PARALLEL_GATHERS) * plans[0].batch_rows * row_bytes
   short = samples - (steps - 1) * layout.step_rows
   last = ", the last of %d" % short if short != layout.step_rows else ""
-  logging.info("%s split: %d samples, %d per pass in %d steps of %d%s (shards %d-%d of %d, %d rows each); "
+  logging.info("%s split: %d samples, %d per %s in %d steps of %d%s (shards %d-%d of %d, %d rows each); "
                "%s, about %.0f MB of host memory; %d bytes per sample to the device (%s frames, %s targets)",
-               split, info.splits[split].num_samples, samples, steps, layout.step_rows, last,
+               split, info.splits[split].num_samples, samples, "epoch" if plans[0].shuffle else "pass",
+               steps, layout.step_rows, last,
                layout.shards[0], layout.shards[-1], layout.total_shards, plans[0].block[1] - plans[0].block[0],
                "in-memory mode" if in_memory else "streaming", held / 1e6, row_bytes,
                source.frames.dtype.name, source.targets.dtype.name)
