@@ -3,9 +3,11 @@
 Anything a user can cause (a bad flag combination, a missing or malformed data file, a backend that is
 not installed) is raised as `UserError` with a message naming the flag, file or key and what was
 expected. `main.py` and the tools print it on one line and exit non-zero (`reported_on_one_line`); any
-other exception is a bug and keeps its traceback. A bad flag is one line too (`parse_flags`).
+other exception is a bug and keeps its traceback. A bad flag is one line too (`parse_flags`, and
+`OneLineArgumentParser` for the argparse tools beside PyTorch).
 """
 
+import argparse
 import contextlib
 import os
 import sys
@@ -51,3 +53,13 @@ def parse_flags(argv):
     if stop.code == 1 and any(arg.split("=")[0] in HELP_FLAGS for arg in argv[1:]):
       sys.exit(0)
     raise
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+  """argparse for the tools that run beside PyTorch (no absl there): a bad argument is one
+  `prog: error: ...` line and exit status 2, without the usage block argparse prints before it
+  (`--help` shows the usage)."""
+
+  def error(self, message):
+    sys.stderr.write("%s: error: %s\n" % (self.prog, " ".join(message.split())))
+    sys.exit(2)

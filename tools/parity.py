@@ -20,7 +20,6 @@ and validation) from its first step: ours include the tracing of the first step,
 process start-up or reading the file.
 """
 
-import argparse
 import json
 import os
 import subprocess
@@ -33,11 +32,12 @@ import yaml
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from errors import OneLineArgumentParser  # noqa: E402  pylint: disable=wrong-import-position
 from model.designs import DESIGNS  # noqa: E402  pylint: disable=wrong-import-position  (plain data)
 
 
 def parse_args(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = OneLineArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--data_path", default=None, help="cellSpike .h5 file (default: the built-in "
                       "generated dataset, made on first use)")
   parser.add_argument("--out", default="parity", help="folder for the slice, the runs and the report")

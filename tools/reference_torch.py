@@ -16,7 +16,6 @@ from this application but the design table (`model/designs.py`, plain data), so 
 imported beside PyTorch.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from errors import OneLineArgumentParser  # noqa: E402  standard library only
 from model.designs import DESIGNS  # noqa: E402  plain data: no TensorFlow comes with it
 
 class ReferenceModel(nn.Module):
@@ -59,7 +59,7 @@ class ReferenceModel(nn.Module):
 
 
 def parse_args():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = OneLineArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--data_path", required=True, help="cellSpike .h5 file")
   parser.add_argument("--design", default="ontra4", choices=sorted(DESIGNS))
   parser.add_argument("--batch_size", type=int, default=192)

@@ -17,7 +17,6 @@ The file's splits are held in memory as float32 (input is not what is compared).
 line: per-epoch training and validation loss, learning rate, and seconds (training + validation).
 """
 
-import argparse
 import json
 import time
 
@@ -27,10 +26,11 @@ import torch
 from torch import nn
 
 from reference_torch import DESIGNS, ReferenceModel
+from errors import OneLineArgumentParser  # noqa: E402  reference_torch put the repository on sys.path
 
 
 def parse_args():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = OneLineArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--data_path", required=True, help="cellSpike .h5 file (train and val splits)")
   parser.add_argument("--design", default="ontra4", choices=sorted(DESIGNS))
   parser.add_argument("--epochs", type=int, default=6)

@@ -146,6 +146,19 @@ def test_reference_trainer_validates_every_row_as_the_application_does():
   assert float(result.stdout) == pytest.approx(np.mean(np.arange(35.0) ** 2), rel=1e-6)   # not over 32
 
 
+@pytest.mark.parametrize("tool, args, message", [
+    ("reference_train.py", ["--data_path=x.h5", "--batch_size=x"], "argument --batch_size: invalid int value: 'x'"),
+    ("reference_torch.py", [], "the following arguments are required: --data_path"),
+    ("parity.py", ["--schedules=linear"], "--schedules: linear is not plateau or cosine"),
+])
+def test_the_argparse_tools_report_a_bad_argument_on_one_line(tool, args, message):
+  python = sys.executable if tool == "parity.py" else TORCH_PYTHON
+  result = subprocess.run([python, os.path.join(REPO_ROOT, "tools", tool)] + args, capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 2
+  assert result.stderr.splitlines() == ["%s: error: %s" % (tool, message)]    # no usage block before it
+
+
 def test_parity_report_and_time_to_quality(tmp_path):
   from tools import parity  # pylint: disable=import-outside-toplevel
   source = write_cellspike(str(tmp_path / "d.h5"), sizes={"train": 64, "val": 32, "test": 16})
