@@ -6,19 +6,30 @@ the tf.distribute behaviour (CPU and GPU); `strategies/ipu.py` overrides it for 
 """
 
 import dataclasses
+import inspect
 import tempfile
 from typing import Optional
 
 import tensorflow as tf
 
 from data.splits import BatchLayout
+from errors import UserError
 from run_config import RunConfig
 from strategies import accumulation, environment
 
 
+def _keras_compiles_with_xla() -> bool:
+  """Whether Keras' Model.compile takes `jit_compile` (Keras 2.8 on; TensorFlow 2.6's does not)."""
+  return "jit_compile" in inspect.signature(tf.keras.Model.compile).parameters
+
+
 def options_from_config(config: RunConfig) -> dict:
   """The Backend fields that come straight from the run configuration (its precision resolved) and
-  from the start-up environment (the executable cache, strategies/environment.py)."""
+  from the start-up environment (the executable cache, strategies/environment.py); a UserError for
+  --jit_compile where this Keras cannot compile a step with XLA."""
+  if config.jit_compile and not _keras_compiles_with_xla():
+    raise UserError("--jit_compile needs Keras' compile(jit_compile=...), which TensorFlow %s's Keras "
+                    "lacks (TensorFlow 2.8 and later have it); leave --jit_compile off" % tf.__version__)
   return {"replicas": config.replicas, "gradient_accumulation": config.gradient_accumulation,
           "steps_per_execution": config.steps_per_execution or 1, "jit_compile": config.jit_compile,
           "precision": config.precision, "cache_dir": environment.executable_cache_dir(config.backend)}

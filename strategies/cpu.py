@@ -265,6 +265,13 @@ def create(config: RunConfig) -> Backend:
     # ontra4 step 1.35x slower under OneDeviceStrategy (and under a one-device MirroredStrategy), every
     # kernel stretched alike (docs/PERFORMANCE.md); one CPU has nothing to distribute.
     return Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",), **fields)
+  if config.jit_compile:
+    # XLA compiles each replica's step for one device and cannot reach the variables that
+    # MirroredStrategy keeps on the other logical CPU devices ("Trying to access resource
+    # conv1/kernel/replica_1 ... located in device CPU:1 from device CPU:0"; TensorFlow's XLA known
+    # issues, tfvariable_on_a_different_device).
+    raise UserError("--jit_compile trains on one CPU replica only (XLA cannot reach the other replicas' "
+                    "variables on their logical CPU devices); use --replicas=1 or leave --jit_compile off")
   _set_threads(config.replicas)
   devices = _ensure_logical_cpus(config.replicas)
   # NCCL does not exist on CPU; reducing through one device is the CPU all-reduce.

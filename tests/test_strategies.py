@@ -1,5 +1,6 @@
 """Backend selection: CPU replicas as logical devices, clear errors for missing GPUs and IPU software."""
 
+import inspect
 import os
 
 import pytest
@@ -32,6 +33,17 @@ def test_two_cpu_replicas_use_mirrored_strategy_over_logical_devices():
   # The replicas really compute separately: each sees its own replica id.
   ids = backend.strategy.run(lambda: tf.distribute.get_replica_context().replica_id_in_sync_group)
   assert sorted(int(t) for t in backend.strategy.experimental_local_results(ids)) == [0, 1]
+
+
+def test_jit_compile_is_refused_with_several_cpu_replicas_and_where_keras_lacks_it():
+  with pytest.raises(UserError, match="--jit_compile trains on one CPU replica only|--jit_compile needs "):
+    select.select_backend(RunConfig(model="mnist", backend="cpu", replicas=2, jit_compile=True))
+  one = RunConfig(model="mnist", backend="cpu", replicas=1, jit_compile=True)
+  if "jit_compile" in inspect.signature(tf.keras.Model.compile).parameters:   # Keras 2.8 on
+    assert select.select_backend(one).compile_kwargs(10)["jit_compile"] is True
+  else:                                                                           # TensorFlow 2.6
+    with pytest.raises(UserError, match=r"--jit_compile needs Keras' compile\(jit_compile=...\)"):
+      select.select_backend(one)
 
 
 def test_replica_input_pipelines_are_not_autotuned():
