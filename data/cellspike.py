@@ -4,8 +4,9 @@ Sharding follows the reference: every replica (of every process) owns one contig
 split, a whole number of local batches long; the tail that does not fill a batch on every shard is
 left out. Evaluation splits, where the backend allows a short last batch (`BatchLayout.keeps_tail`),
 are read whole instead: equal blocks of any length, each ending with a short batch, so at most
-(shards - 1) samples are left out. Each epoch's order within a block is computed by TensorFlow's stateless RNG from (seed, shard,
-epoch) only, so a resumed run sees the same order as an uninterrupted one, on any machine.
+(shards - 1) samples are left out. Each epoch's order within a block is computed by TensorFlow's
+stateless RNG from (seed, shard, epoch) only, so a resumed run sees the same order as an
+uninterrupted one, on any machine.
 
 Streaming mode visits the block in chunks of `read_chunk` rows (rounded to whole batches) in a shuffled
 order and shuffles rows within each window of `shuffle_buffer` rows of that order; the batches are
@@ -216,8 +217,8 @@ def _log_split(info, split, layout, source, plans, steps, samples, in_memory) ->
   logging.info("%s split: %d samples, %d per %s in %d steps of %d%s (shards %d-%d of %d, %d rows each); "
                "%s, about %.0f MB of host memory; %d bytes per sample to the device (%s frames, %s targets)",
                split, info.splits[split].num_samples, samples, "epoch" if plans[0].shuffle else "pass",
-               steps, layout.step_rows, last,
-               layout.shards[0], layout.shards[-1], layout.total_shards, plans[0].block[1] - plans[0].block[0],
+               steps, layout.step_rows, last, layout.shards[0], layout.shards[-1], layout.total_shards,
+               plans[0].block[1] - plans[0].block[0],
                "in-memory mode" if in_memory else "streaming", held / 1e6, row_bytes,
                source.frames.dtype.name, source.targets.dtype.name)
 

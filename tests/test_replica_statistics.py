@@ -57,3 +57,11 @@ def test_a_fits_validation_uses_the_shared_statistics():
   history = net.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, validation_data=(x, y),
                     validation_batch_size=16, callbacks=[replica_statistics.ShareBeforeEvaluation()])
   assert history.history["val_loss"][0] == pytest.approx(_saved_model_loss(net, x, y), rel=1e-6)
+
+
+def test_one_device_has_nothing_to_share():
+  inputs = tf.keras.Input((4,))
+  net = tf.keras.Model(inputs, tf.keras.layers.BatchNormalization()(inputs))
+  shared = replica_statistics._per_replica_means(net)  # pylint: disable=protected-access
+  assert net.non_trainable_weights and not shared     # plain variables: one copy, nothing to share
+  replica_statistics.share(net)

@@ -17,8 +17,11 @@ import tensorflow as tf
 
 
 def _per_replica_means(model: tf.keras.Model) -> list:
+  # Distributed variables only: a plain variable (one replica, the default strategy, an IPU) holds one
+  # value, and rewriting it would only cost an op on its device.
   return [v for v in model.non_trainable_weights
-          if v.synchronization == tf.VariableSynchronization.ON_READ
+          if isinstance(v, tf.distribute.DistributedValues)
+          and v.synchronization == tf.VariableSynchronization.ON_READ
           and v.aggregation == tf.VariableAggregation.MEAN]
 
 
