@@ -16,21 +16,35 @@ from data.splits import BatchLayout, Split, count_steps, without_autotune
 SOURCE = "synthetic (random batches made once, no file reads)"
 
 
+def _repeated(make_element: Callable, rows: int) -> tf.data.Dataset:
+  """One element of `rows` rows, made inside the pipeline (not embedded in the graph), cached once
+  per iterator and repeated."""
+  return without_autotune(tf.data.Dataset.from_tensors(tf.constant(rows)).map(make_element).cache()
+                          .repeat())
+
+
 def synthetic_split(make_element: Callable, layout: BatchLayout, num_samples: int, max_steps: int,
                name: str) -> Split:
-  """A Split repeating one element made by `make_element(rows)`, with the real split's step count.
-
-  The element is made inside the pipeline (not embedded in the graph) and cached, once per iterator.
-  """
+  """A Split repeating one element made by `make_element(rows)`, with the real split's step count
+  (and, where the layout keeps the tail, its short last batch)."""
   per_shard = num_samples // layout.total_shards
   steps = count_steps(per_shard * layout.replicas, layout.step_rows, max_steps, name,
-                      layout.steps_multiple)
-  element = without_autotune(tf.data.Dataset.from_tensors(tf.constant(layout.element_rows))
-                             .map(make_element).cache().repeat())
-  elements = steps * layout.elements_per_step
-  one_pass = element.take(elements).apply(tf.data.experimental.assert_cardinality(elements))
-  return Split(dataset=one_pass, steps=steps, samples=steps * layout.step_rows,
-               stream=lambda epoch: element)
+                      layout.steps_multiple, layout.keeps_tail)
+  element = _repeated(make_element, layout.element_rows)
+  per_step, elements = layout.elements_per_step, steps * layout.elements_per_step
+  short = per_shard - (steps - 1) * layout.replica_rows  # each replica's rows in the last step
+  tail = layout.keeps_tail and short < layout.replica_rows
+  if tail:
+    tail_element = _repeated(make_element, short if layout.element_per_replica else short * layout.replicas)
+    one_pass = element.take(elements - per_step).concatenate(tail_element.take(per_step))
+  else:
+    one_pass = element.take(elements)
+  one_pass = one_pass.apply(tf.data.experimental.assert_cardinality(elements))
+  # Training streams the one element; an evaluation that ends with a short batch repeats its passes.
+  endless = one_pass.repeat() if tail else element
+  return Split(dataset=one_pass, steps=steps,
+               samples=per_shard * layout.replicas if tail else steps * layout.step_rows,
+               stream=lambda epoch: endless)
 
 
 def regression_element(input_shape: tuple, num_outputs: int, dtype: tf.DType, seed: int) -> Callable:

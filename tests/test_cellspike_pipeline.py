@@ -149,6 +149,21 @@ def test_replicas_that_take_elements_in_turn_each_end_with_a_short_batch(tmp_pat
   assert [x.numpy()[:, 0].astype(int).tolist() for x, _ in test.dataset] == expected
 
 
+@pytest.mark.parametrize("element_per_replica", [False, True])
+def test_synthetic_data_has_the_real_splits_steps_and_short_batches(tmp_path, element_per_replica):
+  path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64, n_eval=27)
+  layout = BatchLayout(2, 4, element_per_replica=element_per_replica, eval_keeps_tail=True)
+  real = cellspike.load(_config(path), layout)
+  synthetic = cellspike.load(_config(path, synthetic_data=True), layout)
+  for ours, theirs in ((synthetic.train, real.train), (synthetic.validation, real.validation)):
+    assert (ours.steps, ours.samples) == (theirs.steps, theirs.samples)
+    assert [len(x) for x, _ in ours.dataset] == [len(x) for x, _ in theirs.dataset]
+  one_pass = [len(x) for x, _ in real.validation.dataset]
+  assert one_pass[-1] < one_pass[0]                                   # the short batch
+  stream = synthetic.validation.epochs_from(0).take(2 * len(one_pass))
+  assert [len(x) for x, _ in stream] == 2 * one_pass                  # every pass ends with it
+
+
 def test_fp16_file_stays_float16_on_the_host(tmp_path):
   path = write_cellspike(str(tmp_path / "c.h5"), dtype=np.float16)
   splits = cellspike.load(_config(path), BatchLayout(1, 4))
