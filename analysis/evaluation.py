@@ -166,9 +166,10 @@ def _eval_split(config: RunConfig, backend: Backend, split: str, max_samples: in
   if max_samples:
     batch = max(1, min(batch, max_samples // replicas))
   layout = eval_layout(backend.layout(batch))
-  max_steps = max(1, max_samples // layout.step_rows) if max_samples else 0
+  # The split's first `max_samples` rows (at least one per replica): all of them where the backend
+  # takes a short last batch, whole batches of them on IPUs.
   data_split = cellspike.split_from_file(info, key, config, layout, first_epoch=0, shuffle=False,
-                                        max_steps=max_steps)
+                                        max_steps=0, max_rows=max(max_samples, replicas) if max_samples else 0)
   return info, data_split
 
 
@@ -189,7 +190,8 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
     config: the run's configuration (see `load_run_config`), possibly with another data_path/backend.
     backend: where to run; its strategy scope holds the model and its batch layout shapes the data.
     split: "test", "validation" or "train" of the cellSpike file.
-    max_samples: evaluate at most about this many samples (0: the whole split).
+    max_samples: evaluate the split's first `max_samples` samples (0: the whole split); fewer where
+      they do not divide evenly between the replicas, and on IPUs, whole batches of them.
     outdir: output folder (default <logdir>/predict).
     plots: also write the PNG figures.
     export_dir: also export the model as a self-contained SavedModel there.

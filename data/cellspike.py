@@ -177,9 +177,12 @@ def chunk_rows_for(read_chunk: int, batch_rows: int) -> int:
 
 
 def split_from_file(info, split: str, config, layout: BatchLayout, *, first_epoch: int, shuffle: bool,
-                    max_steps: int) -> Split:
-  """The tf.data pipeline of one split, one contiguous block per replica."""
+                    max_steps: int, max_rows: int = 0) -> Split:
+  """The tf.data pipeline of one split, one contiguous block per replica; of its first `max_rows`
+  rows only, if given."""
   num = info.splits[split].num_samples
+  if max_rows:
+    num = min(num, max_rows)
   keeps_tail = layout.keeps_tail and not shuffle
   blocks = shard_blocks(num, layout.total_shards, layout.replica_rows, split, whole_batches=not keeps_tail)
   mine = [blocks[shard] for shard in layout.shards]

@@ -42,7 +42,8 @@ def define_flags() -> None:
   flags.DEFINE_enum("backend", "auto", app_flags.BACKENDS, "Where to run the model.")
   flags.DEFINE_integer("replicas", 1, "Data-parallel replicas for the evaluation.", lower_bound=1)
   flags.DEFINE_integer("batch_size", None, "Batch per replica (default: the run's).", lower_bound=1)
-  flags.DEFINE_integer("max_samples", 0, "Evaluate at most this many samples (0: the whole split).",
+  flags.DEFINE_integer("max_samples", 0, "Evaluate the split's first this many samples (at least one per "
+                       "replica; on IPUs whole batches of them; 0: the whole split).",
                        lower_bound=0)
   flags.DEFINE_string("outdir", None, "Output folder (default: <logdir>/predict).")
   flags.DEFINE_string("export_dir", None, "Also export the model as a self-contained float32 SavedModel "

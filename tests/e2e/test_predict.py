@@ -119,18 +119,19 @@ def test_main_predict_writes_the_report(trained_run):
 def test_predict_tool_and_export_round_trip(trained_run, data_file, tmp_path):
   logdir, _ = trained_run
   outdir, export_dir = str(tmp_path / "out"), str(tmp_path / "export")
-  result = run_predict("--logdir=" + logdir, "--split=validation", "--max_samples=48", "--backend=cpu",
+  result = run_predict("--logdir=" + logdir, "--split=validation", "--max_samples=50", "--backend=cpu",
                        "--outdir=" + outdir, "--export_dir=" + export_dir, "--noplots")
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "parameter" in result.stdout and "p14" in result.stdout and "validation split, 48 samples" \
+  # 50 samples exactly: 3 batches of 16 and a short one of 2.
+  assert "parameter" in result.stdout and "p14" in result.stdout and "validation split, 50 samples" \
       in result.stdout
   sum_pred = _load_yaml(os.path.join(outdir, "sum_pred.yaml"))
-  _check_sum_pred(sum_pred, "validation", 48)
+  _check_sum_pred(sum_pred, "validation", 50)
   assert os.path.join("checkpoints", "best") in sum_pred["checkpoint"]
   assert not [name for name in os.listdir(outdir) if name.endswith(".png")]      # --noplots
   saved = np.load(os.path.join(outdir, "predictions.npz"))
   with h5py.File(data_file, "r") as f:
-    frames, targets = f["val_frames"][:48], f["val_unitStar_par"][:48]
+    frames, targets = f["val_frames"][:50], f["val_unitStar_par"][:50]
   np.testing.assert_array_equal(saved["truth"], targets)           # one replica: file order
   # The export loads in a fresh interpreter without the repository on its path and reproduces Z.
   np.save(str(tmp_path / "frames.npy"), frames)
