@@ -143,19 +143,6 @@ def _shard_stream(source: ShardSource, plan: ShardPlan, first_epoch: int) -> tf.
   return batches.prefetch(_QUEUED_BATCHES)
 
 
-def _combine(streams: list, element_per_replica: bool) -> tf.data.Dataset:
-  """One element per step from the replicas' streams, laid out as the backend consumes them."""
-  if len(streams) == 1:
-    return streams[0]
-  if element_per_replica:  # IPU infeeds (and multi-worker input): replica r takes every r-th element
-    return tf.data.experimental.choose_from_datasets(
-        streams, tf.data.Dataset.range(len(streams)).repeat())
-  # tf.distribute splits a global batch in order: replica r gets slice r.
-  return tf.data.Dataset.zip(tuple(streams)).map(
-      lambda *parts: (tf.concat([p[0] for p in parts], 0), tf.concat([p[1] for p in parts], 0)),
-      num_parallel_calls=_PARALLEL_GATHERS, deterministic=True)
-
-
 def _contiguous_source(info, split: str, rows: tuple, stage_dir) -> ShardSource:
   """The split's datasets, memory-mappable: the file itself, or a staged copy of rows [start, stop)
   (always in `stage_dir` when one is given: node-local staging; see data/staging.py)."""
@@ -198,8 +185,8 @@ def split_from_file(info, split: str, config, layout: BatchLayout, *, first_epoc
            for shard in layout.shards]
 
   def stream(epoch: int) -> tf.data.Dataset:
-    combined = _combine([_shard_stream(source, plan, epoch) for plan in plans],
-                        layout.element_per_replica)
+    combined = splits_lib.combine_replicas([_shard_stream(source, plan, epoch) for plan in plans],
+                                           layout.element_per_replica, _PARALLEL_GATHERS)
     return splits_lib.without_autotune(combined.prefetch(_QUEUED_BATCHES * layout.elements_per_step))
 
   elements = steps * layout.elements_per_step

@@ -154,11 +154,22 @@ def split_from_arrays(arrays: Arrays, layout: BatchLayout, transform: Callable, 
       # A full-size buffer is a true shuffle; it reshuffles every epoch from the seeded start.
       dataset = dataset.shuffle(len(part.x), seed=seed, reshuffle_each_iteration=True)
     batched.append(dataset.batch(batch_rows, drop_remainder=not layout.keeps_tail))
-  dataset = batched[0] if len(batched) == 1 else tf.data.experimental.choose_from_datasets(
-      batched, tf.data.Dataset.range(len(batched)).repeat())
-  dataset = dataset.map(transform, num_parallel_calls=2)
+  dataset = combine_replicas(batched, layout.element_per_replica).map(transform, num_parallel_calls=2)
   dataset = without_autotune(dataset.take(steps * layout.elements_per_step).prefetch(2))
   return Split(dataset=dataset, steps=steps, samples=min(rows, steps * layout.step_rows))
+
+
+def combine_replicas(streams: list, element_per_replica: bool, parallel_calls: int = 2) -> tf.data.Dataset:
+  """One element per step from the replicas' streams, laid out as the backend consumes them."""
+  if len(streams) == 1:
+    return streams[0]
+  if element_per_replica:  # IPU infeeds (and multi-worker input): replica r takes every r-th element
+    return tf.data.experimental.choose_from_datasets(
+        streams, tf.data.Dataset.range(len(streams)).repeat())
+  # tf.distribute splits a global batch in order: replica r gets slice r.
+  return tf.data.Dataset.zip(tuple(streams)).map(
+      lambda *parts: (tf.concat([p[0] for p in parts], 0), tf.concat([p[1] for p in parts], 0)),
+      num_parallel_calls=parallel_calls, deterministic=True)
 
 
 def _replica_parts(arrays: Arrays, layout: BatchLayout) -> list:

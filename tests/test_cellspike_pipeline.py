@@ -26,14 +26,15 @@ def _config(path, **kwargs):
   return RunConfig(**base)
 
 
-def _epoch_rows(split, replicas, batch_size, dataset=None):
-  """Row ids per replica for one pass, split the way tf.distribute splits global batches."""
+def _epoch_rows(split, replicas, dataset=None):
+  """Row ids per replica for one pass, each global batch split into equal parts in order, the way
+  tf.distribute splits global batches (a short last one too)."""
   per_replica = [[] for _ in range(replicas)]
   for frames, targets in (split.dataset if dataset is None else dataset):
     rows = frames.numpy()[:, 0, 0].astype(int)
     np.testing.assert_array_equal(rows, targets.numpy()[:, 0].astype(int))  # frames stay with targets
-    for r in range(replicas):
-      per_replica[r].extend(rows[r * batch_size:(r + 1) * batch_size])
+    for r, part in enumerate(np.split(rows, replicas)):
+      per_replica[r].extend(part)
   return per_replica
 
 
@@ -53,7 +54,7 @@ def test_shards_are_contiguous_disjoint_equal_and_shuffled_within(tmp_path, in_m
 def _two_epochs(split, replicas, batch_size):
   """The first two passes of the split's endless stream (what one Keras iterator reads)."""
   stream = split.epochs_from(0).take(2 * split.steps)
-  rows = _epoch_rows(split, replicas, batch_size, stream)
+  rows = _epoch_rows(split, replicas, stream)
   per_epoch = split.steps * batch_size
   return [r[:per_epoch] for r in rows], [r[per_epoch:] for r in rows]
 
@@ -63,28 +64,18 @@ def test_order_depends_only_on_seed_and_epoch(tmp_path):
   run_a = cellspike.load(_config(path), BatchLayout(2, 4))
   _, second_epoch = _two_epochs(run_a.train, 2, 4)
   resumed = cellspike.load(_config(path), BatchLayout(2, 4), first_epoch=1)
-  assert _epoch_rows(resumed.train, 2, 4) == second_epoch
-  first_epoch = _epoch_rows(cellspike.load(_config(path), BatchLayout(2, 4)).train, 2, 4)
+  assert _epoch_rows(resumed.train, 2) == second_epoch
+  first_epoch = _epoch_rows(cellspike.load(_config(path), BatchLayout(2, 4)).train, 2)
   other_seed = cellspike.load(_config(path, seed=2), BatchLayout(2, 4))
-  assert _epoch_rows(other_seed.train, 2, 4) != first_epoch
+  assert _epoch_rows(other_seed.train, 2) != first_epoch
 
 
 def test_validation_is_not_shuffled_and_batches_are_static(tmp_path):
   path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64)
   splits = cellspike.load(_config(path), BatchLayout(2, 4))
-  assert _epoch_rows(splits.validation, 2, 4) == [list(range(12)), list(range(12, 24))]
+  assert _epoch_rows(splits.validation, 2) == [list(range(12)), list(range(12, 24))]
   assert splits.train.dataset.element_spec[0].shape.as_list() == [8, 16, 4]
   assert tf.data.experimental.cardinality(splits.train.dataset).numpy() == splits.train.steps
-
-
-def _global_batch_rows(dataset, replicas):
-  """Row ids per replica, each global batch split into equal parts as tf.distribute splits a short one."""
-  per_replica = [[] for _ in range(replicas)]
-  for frames, _ in dataset:
-    rows = frames.numpy()[:, 0, 0].astype(int)
-    for r, part in enumerate(np.split(rows, replicas)):
-      per_replica[r].extend(part)
-  return per_replica
 
 
 @pytest.mark.parametrize("in_memory", [False, True])
@@ -95,8 +86,8 @@ def test_evaluation_that_keeps_the_tail_reads_every_row_once_in_order(tmp_path, 
   # Two shards of 27 // 2 = 13 rows: 3 whole batches of 4 and one of 1 each; 1 row of 27 left out.
   assert (validation.steps, validation.samples) == (4, 26)
   assert [len(frames) for frames, _ in validation.dataset] == [8, 8, 8, 2]
-  assert _global_batch_rows(validation.dataset, 2) == [list(range(13)), list(range(13, 26))]
-  again = _global_batch_rows(validation.epochs_from(0).take(2 * validation.steps), 2)
+  assert _epoch_rows(validation, 2) == [list(range(13)), list(range(13, 26))]
+  again = _epoch_rows(validation, 2, validation.epochs_from(0).take(2 * validation.steps))
   assert again == [2 * list(range(13)), 2 * list(range(13, 26))]      # every pass ends with the tail
   # Training still takes whole batches of a static shape, and a capped evaluation whole ones too.
   assert splits.train.dataset.element_spec[0].shape.as_list() == [8, 16, 4]
@@ -251,7 +242,7 @@ def test_processes_read_disjoint_shards_of_the_same_file(tmp_path):
   rows = []
   for process in range(2):   # 2 processes x 2 replicas each = 4 shards of 16 rows
     layout = BatchLayout(2, 4, first_shard=2 * process, num_shards=4)
-    rows.append(_epoch_rows(cellspike.load(_config(path), layout).train, 2, 4))
+    rows.append(_epoch_rows(cellspike.load(_config(path), layout).train, 2))
   assert [sorted(r) for r in rows[0]] == [list(range(0, 16)), list(range(16, 32))]
   assert [sorted(r) for r in rows[1]] == [list(range(32, 48)), list(range(48, 64))]
 
