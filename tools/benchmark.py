@@ -229,13 +229,14 @@ def _progress(label: str, result: dict) -> None:
 
 
 def _first_step_seconds(design: str, precision: str, cache: str):
-  args = [sys.executable, os.path.join(REPO_ROOT, "main.py"), "--model=neuron_inverter",
-          "--design=" + design, "--backend=cpu", "--compile_only", "--jit_compile",
-          "--cache_dir=" + cache, "--batch_size=%d" % FLAGS.batch_size, "--precision=" + precision,
-          "--logdir=" + tempfile.mkdtemp(prefix="benchmark-run-"), "--steps_per_epoch=2", "--eval_steps=1"]
-  if FLAGS.data_path:
-    args.append("--data_path=" + FLAGS.data_path)
-  output = subprocess.run(args, capture_output=True, text=True, cwd=REPO_ROOT)
+  with tempfile.TemporaryDirectory(prefix="benchmark-run-") as logdir:
+    args = [sys.executable, os.path.join(REPO_ROOT, "main.py"), "--model=neuron_inverter",
+            "--design=" + design, "--backend=cpu", "--compile_only", "--jit_compile",
+            "--cache_dir=" + cache, "--batch_size=%d" % FLAGS.batch_size, "--precision=" + precision,
+            "--logdir=" + logdir, "--steps_per_epoch=2", "--eval_steps=1"]
+    if FLAGS.data_path:
+      args.append("--data_path=" + FLAGS.data_path)
+    output = subprocess.run(args, capture_output=True, text=True, cwd=REPO_ROOT)
   match = [line for line in output.stderr.splitlines() if "--compile_only: compiled in" in line]
   return float(match[-1].split("compiled in")[1].split()[0]) if match else None
 
@@ -248,8 +249,8 @@ def _compile_times(design: str, precision: str) -> dict:
   """
   pairs = []
   for _ in range(FLAGS.compile_pairs):
-    cache = tempfile.mkdtemp(prefix="benchmark-cache-")
-    pairs.append((_first_step_seconds(design, precision, cache), _first_step_seconds(design, precision, cache)))
+    with tempfile.TemporaryDirectory(prefix="benchmark-cache-") as cache:
+      pairs.append((_first_step_seconds(design, precision, cache), _first_step_seconds(design, precision, cache)))
   complete = [(cold, warm) for cold, warm in pairs if cold and warm]
   if not complete:
     return {"cold": None, "warm_cache": None, "pairs": pairs}
@@ -364,14 +365,15 @@ def _print_table(results) -> None:
     for design, row in designs.items():
       train, infer = row.get("train", {}), row.get("inference", {})
       compile_s = row.get("compile_seconds", {})
-      train_flops = 3 * train.get("flops_per_sample_forward", 0)  # forward + two backward products
-      print("%-6s %-7s %8.0f %8s %8s %8s %8.0f %8.1f %8s %8s %8s %8.0f" % (
-          precision, design, train.get("samples_per_sec", 0),
-          _fmt(row.get("reference", {}).get("samples_per_sec"), "%.0f"),
+      rate = train.get("samples_per_sec")
+      train_gflops = rate * 3 * train["flops_per_sample_forward"] / 1e9 if rate else None  # forward + 2 backward
+      peak_mb = max(train.get("peak_rss_mb", 0), infer.get("peak_rss_mb", 0))
+      print("%-6s %-7s %8s %8s %8s %8s %8s %8s %8s %8s %8s %8s" % (
+          precision, design, _fmt(rate, "%.0f"), _fmt(row.get("reference", {}).get("samples_per_sec"), "%.0f"),
           _fmt(row.get("speedup_vs_reference"), "%.2f"), _fmt(row.get("speedup_vs_reference_fp32"), "%.2f"),
-          infer.get("samples_per_sec", 0), train.get("samples_per_sec", 0) * train_flops / 1e9,
+          _fmt(infer.get("samples_per_sec"), "%.0f"), _fmt(train_gflops, "%.1f"),
           _fmt(compile_s.get("cold"), "%.1f"), _fmt(compile_s.get("warm_cache"), "%.1f"),
-          _fmt(compile_s.get("warm_over_cold"), "%.2f"), max(train.get("peak_rss_mb", 0), infer.get("peak_rss_mb", 0))))
+          _fmt(compile_s.get("warm_over_cold"), "%.2f"), _fmt(peak_mb or None, "%.0f")))
   for precision, designs in results["precisions"].items():
     for design, row in designs.items():
       if "conv_forms" in row.get("train", {}):

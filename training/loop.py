@@ -15,6 +15,7 @@ Backend specifics stay behind `backend`.
 import hashlib
 import os
 import random
+import shutil
 import time
 
 import numpy as np
@@ -302,12 +303,20 @@ def run(config: RunConfig, backend: Backend) -> dict:
   if outdir == config.logdir:
     run_folder.claim(config.logdir, config.resume)
   else:
-    logging.info("Process %d writes its events and checkpoints to %s (the chief writes %s)",
-                 backend.rank, outdir, config.logdir)
+    logging.info("Process %d writes its events and checkpoints to %s, removed at its end (the chief "
+                 "writes %s)", backend.rank, outdir, config.logdir)
   try:
-    return _train_and_test(config, backend, info, outdir, started)
+    summary = _train_and_test(config, backend, info, outdir, started)
   finally:
     run_folder.release(config.logdir)
+    if outdir != config.logdir:
+      # The other processes save with the chief (saving is collective) but nothing reads their copies,
+      # and a resume restores from the chief's: kept, they would fill /tmp run after run.
+      shutil.rmtree(outdir, ignore_errors=True)
+  if outdir != config.logdir and "weights_sha256" in summary:
+    logging.info("Process %d done, its weights' sha256 %s (the chief's summary.yaml: weights_sha256)",
+                 backend.rank, summary["weights_sha256"])
+  return summary
 
 
 def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, started: float) -> dict:
@@ -371,8 +380,8 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
       global_batch_size=global_batch_size, first_epoch=resume_state["epoch"] + 1,
       wall_seconds=time.perf_counter() - started, fit_seconds=fit_seconds,
       weights_sha256=weights_digest(net), tensorflow_version=tf.__version__)
-  path = summary_lib.write_summary(outdir, summary)
-  logging.info("Wrote %s", path)
+  if backend.is_chief:  # the others' folders are scratch (run)
+    logging.info("Wrote %s", summary_lib.write_summary(outdir, summary))
   return summary
 
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from tests.support.cellspike_files import write_cellspike
-from tests.support.helpers import REPO_ROOT
+from tests.support.helpers import REPO_ROOT, other_process_report
 from training.checkpoints import read_index
 
 pytestmark = pytest.mark.slurm
@@ -88,28 +88,23 @@ def _wait_for_text(path, text, env, job_id, timeout=JOB_SECONDS):
   raise AssertionError("%r not in %s within %d s" % (text, path, timeout))
 
 
-def _worker_dir(output: str) -> str:
-  return re.search(r"Process 1 writes its events and checkpoints to (\S+)", output).group(1)
-
-
 def _event_writers(folder: str) -> set:
   """Process ids in the names of the event files under `folder` (events.out.tfevents.TIME.HOST.PID.N.v2)."""
   return {name.split(".")[5] for _, _, names in os.walk(folder) for name in names
           if name.startswith("events.out.tfevents.")}
 
 
-def _check_two_workers_trained(output: str, logdir: str) -> dict:
+def _check_two_workers_trained(output: str, logdir: str, chief_runs: int = 1) -> dict:
   assert "Multi-worker run (slurm): rank 0 of 2 (chief)" in output, output[-3000:]
   assert "Multi-worker run (slurm): rank 1 of 2," in output
   summary = yaml.safe_load(open(os.path.join(logdir, "summary.yaml")))
-  worker = yaml.safe_load(open(os.path.join(_worker_dir(output), "summary.yaml")))
+  worker_dir, worker_weights = other_process_report(output)
   assert summary["world_size"] == 2 and summary["replicas"] == 2 and summary["rank"] == 0
-  assert worker["rank"] == 1 and worker["weights_sha256"] == summary["weights_sha256"]
+  assert worker_weights == summary["weights_sha256"]
   # Only the chief writes to the run folder: the other worker's events (their file names carry the
-  # writing process's id) and checkpoints are all in its own folder, elsewhere.
-  worker_dir = _worker_dir(output)
-  assert os.path.commonpath([worker_dir, logdir]) != logdir
-  assert _event_writers(worker_dir) and not _event_writers(worker_dir) & _event_writers(logdir)
+  # writing process's id) and checkpoints went to a scratch folder elsewhere, removed at its end.
+  assert os.path.commonpath([worker_dir, logdir]) != logdir and not os.path.exists(worker_dir)
+  assert len(_event_writers(logdir)) == chief_runs
   return summary
 
 
@@ -158,7 +153,7 @@ def test_scancel_term_mid_epoch_checkpoints_and_the_resubmitted_job_finishes(slu
   output = open(tmp_path / ("neuron-inverter-gpu-%s.out" % resumed_id)).read()
   assert (resumed["JobState"], resumed["ExitCode"]) == ("COMPLETED", "0:0"), output[-3000:]
   assert "continuing with epoch 1 of 2 at step %d of %d" % (int(stops[0]) + 1, TERM_STEPS) in output
-  summary = _check_two_workers_trained(output, logdir)
+  summary = _check_two_workers_trained(output, logdir, chief_runs=2)  # stopped, then resumed
   assert summary["full_history"]["epoch"] == [1, 2]  # the epochs of an uninterrupted run
 
 

@@ -51,3 +51,11 @@ def assert_one_line_error(result, *fragments):
   assert len(error_lines) == 1, result.stderr
   for fragment in fragments:
     assert fragment in error_lines[0], error_lines[0]
+
+
+def other_process_report(log: str, rank: int = 1):
+  """From a non-chief process's log: the scratch folder it wrote its events and checkpoints to (and
+  removed at its end) and the sha256 of its trained weights (None if it did not finish)."""
+  scratch = re.search(r"Process %d writes its events and checkpoints to (\S+), removed" % rank, log).group(1)
+  done = re.search(r"Process %d done, its weights' sha256 (\w+)" % rank, log)
+  return scratch, done.group(1) if done else None
