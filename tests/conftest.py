@@ -4,6 +4,9 @@ The environment must be prepared before the first `import tensorflow` (as `main.
 CPU devices can only be configured before TensorFlow's runtime starts, so both happen at import time.
 """
 
+import os
+import tempfile
+
 import pytest
 
 from run_config import RunConfig
@@ -20,6 +23,16 @@ with environment.quiet_cuda_probe(_CONFIG):
       tf.config.list_physical_devices("CPU")[0],
       [tf.config.LogicalDeviceConfiguration() for _ in range(TEST_CPU_DEVICES)])
 
+
+@pytest.fixture(autouse=True, scope="session")
+def _temporary_files_under_basetemp(tmp_path_factory):
+  """Temporary files of the tests and of the processes they start go under pytest's basetemp, which
+  pytest prunes, and not into /tmp: TensorFlow's autograph files, for one, stay behind wherever a
+  process ends without its exit handlers (xdist's workers, the processes that tests kill)."""
+  folder = str(tmp_path_factory.mktemp("tmpdir"))
+  os.environ["TMPDIR"] = folder
+  tempfile.tempdir = folder
+  yield
 
 
 @pytest.fixture(autouse=True)
