@@ -14,6 +14,7 @@ from run_config import AUTOTUNE_MIN_STEPS, RunConfig
 from strategies import cpu
 from strategies.backend import Backend
 from training import autotune
+from training.optimizers import create_slots
 
 AVX2_FORMS = cpu.conv_options("32.32", {"fma", "avx2"}, ("AuthenticAMD", 25))
 ZEN1_FORMS = cpu.conv_options("32.32", {"fma", "avx2"}, ("AuthenticAMD", 23))
@@ -190,7 +191,10 @@ def test_measure_trains_each_form_in_alternating_windows(tmp_path):
   choice = autotune.tune(config, backend, backend.form_alternatives, build, SHAPE, lambda: batch, 1)
   assert len(built) == 4 and len({str(options) for options, _ in built}) == 4
   steps = autotune.WARMUP_STEPS + autotune.ROUNDS * autotune.WINDOW_STEPS
-  assert all(int(model.optimizer.iterations) == steps for _, model in built)
+  # Every form trained its steps (one step counter where the forms share it, as they do once the
+  # optimizer has created it while building).
+  counters = {id(model.optimizer.iterations): model.optimizer.iterations for _, model in built}
+  assert sum(int(counter) for counter in counters.values()) == 4 * steps
   assert set(choice.seconds_per_step) == {autotune.describe(forms) for forms in backend.form_alternatives}
   assert all(seconds > 0 for seconds in choice.seconds_per_step.values())
   assert choice.source == "measured" and choice.forms in backend.form_alternatives
@@ -223,3 +227,35 @@ def test_the_timed_models_are_freed_before_the_run_builds_its_own(tmp_path):
   finally:
     gc.enable()
   assert len(built) == 4 and not alive
+
+
+def test_the_timed_models_share_one_set_of_variables_across_replicas(tmp_path):
+  """Under a 2-replica MirroredStrategy, as the run builds them (weights, BatchNorm statistics and the
+  optimizer's slots created inside the strategy's scope): the later forms get the first form's
+  variables, so timing four forms holds one model's memory; each form trains them in turn."""
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  backend = dataclasses.replace(_backend(), strategy=strategy, devices=("/cpu:0", "/cpu:1"), replicas=2)
+  built = []
+
+  def build(variant):
+    del variant
+    with strategy.scope():
+      model = tf.keras.Sequential([tf.keras.Input((16, 4)), tf.keras.layers.Flatten(),
+                                   tf.keras.layers.BatchNormalization(), tf.keras.layers.Dense(3)])
+      model.compile(tf.keras.optimizers.Adam(), "mse")
+      create_slots(model.optimizer, model.trainable_variables)
+    built.append(model)
+    return model
+
+  rng = np.random.default_rng(0)
+  batch = (rng.standard_normal((8, 16, 4)).astype("float32"), rng.standard_normal((8, 3)).astype("float32"))
+  seconds = autotune.measure(backend, backend.form_alternatives, build, batch)
+  assert len(seconds) == 4 and all(value > 0 for value in seconds.values())
+  state = [model.variables + model.optimizer.variables() for model in built]
+  assert len(state[0]) == 4 + 2 + 1 + 2 * 4  # BN's 4, Dense's 2, Adam's counter, 2 slots per trainable
+  for other in state[1:]:
+    assert len(other) == len(state[0]) and all(a is b for a, b in zip(state[0], other))
+  assert isinstance(built[0].layers[-1].kernel, tf.distribute.DistributedValues)
+  # One counter, stepped by every form's warm-up and windows in turn.
+  steps = autotune.WARMUP_STEPS + autotune.ROUNDS * autotune.WINDOW_STEPS
+  assert int(built[0].optimizer.iterations.numpy()) == 4 * steps

@@ -5,7 +5,7 @@ lists them: `Backend.form_alternatives`). Every form computes the same function 
 so which one is fastest can be measured on the machine itself, as cuDNN's autotuner times a GPU's
 convolution algorithms:
 - each form builds and compiles the run's model and trains it on the run's first training batch, over
-  and over (the input pipeline is not timed);
+  and over (the input pipeline is not timed); the models share one set of variables;
 - after WARMUP_STEPS steps each (tracing, first-step allocations), the forms train in alternating
   windows of WINDOW_STEPS steps, so that all of them see the machine in the same state;
 - the form with the shortest median step is kept, unless the built-in choice is within TOLERANCE of
@@ -185,11 +185,53 @@ def choose(alternatives, seconds: dict) -> tuple:
   return builtin if seconds[describe(builtin)] <= seconds[describe(fastest)] * (1 + TOLERANCE) else fastest
 
 
+class _SharedVariables:
+  """Gives the models built through `build` one set of variables: the first build creates them, and
+  each later build is handed the same ones in the order it asks for them. The forms compute the same
+  function with the same variables, and they train one at a time. Four sets (weights, optimizer slots
+  and BatchNorm statistics, per replica) would raise the peak of TensorFlow's CPU allocator, which
+  keeps its memory for the rest of the process: a first float32 run at 4 x 48 trained in 1.33 GB
+  where a later run, which reads the timings, needs 0.78 GB; with one set, in 1.0-1.04 GB (Zen 5).
+
+  The creator must be the innermost one (entered inside the strategy's scope, which a build's own
+  strategy.scope() then re-enters without a creator of its own), so that it sees, and hands out, whole
+  distributed variables. A request that does not match the first build's sequence (name, shape,
+  dtype, trainable) gets a variable of its own, as without sharing."""
+
+  def __init__(self):
+    self._made = []       # (request, variable) of the first build, in order
+    self._next = None     # the position in _made of the next request of a later build
+
+  @staticmethod
+  def _request(kwargs) -> tuple:
+    return (kwargs.get("name"), tf.TensorShape(kwargs.get("shape")), str(kwargs.get("dtype")),
+            kwargs.get("trainable"))
+
+  def creator(self, next_creator, **kwargs):
+    request = self._request(kwargs)
+    if self._next is None:
+      variable = next_creator(**kwargs)
+      self._made.append((request, variable))
+      return variable
+    if self._next < len(self._made) and self._made[self._next][0] == request:
+      self._next += 1
+      return self._made[self._next - 1][1]
+    return next_creator(**kwargs)
+
+  def build(self, build_model):
+    """The model `build_model()` returns, with the first build's variables if there was one."""
+    model = build_model()
+    self._next = 0
+    return model
+
+
 def measure(backend: Backend, alternatives, build: Callable[[Backend], tf.keras.Model], batch) -> dict:
   """Median seconds per training step of each alternative (describe() -> seconds), each training on
   `batch` (one element of the run's training dataset) over and over."""
   dataset = tf.data.Dataset.from_tensors(batch).repeat()
-  models = [build(backend.with_forms(forms)) for forms in alternatives]
+  shared = _SharedVariables()
+  with backend.strategy.scope(), tf.variable_creator_scope(shared.creator):
+    models = [shared.build(lambda forms=forms: build(backend.with_forms(forms))) for forms in alternatives]
   timers = [_StepTimer() for _ in alternatives]
 
   def train(index, steps):
@@ -236,8 +278,7 @@ def _measured(backend, alternatives, build, first_batch, key, path) -> Choice:
   with DroppedLines(logs.ONE_OFF_NATIVE_LINES):
     seconds = measure(backend, alternatives, build, first_batch())
   # The throwaway models hold reference cycles (layers, optimizers, traced functions), which only the
-  # cycle collector frees: collected now, the main job of a first run trains in 1.35 GB of process
-  # memory instead of 1.63 (4 x 48, float32, Zen 5).
+  # cycle collector frees: collected now, before the run builds its own model.
   gc.collect()
   for forms in alternatives:
     print("  %s: %.3f s per step%s" % (describe(forms), seconds[describe(forms)],
