@@ -229,6 +229,14 @@ def default_data_path(config: RunConfig) -> str:
   if os.path.isfile(path):
     logging.info("Using the built-in generated dataset %s", path)
     return path
+  try:
+    os.makedirs(folder, exist_ok=True)
+  except OSError as error:
+    raise UserError("--data_cache=%s: cannot create %s for the built-in dataset (%s)"
+                    % (config.data_cache, folder, error.strerror)) from None
+  if not os.access(folder, os.W_OK | os.X_OK):
+    raise UserError("--data_cache=%s: cannot write the built-in dataset into %s (permission denied)"
+                    % (config.data_cache, folder))
   logging.info("Generating the built-in dataset into %s (once; later runs reuse it)", folder)
   return cellspike_generate.generate_dataset(
       folder, cell_name=DEFAULT_CELL, num_train=DEFAULT_SAMPLES["train"],

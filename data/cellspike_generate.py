@@ -61,9 +61,9 @@ def _check_args(out_dir, cell_name, counts, seed, batch_size, workers, probe_typ
   if workers < 1:
     raise UserError("workers must be >= 1, got %d" % workers)
   if not out_dir:
-    raise UserError("out_dir must be set")
+    raise UserError("--out_dir must be set")
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-    raise UserError("out_dir %s exists and is not a directory" % out_dir)
+    raise UserError("--out_dir=%s exists and is not a directory" % out_dir)
 
 
 def _batches(seed: int, counts, batch_size: int, workers: int):
@@ -260,7 +260,7 @@ def generate_dataset(out_dir: str, cell_name: str = "synth", num_train: int = 20
   try:
     os.makedirs(out_dir, exist_ok=True)
   except OSError as error:
-    raise UserError("out_dir %s: cannot create it (%s)" % (out_dir, error.strerror)) from None
+    raise UserError("--out_dir=%s: cannot create it (%s)" % (out_dir, error.strerror)) from None
   dtype = np.float16 if fp16 else np.float32
   path = os.path.join(out_dir, h5_name(cell_name))
   meta = {"dataInfo": _data_info(cell_name, counts, seed, fp16, probe_type)}
@@ -271,7 +271,7 @@ def generate_dataset(out_dir: str, cell_name: str = "synth", num_train: int = 20
   try:
     h5 = h5py.File(tmp, "w")
   except OSError as error:
-    raise UserError("out_dir %s: cannot write %s (%s)" % (out_dir, tmp, error)) from None
+    raise UserError("--out_dir=%s: cannot write %s (%s)" % (out_dir, tmp, error)) from None
   try:
     with h5:
       _create_datasets(h5, counts, dtype)

@@ -400,6 +400,28 @@ def test_a_new_run_into_a_finished_one_is_refused_before_the_data_is_generated(l
   assert not cache.exists()
 
 
+def test_a_data_cache_that_cannot_hold_the_builtin_dataset_is_one_error_line(tmp_path):
+  cache = tmp_path / "data_cache"
+  cache.write_text("not a folder")
+  result = run_main(*BASE_ARGS, "--epochs=1", "--data_cache=%s" % cache, "--logdir=" + str(tmp_path / "run"))
+  assert_one_line_error(result, "--data_cache=%s: cannot create %s" % (cache, cache / "cellspike-v3-seed0"))
+
+
+def test_a_read_only_data_cache_is_one_error_line(tmp_path):
+  """The dataset's folder exists but cannot be written: a real read-only bind mount (in a private
+  mount namespace), which stops root too."""
+  folder = tmp_path / "data_cache" / "cellspike-v3-seed0"
+  folder.mkdir(parents=True)
+  if not can_mount_tmpfs(str(tmp_path)):
+    pytest.skip("cannot mount in a private namespace here (needs unshare and mount rights)")
+  script = 'mount --bind "$RO" "$RO" && mount -o remount,bind,ro "$RO" || exit 77; exec "$@"'
+  result = run_main(*BASE_ARGS, "--epochs=1", "--data_cache=%s" % folder.parent,
+                    "--logdir=" + str(tmp_path / "run"), prefix=("unshare", "-m", "sh", "-c", script, "sh"),
+                    env={"RO": str(folder)})
+  assert_one_line_error(result, "--data_cache=%s: cannot write the built-in dataset into %s" % (folder.parent,
+                                                                                               folder))
+
+
 def test_a_second_job_into_a_busy_folder_is_refused(tmp_path, good_file):
   """The first job holds the folder's lock (here: this process, as a running job would)."""
   from training import run_folder  # pylint: disable=import-outside-toplevel
