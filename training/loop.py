@@ -296,6 +296,7 @@ def run(config: RunConfig, backend: Backend) -> dict:
   started = time.perf_counter()
   info = model.get_model_info(config.model)
   outdir = backend.output_dir(config.logdir)
+  new_folder = not os.path.exists(outdir)
   prepare_logdir(outdir)
   # The writer locks the folder and refuses to start over an earlier run before it reads data or
   # builds anything: the first run's data generation alone takes minutes on a slow CPU. The lock file
@@ -307,6 +308,10 @@ def run(config: RunConfig, backend: Backend) -> dict:
                  "writes %s)", backend.rank, outdir, config.logdir)
   try:
     summary = _train_and_test(config, backend, info, outdir, started)
+  except BaseException:
+    if new_folder and outdir == config.logdir:
+      run_folder.remove_if_unused(config.logdir)
+    raise
   finally:
     run_folder.release(config.logdir)
     if outdir != config.logdir:

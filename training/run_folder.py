@@ -65,3 +65,16 @@ def claim(logdir: str, resume: bool) -> None:
     release(logdir)
     raise UserError("--logdir=%s already holds a run (its checkpoints and summary would be replaced): "
                     "continue it with --resume, or choose a fresh --logdir" % logdir)
+
+
+def remove_if_unused(logdir: str) -> None:
+  """Removes `logdir`, which this run created, if the run failed before writing anything into it but
+  its lock: a bad command must not leave an empty timestamped folder behind for every try."""
+  release(logdir)
+  try:
+    if set(os.listdir(logdir)) <= {LOCK_FILE}:
+      if os.path.exists(os.path.join(logdir, LOCK_FILE)):
+        os.remove(os.path.join(logdir, LOCK_FILE))
+      os.rmdir(logdir)
+  except OSError:
+    pass  # another process wrote into it meanwhile, or it is gone: nothing of ours to clean

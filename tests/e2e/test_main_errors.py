@@ -403,8 +403,13 @@ def test_a_new_run_into_a_finished_one_is_refused_before_the_data_is_generated(l
 def test_a_data_cache_that_cannot_hold_the_builtin_dataset_is_one_error_line(tmp_path):
   cache = tmp_path / "data_cache"
   cache.write_text("not a folder")
-  result = run_main(*BASE_ARGS, "--epochs=1", "--data_cache=%s" % cache, "--logdir=" + str(tmp_path / "run"))
-  assert_one_line_error(result, "--data_cache=%s: cannot create %s" % (cache, cache / "cellspike-v3-seed0"))
+  for logdir, given in ((tmp_path / "run", False), (tmp_path / "made_by_the_user", True)):
+    if given:
+      logdir.mkdir()
+    result = run_main(*BASE_ARGS, "--epochs=1", "--data_cache=%s" % cache, "--logdir=%s" % logdir)
+    assert_one_line_error(result, "--data_cache=%s: cannot create %s" % (cache, cache / "cellspike-v3-seed0"))
+    # The run folder it made, with nothing in it but its lock, is gone; one the user made stays.
+    assert logdir.exists() == given and (not given or set(os.listdir(logdir)) <= {".lock"})
 
 
 def test_a_read_only_data_cache_is_one_error_line(tmp_path):
