@@ -32,6 +32,8 @@ sys.path.insert(0, REPO_ROOT)
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
 from errors import parse_flags  # noqa: E402  pylint: disable=wrong-import-position
+from flags import PRECISIONS  # noqa: E402  pylint: disable=wrong-import-position
+from model.designs import DESIGNS  # noqa: E402  pylint: disable=wrong-import-position
 
 flags.DEFINE_list("designs", ["ontra4", "dev"], "Neuron-Inverter designs to measure.")
 flags.DEFINE_integer("batch_size", 192, "Batch size per replica.", lower_bound=1)
@@ -60,6 +62,22 @@ flags.DEFINE_integer("matmul_size", 2048, "Side of the square matmul behind the 
 flags.DEFINE_string("json", None, "Write all results to this JSON file.")
 flags.DEFINE_string("child", None, "Internal: run one measurement (kind:design) and print JSON.")
 FLAGS = flags.FLAGS
+SKIPPABLE = ("train", "reference", "inference", "input", "compile", "peak")
+
+
+def _all_in(valid, what: str):
+  """A flag validator: every listed value is one of `valid` (absl then names the flag and its value)."""
+  def check(values):
+    unknown = [value for value in values if value not in valid]
+    if unknown:
+      raise flags.ValidationError("%s %s: valid %s are %s" % (what, ", ".join(unknown), what, ", ".join(valid)))
+    return True
+  return check
+
+
+flags.register_validator("designs", _all_in(tuple(DESIGNS), "designs"))
+flags.register_validator("precisions", _all_in(PRECISIONS, "precisions"))
+flags.register_validator("skip", _all_in(SKIPPABLE, "parts"))
 
 
 def _peak_rss_mb() -> float:

@@ -206,3 +206,17 @@ def test_parity_runs_both_sides_on_the_references_schedule(tmp_path):
     source = f.read()
   for flag in shared:   # the reference's own parser takes each of them
     assert 'add_argument("%s"' % flag.split("=")[0] in source, flag
+
+
+@pytest.mark.parametrize("flag, expected", [
+    ("--designs=ontra4,nope", "designs nope: valid designs are ontra4, dev"),
+    ("--precisions=32.32,99", "precisions 99: valid precisions are auto, 32.32, 16.32, 16.16"),
+    ("--skip=reference,bogus", "parts bogus: valid parts are train, reference"),
+])
+def test_benchmark_names_an_unknown_value_before_measuring_anything(flag, expected):
+  result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "benchmark.py"), flag],
+                          capture_output=True, text=True, timeout=60)
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("benchmark.py: error: flag " + flag.split("=")[0])
+  assert expected in lines[0]
