@@ -271,13 +271,17 @@ def test_cli_writes_the_files(tmp_path):
 
 
 def test_cli_reports_user_errors_on_one_line(tmp_path):
-  result = subprocess.run(
-      [sys.executable, os.path.join(REPO, "tools", "generate_cellspike.py"),
-       "--out_dir=%s" % (tmp_path / "x"), "--num_train=0"],
-      cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True,
-      timeout=60)
-  assert result.returncode == 1
-  assert result.stderr.strip().splitlines()[-1] == "error: num_train must be an integer >= 1, got 0"
+  (tmp_path / "a_file").write_text("x")
+  for flag, status, line in (
+      ("--num_train=0", 2, "generate_cellspike.py: error: flag --num_train=0: 0 is not a positive integer"),
+      ("--out_dir=%s" % (tmp_path / "a_file"), 1,
+       "error: --out_dir=%s exists and is not a directory" % (tmp_path / "a_file"))):
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "generate_cellspike.py"), "--out_dir=%s" % (tmp_path / "x"),
+         flag], cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True,
+        timeout=60)
+    assert result.returncode == status
+    assert result.stderr.strip().splitlines() == [line]
 
 
 def test_interrupted_generation_leaves_no_file(tmp_path, monkeypatch):

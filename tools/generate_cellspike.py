@@ -28,18 +28,22 @@ FLAGS = flags.FLAGS
 def define_flags():
   flags.DEFINE_string("out_dir", None, "Folder for the .h5 file and the meta yaml (created if missing).")
   flags.DEFINE_string("cell_name", "synth", "Cell name: replaces '*' in the h5 name template.")
-  flags.DEFINE_integer("num_train", 20000, "Training samples.")
-  flags.DEFINE_integer("num_val", 2000, "Validation samples.")
-  flags.DEFINE_integer("num_test", 2000, "Test samples.")
-  flags.DEFINE_integer("seed", 0, "Seed of the parameter draws; the output is a function of it.")
+  flags.DEFINE_integer("num_train", 20000, "Training samples.", lower_bound=1)
+  flags.DEFINE_integer("num_val", 2000, "Validation samples.", lower_bound=1)
+  flags.DEFINE_integer("num_test", 2000, "Test samples.", lower_bound=1)
+  flags.DEFINE_integer("seed", 0, "Seed of the parameter draws; the output is a function of it.",
+                       lower_bound=0)
   flags.DEFINE_bool("fp16", False, "Store frames and parameters as float16 (as the *_fp16 files).")
   flags.DEFINE_string("probe_type", "excite_4prB8kHz",
                       "Names the meta yaml: meta.cellSpike_<probe_type>.yaml.")
-  flags.DEFINE_integer("batch_size", 1024, "Cells simulated together (memory: ~60 kB per cell).")
-  flags.DEFINE_integer("workers", 0, "Simulation processes; 0 = one per CPU core. Same output for any value.")
+  flags.DEFINE_integer("batch_size", 1024, "Cells simulated together (memory: ~60 kB per cell).",
+                       lower_bound=1)
+  flags.DEFINE_integer("workers", 0, "Simulation processes; 0 = one per CPU core. Same output for any value.",
+                       lower_bound=0)
   flags.DEFINE_bool("progress", True, "Progress line on stderr.")
   flags.DEFINE_bool("sensitivity", False, "Print the per-parameter sensitivity table.")
-  flags.DEFINE_integer("sensitivity_draws", 8, "Random base cells behind the sensitivity table.")
+  flags.DEFINE_integer("sensitivity_draws", 8, "Random base cells behind the sensitivity table.",
+                       lower_bound=1)
 
 
 def main(argv):
