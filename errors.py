@@ -32,6 +32,14 @@ def reported_on_one_line(status: int = 1):
     sys.exit(130)
 
 
+def with_one_line_errors(main):
+  """An absl `main` whose UserErrors and Ctrl-C are reported as `reported_on_one_line` does."""
+  def main_reporting_on_one_line(argv):
+    with reported_on_one_line():
+      return main(argv)
+  return main_reporting_on_one_line
+
+
 HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort", "--helpfull", "-helpfull",
               "--helpxml", "-helpxml")
 

@@ -1,6 +1,8 @@
 """tools/monitor.py: parsers for gc-info and nvidia-smi output, and real host sampling into TensorBoard."""
 
+import glob
 import os
+import subprocess
 import sys
 
 import pytest
@@ -47,3 +49,17 @@ def test_auto_source_follows_the_installed_tool(tmp_path, monkeypatch, tool, sou
   (tmp_path / tool).chmod(0o755)
   monkeypatch.setenv("PATH", str(tmp_path))
   assert monitor.resolve_source("auto") == source
+
+
+def test_the_command_line_runs_a_command_and_says_nothing_of_its_own(tmp_path):
+  """The program as a user starts it: the command's output and exit status come through, and nothing
+  else reaches the terminal (TensorFlow's start-up lines about CUDA and oneDNN on a machine without
+  an NVIDIA device among them)."""
+  result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "monitor.py"),
+                           "--logdir=%s" % tmp_path, "--interval=0.2", "--source=host", "--",
+                           sys.executable, "-c", "print('hello'); raise SystemExit(4)"],
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 4 and result.stdout == "hello\n"
+  if not glob.glob("/dev/nvidia[0-9]*"):
+    assert result.stderr == ""
+  assert read_scalars(str(tmp_path / "monitor"))["host/cpu_percent"]

@@ -31,7 +31,7 @@ sys.path.insert(0, REPO_ROOT)
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
-from errors import parse_flags  # noqa: E402  pylint: disable=wrong-import-position
+from errors import parse_flags, with_one_line_errors  # noqa: E402  pylint: disable=wrong-import-position
 from flags import PRECISIONS  # noqa: E402  pylint: disable=wrong-import-position
 from model.designs import DESIGNS  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -298,12 +298,12 @@ def _run_reference(design: str, precision: str, data_path: str):
 
 
 def _data_path() -> str:
-  """--data_path, or the built-in dataset (generated on first use by main.py's data code)."""
-  if FLAGS.data_path:
-    return FLAGS.data_path
+  """--data_path, checked as main.py checks it (a bad file is one error line here, not a failed
+  measurement), or the built-in dataset (generated on first use by main.py's data code)."""
   from data import cellspike  # pylint: disable=import-outside-toplevel
   from run_config import RunConfig  # pylint: disable=import-outside-toplevel
-  return cellspike.default_data_path(RunConfig(model="neuron_inverter"))
+  config = RunConfig(model="neuron_inverter", data_path=FLAGS.data_path)
+  return cellspike.open_configured(config).path if FLAGS.data_path else cellspike.default_data_path(config)
 
 
 def _median_run(runs: list) -> dict:
@@ -439,4 +439,4 @@ def _fmt(value, pattern: str) -> str:
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=parse_flags)  # a bad flag: one `error:` line, exit status 2
+  app.run(with_one_line_errors(main), flags_parser=parse_flags)  # bad flag: `error:` line, exit 2

@@ -25,7 +25,7 @@ sys.path.insert(0, REPO_ROOT)
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
-from errors import parse_flags  # noqa: E402  pylint: disable=wrong-import-position
+from errors import UserError, parse_flags, with_one_line_errors  # noqa: E402  pylint: disable=wrong-import-position
 from model.designs import DESIGNS  # noqa: E402  pylint: disable=wrong-import-position  (plain data)
 
 FLAGS = flags.FLAGS
@@ -47,9 +47,12 @@ def _variant_options(base: dict) -> dict:
   for pair in FLAGS.variant:
     name, _, text = pair.partition("=")
     if name not in base:
-      raise app.UsageError("--variant: unknown model option %r; options: %s" % (name, ", ".join(base)))
+      raise UserError("--variant: unknown model option %r; options: %s" % (name, ", ".join(base)))
     kind = type(base[name])
-    options[name] = text.lower() in ("1", "true", "yes") if kind is bool else kind(text)
+    try:
+      options[name] = text.lower() in ("1", "true", "yes") if kind is bool else kind(text)
+    except ValueError:
+      raise UserError("--variant: %s=%r is not of type %s" % (name, text, kind.__name__)) from None
   return options
 
 
@@ -119,4 +122,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main, flags_parser=parse_flags)  # a bad flag: one `error:` line, exit status 2
+  app.run(with_one_line_errors(main), flags_parser=parse_flags)  # bad flag: `error:` line, exit 2

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
-from errors import parse_flags  # noqa: E402  pylint: disable=wrong-import-position
+from errors import parse_flags, with_one_line_errors  # noqa: E402  pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 
@@ -185,4 +185,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main, flags_parser=parse_flags)  # a bad flag: one `error:` line, exit status 2
+  app.run(with_one_line_errors(main), flags_parser=parse_flags)  # bad flag: `error:` line, exit 2

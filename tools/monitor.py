@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
-from errors import parse_flags  # noqa: E402  pylint: disable=wrong-import-position
+from errors import parse_flags, with_one_line_errors  # noqa: E402  pylint: disable=wrong-import-position
 
 def define_flags() -> None:
   """Flags only when run as a program: tests import this module beside main.py's flags."""
@@ -110,7 +110,10 @@ def resolve_source(requested: str) -> str:
 
 def monitor(logdir, interval, duration, source, ipu_ids, command=None) -> int:
   """Samples until `command` exits (or for `duration` s); returns the command's exit status (or 0)."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from run_config import RunConfig  # pylint: disable=import-outside-toplevel
+  from strategies.environment import quiet_cuda_probe  # pylint: disable=import-outside-toplevel
+  with quiet_cuda_probe(RunConfig(model="neuron_inverter", backend="cpu")):  # only the summary writer
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
   writer = tf.summary.create_file_writer(os.path.join(logdir, "monitor"))
   child = subprocess.Popen(command) if command else None
   start, step = time.time(), 0
@@ -141,4 +144,4 @@ def main(argv):
 if __name__ == "__main__":
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   define_flags()
-  app.run(main, flags_parser=parse_flags)  # a bad flag: one `error:` line, exit status 2
+  app.run(with_one_line_errors(main), flags_parser=parse_flags)  # bad flag: `error:` line, exit 2

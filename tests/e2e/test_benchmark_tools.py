@@ -220,3 +220,20 @@ def test_benchmark_names_an_unknown_value_before_measuring_anything(flag, expect
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("benchmark.py: error: flag " + flag.split("=")[0])
   assert expected in lines[0]
+
+
+@pytest.mark.parametrize("tool, args, expected", [
+    ("benchmark_input.py", ["--data_path=/nonexistent.h5"], "error: --data_path=/nonexistent.h5 does not exist"),
+    ("benchmark.py", ["--data_path=/nonexistent.h5", "--skip=reference"],
+     "error: --data_path=/nonexistent.h5 does not exist"),
+    ("benchmark_forms.py", ["--design=dev", "--precision=32.32", "--variant=bogus=1"],
+     "error: --variant: unknown model option 'bogus'; options: "),
+    ("benchmark_forms.py", ["--design=dev", "--precision=32.32", "--variant=channel_multiple=x"],
+     "error: --variant: channel_multiple='x' is not of type int"),
+])
+def test_the_benchmark_tools_report_a_user_error_on_one_line(tool, args, expected):
+  result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", tool)] + args, capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and errors[0].startswith(expected), result.stderr[-2000:]
