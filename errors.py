@@ -63,6 +63,13 @@ def parse_flags(argv):
     raise
 
 
+def existing_file(path: str) -> str:
+  """An argparse `type` for a file that must exist (argparse then names the argument)."""
+  if not os.path.isfile(path):
+    raise argparse.ArgumentTypeError("%s is not a file" % path)
+  return path
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
   """argparse for the tools that run beside PyTorch (no absl there): a bad argument is one
   `prog: error: ...` line and exit status 2, without the usage block argparse prints before it

@@ -32,14 +32,14 @@ import yaml
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from errors import OneLineArgumentParser  # noqa: E402  pylint: disable=wrong-import-position
+from errors import OneLineArgumentParser, existing_file  # noqa: E402  pylint: disable=wrong-import-position
 from model.designs import DESIGNS  # noqa: E402  pylint: disable=wrong-import-position  (plain data)
 
 
 def parse_args(argv=None):
   parser = OneLineArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--data_path", default=None, help="cellSpike .h5 file (default: the built-in "
-                      "generated dataset, made on first use)")
+  parser.add_argument("--data_path", type=existing_file, default=None,
+                      help="cellSpike .h5 file (default: the built-in generated dataset, made on first use)")
   parser.add_argument("--out", default="parity", help="folder for the slice, the runs and the report")
   parser.add_argument("--epochs", type=int, default=6)
   parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, one run of each side each")

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from errors import OneLineArgumentParser  # noqa: E402  standard library only
+from errors import OneLineArgumentParser, existing_file  # noqa: E402  standard library only
 from model.designs import DESIGNS  # noqa: E402  plain data: no TensorFlow comes with it
 
 class ReferenceModel(nn.Module):
@@ -60,7 +60,7 @@ class ReferenceModel(nn.Module):
 
 def parse_args():
   parser = OneLineArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--data_path", required=True, help="cellSpike .h5 file")
+  parser.add_argument("--data_path", type=existing_file, required=True, help="cellSpike .h5 file")
   parser.add_argument("--design", default="ontra4", choices=sorted(DESIGNS))
   parser.add_argument("--batch_size", type=int, default=192)
   parser.add_argument("--windows", type=int, default=5, help="timed windows (the median is reported)")

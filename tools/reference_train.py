@@ -26,12 +26,13 @@ import torch
 from torch import nn
 
 from reference_torch import DESIGNS, ReferenceModel
-from errors import OneLineArgumentParser  # noqa: E402  reference_torch put the repository on sys.path
+from errors import OneLineArgumentParser, existing_file  # noqa: E402  reference_torch put the repo on sys.path
 
 
 def parse_args():
   parser = OneLineArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--data_path", required=True, help="cellSpike .h5 file (train and val splits)")
+  parser.add_argument("--data_path", type=existing_file, required=True,
+                      help="cellSpike .h5 file (train and val splits)")
   parser.add_argument("--design", default="ontra4", choices=sorted(DESIGNS))
   parser.add_argument("--epochs", type=int, default=6)
   parser.add_argument("--seed", type=int, default=0)

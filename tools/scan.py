@@ -79,8 +79,11 @@ def save_grid(scan_dir: str, grid: dict) -> None:
       raise ScanError("%s holds another scan's grid (other points or main.py flags): continue it with "
                       "the same flags, or choose a fresh --scan_dir" % path)
     return
-  os.makedirs(scan_dir, exist_ok=True)
-  write_yaml(path, grid)
+  try:
+    os.makedirs(scan_dir, exist_ok=True)
+    write_yaml(path, grid)
+  except OSError as error:
+    raise ScanError("--scan_dir=%s: cannot write %s (%s)" % (scan_dir, path, error.strerror)) from None
 
 
 def load_grid(scan_dir: str) -> dict:

@@ -147,8 +147,11 @@ def test_reference_trainer_validates_every_row_as_the_application_does():
 
 
 @pytest.mark.parametrize("tool, args, message", [
-    ("reference_train.py", ["--data_path=x.h5", "--batch_size=x"], "argument --batch_size: invalid int value: 'x'"),
+    ("reference_train.py", ["--data_path=" + os.path.join(REPO_ROOT, "README.md"), "--batch_size=x"],
+     "argument --batch_size: invalid int value: 'x'"),
+    ("reference_train.py", ["--data_path=no_such.h5"], "argument --data_path: no_such.h5 is not a file"),
     ("reference_torch.py", [], "the following arguments are required: --data_path"),
+    ("parity.py", ["--data_path=no_such.h5"], "argument --data_path: no_such.h5 is not a file"),
     ("parity.py", ["--schedules=linear"], "--schedules: linear is not plateau or cosine"),
 ])
 def test_the_argparse_tools_report_a_bad_argument_on_one_line(tool, args, message):

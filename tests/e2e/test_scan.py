@@ -54,3 +54,12 @@ def test_a_serial_scan_reports_every_point_and_lists_the_failed_one(tmp_path):
   # Another grid in the same folder is refused.
   other = _scan("--scan_dir=" + scan_dir, "--learning_rates=1e-2", "--", *_main_args(data_path))
   assert other.returncode == 1 and "holds another scan's grid" in other.stderr
+
+
+def test_a_scan_folder_that_cannot_be_written_is_one_error_line(tmp_path):
+  (tmp_path / "a_file").write_text("x")
+  scan_dir = str(tmp_path / "a_file" / "scan")
+  result = _scan("--scan_dir=" + scan_dir, "--learning_rates=1e-3", "--", "--epochs=1")
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert result.stderr.splitlines() == ["error: --scan_dir=%s: cannot write %s/grid.yaml (Not a directory)"
+                                        % (scan_dir, scan_dir)]
