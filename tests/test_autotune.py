@@ -233,7 +233,10 @@ def test_the_timed_models_share_one_set_of_variables_across_replicas(tmp_path):
   """Under a 2-replica MirroredStrategy, as the run builds them (weights, BatchNorm statistics and the
   optimizer's slots created inside the strategy's scope): the later forms get the first form's
   variables, so timing four forms holds one model's memory; each form trains them in turn."""
-  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  # As strategies/cpu.py builds it: reduced through one device (collective all-reduce instances can
+  # clash between the strategies of one test process).
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
+                                            cross_device_ops=tf.distribute.ReductionToOneDevice())
   backend = dataclasses.replace(_backend(), strategy=strategy, devices=("/cpu:0", "/cpu:1"), replicas=2)
   built = []
 
