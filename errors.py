@@ -10,26 +10,49 @@ other exception is a bug and keeps its traceback. A bad flag is one line too (`p
 import argparse
 import contextlib
 import os
+import signal
 import sys
+import threading
 
 
 class UserError(Exception):
   """A problem with the user's input or environment, reported without a traceback."""
 
 
+class Terminated(KeyboardInterrupt):
+  """SIGTERM (scancel, a batch system's time limit, `kill`) where nothing handles it gracefully: it
+  unwinds the program as Ctrl-C does, so that what the program was writing is removed (the built-in
+  dataset's temporary file, a run folder still empty) and its worker processes are stopped."""
+
+
+def _raise_terminated(signum, frame):
+  del signum, frame
+  raise Terminated()
+
+
 @contextlib.contextmanager
 def reported_on_one_line(status: int = 1):
   """Runs the block; a UserError from it becomes one `error: ...` line on stderr and exit `status`.
-  Ctrl-C where nothing handles it (before training, or in a tool; training itself stops gracefully
-  with a checkpoint) becomes one line too, and exit status 130 (128 + SIGINT), as a shell reports it."""
+  Ctrl-C or SIGTERM where nothing handles it (before training, or in a tool; training itself stops
+  gracefully with a checkpoint) becomes one line too, and exit status 128 + the signal's number (130,
+  143), as a shell reports it. Without this, SIGTERM would end the process where it stands."""
+  in_main_thread = threading.current_thread() is threading.main_thread()  # handlers can only be set there
+  previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
   try:
     yield
   except UserError as error:
     sys.stderr.write("error: %s\n" % error)
     sys.exit(status)
-  except KeyboardInterrupt:
-    sys.stderr.write("\ninterrupted by SIGINT (Ctrl-C)\n")
-    sys.exit(130)
+  except KeyboardInterrupt as interrupt:
+    terminated = isinstance(interrupt, Terminated)
+    if in_main_thread:  # a second signal must not interrupt the exit (training/interrupt.py does the same)
+      signal.signal(signal.SIGTERM, signal.SIG_IGN)
+      signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.stderr.write("\ninterrupted by %s\n" % ("SIGTERM" if terminated else "SIGINT (Ctrl-C)"))
+    sys.exit(128 + (signal.SIGTERM if terminated else signal.SIGINT))
+  finally:
+    if in_main_thread and signal.getsignal(signal.SIGTERM) is _raise_terminated:
+      signal.signal(signal.SIGTERM, previous)
 
 
 def with_one_line_errors(main):

@@ -6,14 +6,18 @@ The same through real processes, killed and signalled mid-run, is in tests/e2e/t
 import dataclasses
 import os
 import signal
+import subprocess
+import sys
 import time
 import types
 
 import pytest
 import tensorflow as tf
 
+import errors
 from run_config import RunConfig
 from tests.support.cellspike_files import write_row_marked
+from tests.support.helpers import REPO_ROOT
 from training import interrupt as interrupt_lib
 from training import loop
 
@@ -51,6 +55,28 @@ def test_interrupt_flag_ignores_more_signals_while_the_process_exits_on_one():
   finally:
     for signum, handler in previous.items():
       signal.signal(signum, handler)
+
+
+def test_sigterm_outside_training_unwinds_and_exits_143_on_one_line(tmp_path):
+  """What main.py and the tools run in: SIGTERM where training's flag is not installed unwinds the
+  program as Ctrl-C does (its `finally` blocks remove what it was writing), one line, status 143."""
+  marker = tmp_path / "unwound"
+  code = ("import os, signal, sys, time; sys.path.insert(0, %r); from errors import reported_on_one_line\n"
+          "with reported_on_one_line():\n"
+          "  try:\n"
+          "    os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)\n"
+          "  finally:\n"
+          "    open(%r, 'w').close()\n" % (REPO_ROOT, str(marker)))
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert (result.returncode, result.stderr) == (143, "\ninterrupted by SIGTERM\n")
+  assert marker.exists()
+
+
+def test_reported_on_one_line_restores_the_sigterm_handler():
+  previous = signal.getsignal(signal.SIGTERM)
+  with errors.reported_on_one_line():
+    assert signal.getsignal(signal.SIGTERM) is not previous
+  assert signal.getsignal(signal.SIGTERM) is previous
 
 
 class _RowRecorder(tf.keras.Model):

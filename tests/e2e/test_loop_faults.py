@@ -399,3 +399,47 @@ def test_sigterm_to_one_worker_stops_all_workers_at_the_same_point(tmp_path):
     assert state["epoch"] == int(stops[0].group(4)) < 40 and not state.get("step")
   else:
     assert (state["epoch"] + 1, state["step"]) == (int(stops[0].group(2)), int(stops[0].group(3)))
+
+
+def test_sigterm_while_the_builtin_dataset_is_generated_leaves_nothing_behind(tmp_path):
+  """scancel or a time limit before training: the generation stops (its worker processes too), its
+  temporary file and the still empty run folder are removed, and the job says so on one line with
+  status 143 instead of dying where it stood."""
+  cache, logdir = tmp_path / "cache", tmp_path / "run"
+  log_path = tmp_path / "job.log"
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  env.pop("TF_USE_LEGACY_KERAS", None)
+  with open(log_path, "w") as log:
+    process = subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "main.py"), "--model=neuron_inverter",
+                                "--data_cache=%s" % cache, "--logdir=%s" % logdir], cwd=REPO_ROOT, env=env,
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+      deadline = time.monotonic() + 180
+      while "] generating " not in log_path.read_text():  # its temporary file is created right after
+        assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+        time.sleep(0.05)
+      time.sleep(1.0)
+      assert [name for _, _, names in os.walk(cache) for name in names if name.endswith(".tmp")]
+      process.send_signal(signal.SIGTERM)
+      status = process.wait(timeout=60)
+    finally:
+      if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+  output = log_path.read_text()
+  assert status == 128 + signal.SIGTERM and output.rstrip().endswith("interrupted by SIGTERM"), output[-3000:]
+  assert "Traceback" not in output
+  assert [name for _, _, names in os.walk(cache) for name in names] == []   # no partial dataset
+  assert not logdir.exists()
+  deadline = time.monotonic() + 15   # and no simulation worker lives on (the job's process group)
+  while _group_alive(process.pid):
+    assert time.monotonic() < deadline, "the generation's worker processes outlived the job"
+    time.sleep(0.1)
+
+
+def _group_alive(group: int) -> bool:
+  try:
+    os.killpg(group, 0)
+  except ProcessLookupError:
+    return False
+  return True
