@@ -56,7 +56,7 @@ def reported_on_one_line(status: int = 1):
 
 
 def with_one_line_errors(main):
-  """An absl `main` whose UserErrors and Ctrl-C are reported as `reported_on_one_line` does."""
+  """An absl `main` whose UserErrors, Ctrl-C and SIGTERM are reported as `reported_on_one_line` does."""
   def main_reporting_on_one_line(argv):
     with reported_on_one_line():
       return main(argv)

@@ -70,7 +70,8 @@ def _all_in(valid, what: str):
   def check(values):
     unknown = [value for value in values if value not in valid]
     if unknown:
-      raise flags.ValidationError("%s %s: valid %s are %s" % (what, ", ".join(unknown), what, ", ".join(valid)))
+      raise flags.ValidationError("%s %s: valid %s are %s"
+                                  % (what, ", ".join(unknown), what, ", ".join(valid)))
     return True
   return check
 
@@ -268,7 +269,8 @@ def _compile_times(design: str, precision: str) -> dict:
   pairs = []
   for _ in range(FLAGS.compile_pairs):
     with tempfile.TemporaryDirectory(prefix="benchmark-cache-") as cache:
-      pairs.append((_first_step_seconds(design, precision, cache), _first_step_seconds(design, precision, cache)))
+      cold = _first_step_seconds(design, precision, cache)
+      pairs.append((cold, _first_step_seconds(design, precision, cache)))
   complete = [(cold, warm) for cold, warm in pairs if cold and warm]
   if not complete:
     return {"cold": None, "warm_cache": None, "pairs": pairs}
@@ -384,7 +386,8 @@ def _print_table(results) -> None:
       train, infer = row.get("train", {}), row.get("inference", {})
       compile_s = row.get("compile_seconds", {})
       rate = train.get("samples_per_sec")
-      train_gflops = rate * 3 * train["flops_per_sample_forward"] / 1e9 if rate else None  # forward + 2 backward
+      # forward + two backward products
+      train_gflops = rate * 3 * train["flops_per_sample_forward"] / 1e9 if rate else None
       peak_mb = max(train.get("peak_rss_mb", 0), infer.get("peak_rss_mb", 0))
       print("%-6s %-7s %8s %8s %8s %8s %8s %8s %8s %8s %8s %8s" % (
           precision, design, _fmt(rate, "%.0f"), _fmt(row.get("reference", {}).get("samples_per_sec"), "%.0f"),
