@@ -6,12 +6,44 @@ TensorFlow.
 """
 
 import os
+import re
+import socket
 
 
 def temporary_name(path: str) -> str:
-  """A hidden name next to `path`, unique to this process, renamed to `path` once complete."""
+  """A hidden name next to `path`, unique to this process (host and pid: the folder may be shared
+  between nodes), renamed to `path` once complete."""
   folder, name = os.path.split(path)
-  return os.path.join(folder, ".%s.%d.tmp" % (name, os.getpid()))
+  return os.path.join(folder, ".%s.%s.%d.tmp" % (name, socket.gethostname(), os.getpid()))
+
+
+def remove_stale(path: str) -> list:
+  """Removes the temporaries of `path` that processes of this host left when they were killed before
+  they could clean up (SIGKILL, the out-of-memory killer): a partial built-in dataset holds up to
+  0.9 GB. Another host's are left alone, since whether its process lives cannot be seen from here.
+  Returns the names removed."""
+  folder, name = os.path.split(path)
+  pattern = re.compile(r"\.%s\.%s\.(\d+)\.tmp$" % (re.escape(name), re.escape(socket.gethostname())))
+  removed = []
+  for entry in os.listdir(folder or "."):
+    match = pattern.match(entry)
+    if match and not _alive(int(match.group(1))):
+      try:
+        os.remove(os.path.join(folder, entry))
+        removed.append(entry)
+      except OSError:
+        pass  # removed meanwhile by another run
+  return removed
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's process
+    return True
+  return True
 
 
 def write_text(path: str, text: str) -> None:

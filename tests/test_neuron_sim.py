@@ -6,6 +6,7 @@ so the tests share simulated data through module fixtures.
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -251,6 +252,21 @@ def test_out_dir_that_is_a_file(tmp_path):
   path.write_text("x")
   with pytest.raises(UserError, match="exists and is not a directory"):
     _generate(path)
+
+
+def test_the_partial_file_of_a_killed_generation_on_this_host_is_removed(tmp_path):
+  """A generation killed outright (SIGKILL, the out-of-memory killer) cannot remove its temporary file;
+  the next one on the same host does. Those of live processes and of other hosts stay."""
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  name = cellspike_generate.h5_name("synth")
+  stale, running, elsewhere = (tmp_path / (".%s.%s.%d.tmp" % (name, host, pid)) for host, pid in (
+      (socket.gethostname(), dead.pid), (socket.gethostname(), os.getppid()), ("another-node", dead.pid)))
+  for partial in (stale, running, elsewhere):
+    partial.write_text("partial")
+  _generate(tmp_path, cell_name="synth")
+  assert not stale.exists() and running.exists() and elsewhere.exists()
+  assert (tmp_path / name).exists()
 
 
 def test_cli_writes_the_files(tmp_path):
