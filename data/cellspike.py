@@ -30,6 +30,7 @@ from data import cellspike_file, hdf5_native, staging, synthetic
 from data import splits as splits_lib
 from data.splits import BatchLayout, Split, Splits, count_steps, eval_layout
 from errors import UserError
+from strategies.cpuinfo import usable_cores  # plain Python: the cores this process may use
 from run_config import RunConfig
 
 # 65,536 training samples: with 16,384 the 3M-parameter ontra4 over-fits from epoch ~9 and recovers
@@ -57,7 +58,7 @@ def shard_blocks(num_samples: int, num_shards: int, batch_size: int, split: str,
 
 # Batches gathered in parallel per replica, and batches queued per replica ahead of the consumer. Fixed,
 # not AUTOTUNE: see `data.splits.without_autotune`.
-_PARALLEL_GATHERS = max(2, min(8, os.cpu_count() or 1))
+_PARALLEL_GATHERS = max(2, min(8, usable_cores()))
 _QUEUED_BATCHES = 2
 
 
@@ -241,7 +242,7 @@ def default_data_path(config: RunConfig) -> str:
   return cellspike_generate.generate_dataset(
       folder, cell_name=DEFAULT_CELL, num_train=DEFAULT_SAMPLES["train"],
       num_val=DEFAULT_SAMPLES["val"], num_test=DEFAULT_SAMPLES["test"], seed=0, fp16=True,
-      workers=os.cpu_count() or 1)
+      workers=usable_cores())
 
 
 def open_configured(config: RunConfig):

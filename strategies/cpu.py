@@ -189,17 +189,13 @@ def machine_signature() -> str:
   may run on."""
   fields = cpuinfo.first_processor()
   features = sorted(flag for flag in _cpu_flags() if flag.startswith(("avx", "amx", "fma", "f16c")))
-  cores = _usable_cores()
+  cores = cpuinfo.usable_cores()
   return "%s family %s model %s (%s); %d cores; %s" % (
       fields.get("vendor_id", "?"), fields.get("cpu family", "?"), fields.get("model", "?"),
       fields.get("model name", "?"), cores or 0, " ".join(features))
 
 
 _THREAD_VARIABLES = ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
-
-
-def _usable_cores() -> int:
-  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def side_by_side_threads(replicas: int, cores: int, environ) -> Optional[Tuple[int, int]]:
@@ -217,7 +213,7 @@ def side_by_side_threads(replicas: int, cores: int, environ) -> Optional[Tuple[i
 
 
 def _set_threads(replicas: int) -> None:
-  cores = _usable_cores()
+  cores = cpuinfo.usable_cores()
   threads = side_by_side_threads(replicas, cores, os.environ)
   if threads is None:
     return
@@ -226,8 +222,8 @@ def _set_threads(replicas: int) -> None:
     tf.config.threading.set_inter_op_parallelism_threads(threads[1])
   except RuntimeError:
     return  # TensorFlow started already in this process (a second run in one test session)
-  logging.info("%d replicas on %d cores: each op on one thread, the replicas' ops side by side "
-               "(set TF_NUM_INTRAOP_THREADS to choose otherwise)", replicas, cores)
+  logging.info("%d replicas on %d core%s: each op on one thread, the replicas' ops side by side "
+               "(set TF_NUM_INTRAOP_THREADS to choose otherwise)", replicas, cores, "" if cores == 1 else "s")
 
 
 def _ensure_logical_cpus(count: int) -> list:

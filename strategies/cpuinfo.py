@@ -1,4 +1,5 @@
-"""What /proc/cpuinfo says about the host processor, read without TensorFlow.
+"""What /proc/cpuinfo says about the host processor, and how many of its cores this process may use,
+read without TensorFlow.
 
 Without TensorFlow because its import is itself what fails on a CPU it was not built for: the x86-64
 TensorFlow wheels (PyPI's since TF 1.6, the Poplar SDK's for their host CPUs) use AVX instructions
@@ -7,6 +8,8 @@ when the CPU lacks them. Virtual machines show this more often than old hardware
 generic CPU models (QEMU's `qemu64` and `kvm64`) offer no AVX even on a host that has it.
 """
 
+import math
+import os
 from typing import Optional
 
 
@@ -36,3 +39,55 @@ def tensorflow_unsupported_reason(fields: Optional[dict] = None) -> Optional[str
   return ("this CPU (%s) lacks AVX, which TensorFlow's x86 builds need: importing TensorFlow would "
           "abort the process. On a virtual machine, give the guest the host's CPU model (QEMU/KVM: "
           "-cpu host; libvirt: host-passthrough)" % fields.get("model name", "model unknown"))
+
+
+def usable_cores(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> int:
+  """The cores this process can keep busy: its CPU affinity (a Slurm allocation's cpuset, taskset),
+  capped by a CPU quota on its cgroup (`docker --cpus`, Kubernetes CPU limits, systemd's CPUQuota).
+  A quota leaves every core visible but throttles the process once its threads use more than their
+  share, so thread pools and worker processes sized by the visible cores would take turns."""
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+  quota = cgroup_cpu_quota(proc_cgroup, cgroup_root)
+  return max(1, min(cores, math.ceil(quota))) if quota else cores
+
+
+def cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup"):
+  """The CPU quota of this process's cgroup and its ancestors, in cores (the smallest one set), or
+  None: no quota, or no cgroup file system to read (not Linux)."""
+  quotas = []
+  try:
+    with open(proc_cgroup) as lines:
+      entries = [line.rstrip("\n").split(":", 2) for line in lines if line.count(":") >= 2]
+  except OSError:
+    return None
+  for _, controllers, path in entries:
+    if controllers == "":  # cgroup v2: cpu.max holds "QUOTA PERIOD" or "max PERIOD"
+      quotas += [_ratio(*text.split()[:2]) for text in _along(cgroup_root, path, "cpu.max")]
+    elif "cpu" in controllers.split(","):  # cgroup v1: cpu.cfs_quota_us is -1 without a quota
+      for folder in (os.path.join(cgroup_root, "cpu"), os.path.join(cgroup_root, controllers)):
+        quota_texts = _along(folder, path, "cpu.cfs_quota_us")
+        period_texts = _along(folder, path, "cpu.cfs_period_us")
+        quotas += [_ratio(quota, period) for quota, period in zip(quota_texts, period_texts)]
+  quotas = [quota for quota in quotas if quota]
+  return min(quotas) if quotas else None
+
+
+def _along(root: str, path: str, name: str) -> list:
+  """The contents of file `name` in the cgroup folder `path` under `root` and in each of its ancestors
+  up to `root` (a container usually sees its own cgroup as the root)."""
+  texts, parts = [], [part for part in path.split("/") if part]
+  for depth in range(len(parts), -1, -1):
+    try:
+      with open(os.path.join(root, *parts[:depth], name)) as source:
+        texts.append(source.read().strip())
+    except OSError:
+      continue
+  return texts
+
+
+def _ratio(quota: str, period: str) -> Optional[float]:
+  try:
+    quota_us, period_us = int(quota), int(period)
+  except ValueError:  # "max": no quota
+    return None
+  return quota_us / period_us if quota_us > 0 and period_us > 0 else None

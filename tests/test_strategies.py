@@ -295,3 +295,38 @@ def test_a_cpu_without_avx_is_refused_before_tensorflow_is_imported(fields, refu
     assert reason.startswith("this CPU (QEMU Virtual CPU version 2.5+) lacks AVX") and "\n" not in reason
   else:
     assert reason is None
+
+
+def _cgroup_tree(root, files: dict):
+  for relative, text in files.items():
+    path = root / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+@pytest.mark.parametrize("proc_cgroup, files, quota", [
+    # cgroup v2, a container's own cgroup seen as the root (docker --cpus=1.5)
+    ("0::/\n", {"cpu.max": "150000 100000\n"}, 1.5),
+    # cgroup v2 without a cgroup namespace: the job's folder and, tighter, its parent
+    ("0::/system.slice/job.scope\n", {"system.slice/job.scope/cpu.max": "max 100000\n",
+                                      "system.slice/cpu.max": "50000 100000\n"}, 0.5),
+    # cgroup v1, the cpu controller mounted with cpuacct; -1 is "no quota"
+    ("4:cpu,cpuacct:/docker/abc\n3:memory:/docker/abc\n",
+     {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "200000\n", "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n",
+      "cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, 2.0),
+    ("4:cpu,cpuacct:/\n", {"cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"},
+     None),
+    ("0::/\n", {}, None),  # no cpu controller files
+])
+def test_the_cgroup_cpu_quota_is_read_from_v1_and_v2_trees(tmp_path, proc_cgroup, files, quota):
+  _cgroup_tree(tmp_path / "fs", files)
+  (tmp_path / "cgroup").write_text(proc_cgroup)
+  assert cpuinfo.cgroup_cpu_quota(str(tmp_path / "cgroup"), str(tmp_path / "fs")) == quota
+
+
+def test_usable_cores_are_the_affinity_capped_by_the_quota(tmp_path, monkeypatch):
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
+  _cgroup_tree(tmp_path / "fs", {"cpu.max": "150000 100000\n"})
+  (tmp_path / "cgroup").write_text("0::/\n")
+  assert cpuinfo.usable_cores(str(tmp_path / "cgroup"), str(tmp_path / "fs")) == 2   # 1.5 cores: 2 threads
+  assert cpuinfo.usable_cores(str(tmp_path / "missing"), str(tmp_path / "fs")) == 8

@@ -21,6 +21,7 @@ from absl import logging  # noqa: E402  pylint: disable=wrong-import-position
 from data import cellspike_generate  # noqa: E402  pylint: disable=wrong-import-position
 from data import neuron_sim  # noqa: E402  pylint: disable=wrong-import-position
 from errors import UserError, parse_flags, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
+from strategies.cpuinfo import usable_cores  # noqa: E402  pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 
@@ -38,7 +39,8 @@ def define_flags():
                       "Names the meta yaml: meta.cellSpike_<probe_type>.yaml.")
   flags.DEFINE_integer("batch_size", 1024, "Cells simulated together (memory: ~60 kB per cell).",
                        lower_bound=1)
-  flags.DEFINE_integer("workers", 0, "Simulation processes; 0 = one per CPU core. Same output for any value.",
+  flags.DEFINE_integer("workers", 0, "Simulation processes; 0 = one per core this process may use (its "
+                       "affinity, capped by a cgroup CPU quota). Same output for any value.",
                        lower_bound=0)
   flags.DEFINE_bool("progress", True, "Progress line on stderr.")
   flags.DEFINE_bool("sensitivity", False, "Print the per-parameter sensitivity table.")
@@ -61,7 +63,7 @@ def main(argv):
       path = cellspike_generate.generate_dataset(
           FLAGS.out_dir, cell_name=FLAGS.cell_name, num_train=FLAGS.num_train, num_val=FLAGS.num_val,
           num_test=FLAGS.num_test, seed=FLAGS.seed, fp16=FLAGS.fp16, probe_type=FLAGS.probe_type,
-          batch_size=FLAGS.batch_size, progress=FLAGS.progress, workers=FLAGS.workers or os.cpu_count() or 1)
+          batch_size=FLAGS.batch_size, progress=FLAGS.progress, workers=FLAGS.workers or usable_cores())
       print(path)
     if FLAGS.sensitivity:
       result = neuron_sim.parameter_sensitivity(num_draws=FLAGS.sensitivity_draws, seed=FLAGS.seed)
