@@ -64,10 +64,11 @@ def cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = 
     if controllers == "":  # cgroup v2: cpu.max holds "QUOTA PERIOD" or "max PERIOD"
       quotas += [_ratio(*text.split()[:2]) for text in _along(cgroup_root, path, "cpu.max")]
     elif "cpu" in controllers.split(","):  # cgroup v1: cpu.cfs_quota_us is -1 without a quota
-      for folder in (os.path.join(cgroup_root, "cpu"), os.path.join(cgroup_root, controllers)):
-        quota_texts = _along(folder, path, "cpu.cfs_quota_us")
-        period_texts = _along(folder, path, "cpu.cfs_period_us")
-        quotas += [_ratio(quota, period) for quota, period in zip(quota_texts, period_texts)]
+      # mounted as "cpu,cpuacct" (with a "cpu" link to it) or as "cpu"
+      folder = os.path.join(cgroup_root, controllers)
+      folder = folder if os.path.isdir(folder) else os.path.join(cgroup_root, "cpu")
+      quotas += [_ratio(quota, period) for quota, period in zip(_along(folder, path, "cpu.cfs_quota_us"),
+                                                                _along(folder, path, "cpu.cfs_period_us"))]
   quotas = [quota for quota in quotas if quota]
   return min(quotas) if quotas else None
 

@@ -60,6 +60,7 @@ def test_replica_input_pipelines_are_not_autotuned():
 
 
 def test_too_many_cpu_replicas_after_start_is_a_clear_error():
+  tf.config.list_logical_devices("CPU")  # TensorFlow's runtime starts here, whatever ran before in this worker
   with pytest.raises(UserError, match="--replicas=8 needs 8 logical CPU devices"):
     select.select_backend(RunConfig(model="mnist", backend="cpu", replicas=8))
 

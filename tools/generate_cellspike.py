@@ -55,10 +55,6 @@ def main(argv):
   with reported_on_one_line():
     if FLAGS.out_dir is None and not FLAGS.sensitivity:
       raise UserError("--out_dir is required (or --sensitivity alone for the table)")
-    if FLAGS.sensitivity_draws < 1:
-      raise UserError("--sensitivity_draws must be >= 1, got %d" % FLAGS.sensitivity_draws)
-    if FLAGS.workers < 0:
-      raise UserError("--workers must be >= 0 (0 = one per CPU core), got %d" % FLAGS.workers)
     if FLAGS.out_dir is not None:
       path = cellspike_generate.generate_dataset(
           FLAGS.out_dir, cell_name=FLAGS.cell_name, num_train=FLAGS.num_train, num_val=FLAGS.num_val,

@@ -186,7 +186,7 @@ def choose(alternatives, seconds: dict) -> tuple:
 
 
 class _SharedVariables:
-  """Gives the models built through `build` one set of variables: the first build creates them, and
+  """Gives the models built under `creator` one set of variables: the first build creates them, and
   each later build is handed the same ones in the order it asks for them. The forms compute the same
   function with the same variables, and they train one at a time. Four sets (weights, optimizer slots
   and BatchNorm statistics, per replica) would raise the peak of TensorFlow's CPU allocator, which
@@ -218,20 +218,20 @@ class _SharedVariables:
       return self._made[self._next - 1][1]
     return next_creator(**kwargs)
 
-  def build(self, build_model):
-    """The model `build_model()` returns, with the first build's variables if there was one."""
-    model = build_model()
+  def replay(self) -> None:
+    """Called after each build: the next build is handed the first build's variables from the start."""
     self._next = 0
-    return model
 
 
 def measure(backend: Backend, alternatives, build: Callable[[Backend], tf.keras.Model], batch) -> dict:
   """Median seconds per training step of each alternative (describe() -> seconds), each training on
   `batch` (one element of the run's training dataset) over and over."""
   dataset = tf.data.Dataset.from_tensors(batch).repeat()
-  shared = _SharedVariables()
+  shared, models = _SharedVariables(), []
   with backend.strategy.scope(), tf.variable_creator_scope(shared.creator):
-    models = [shared.build(lambda forms=forms: build(backend.with_forms(forms))) for forms in alternatives]
+    for forms in alternatives:
+      models.append(build(backend.with_forms(forms)))
+      shared.replay()  # the next build gets these variables
   timers = [_StepTimer() for _ in alternatives]
 
   def train(index, steps):

@@ -296,12 +296,13 @@ def run(config: RunConfig, backend: Backend) -> dict:
   started = time.perf_counter()
   info = model.get_model_info(config.model)
   outdir = backend.output_dir(config.logdir)
+  scratch = outdir != config.logdir  # another process's: the chief writes the run's folder
   new_folder = not os.path.exists(outdir)
   prepare_logdir(outdir)
   # The writer locks the folder and refuses to start over an earlier run before it reads data or
   # builds anything: the first run's data generation alone takes minutes on a slow CPU. The lock file
   # is no output of the run: a command that fails later still leaves an earlier run untouched.
-  if outdir == config.logdir:
+  if not scratch:
     run_folder.claim(config.logdir, config.resume)
   else:
     logging.info("Process %d writes its events and checkpoints to %s, removed at its end (the chief "
@@ -309,16 +310,16 @@ def run(config: RunConfig, backend: Backend) -> dict:
   try:
     summary = _train_and_test(config, backend, info, outdir, started)
   except BaseException:
-    if new_folder and outdir == config.logdir:
+    if new_folder and not scratch:
       run_folder.remove_if_unused(config.logdir)
     raise
   finally:
     run_folder.release(config.logdir)
-    if outdir != config.logdir:
+    if scratch:
       # The other processes save with the chief (saving is collective) but nothing reads their copies,
       # and a resume restores from the chief's: kept, they would fill /tmp run after run.
       shutil.rmtree(outdir, ignore_errors=True)
-  if outdir != config.logdir and "weights_sha256" in summary:
+  if scratch and "weights_sha256" in summary:
     logging.info("Process %d done, its weights' sha256 %s (the chief's summary.yaml: weights_sha256)",
                  backend.rank, summary["weights_sha256"])
   return summary

@@ -13,8 +13,8 @@ PRINT_CORES = "import sys; sys.path.insert(0, %r); from strategies import cpuinf
 
 
 def _quota_cgroup(name: str):
-  """A fresh cgroup limited to half a core (v1's cpu controller, else v2's cpu.max), or None where
-  this process may not make one. Returns (folder, cleanup)."""
+  """The folder of a fresh cgroup limited to half a core (v1's cpu controller, else v2's cpu.max), or
+  None where this process may not make one. The caller removes it."""
   candidates = [("/sys/fs/cgroup/cpu", "cpu.cfs_quota_us", "50000"),
                 ("/sys/fs/cgroup/cpu,cpuacct", "cpu.cfs_quota_us", "50000"),
                 ("/sys/fs/cgroup", "cpu.max", "50000 100000")]
