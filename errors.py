@@ -25,9 +25,35 @@ class Terminated(KeyboardInterrupt):
   dataset's temporary file, a run folder still empty) and its worker processes are stopped."""
 
 
-def _raise_terminated(signum, frame):
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_pending = []  # the signal whose stop has not reached reported_on_one_line yet
+
+
+def _raise_stop(signum):
+  raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def _stop_on_signal(signum, frame):
+  """Raises the stop, and raises it again every half second until reported_on_one_line has it: raised
+  while a finalizer runs (TensorFlow frees graphs in __del__), Python prints "Exception ignored" and
+  drops it, and the program would carry on."""
+  del frame
+  _pending[:] = [signum]
+  signal.setitimer(signal.ITIMER_REAL, 0.5, 0.5)
+  _raise_stop(signum)
+
+
+def _raise_pending(signum, frame):
   del signum, frame
-  raise Terminated()
+  if _pending:
+    _raise_stop(_pending[0])
+
+
+def _quiet_lost_stops(unraisable, report=sys.__unraisablehook__):
+  """sys.unraisablehook: a stop dropped in a finalizer is raised again (_stop_on_signal), so Python's
+  "Exception ignored ... KeyboardInterrupt" traceback would only mislead; anything else is reported."""
+  if not (_pending and isinstance(unraisable.exc_value, KeyboardInterrupt)):
+    report(unraisable)
 
 
 @contextlib.contextmanager
@@ -37,7 +63,11 @@ def reported_on_one_line(status: int = 1):
   gracefully with a checkpoint) becomes one line too, and exit status 128 + the signal's number (130,
   143), as a shell reports it. Without this, SIGTERM would end the process where it stands."""
   in_main_thread = threading.current_thread() is threading.main_thread()  # handlers can only be set there
-  previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+  previous = {}
+  if in_main_thread:
+    previous = {signum: signal.signal(signum, _stop_on_signal) for signum in _STOP_SIGNALS}
+    previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, _raise_pending)
+  previous_hook, sys.unraisablehook = sys.unraisablehook, _quiet_lost_stops
   try:
     yield
   except UserError as error:
@@ -46,13 +76,19 @@ def reported_on_one_line(status: int = 1):
   except KeyboardInterrupt as interrupt:
     terminated = isinstance(interrupt, Terminated)
     if in_main_thread:  # a second signal must not interrupt the exit (training/interrupt.py does the same)
-      signal.signal(signal.SIGTERM, signal.SIG_IGN)
-      signal.signal(signal.SIGINT, signal.SIG_IGN)
+      signal.setitimer(signal.ITIMER_REAL, 0)
+      for signum in _STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+      previous = {}
     sys.stderr.write("\ninterrupted by %s\n" % ("SIGTERM" if terminated else "SIGINT (Ctrl-C)"))
     sys.exit(128 + (signal.SIGTERM if terminated else signal.SIGINT))
   finally:
-    if in_main_thread and signal.getsignal(signal.SIGTERM) is _raise_terminated:
-      signal.signal(signal.SIGTERM, previous)
+    sys.unraisablehook = previous_hook
+    if previous:
+      signal.setitimer(signal.ITIMER_REAL, 0)
+      _pending[:] = []
+      for signum, handler in previous.items():
+        signal.signal(signum, handler)
 
 
 def with_one_line_errors(main):
