@@ -88,7 +88,9 @@ def reported_on_one_line(status: int = 1):
       signal.setitimer(signal.ITIMER_REAL, 0)
       _pending[:] = []
       for signum, handler in previous.items():
-        signal.signal(signum, handler)
+        # Not over another's choice: a graceful stop leaves them ignored for its exit (training/interrupt.py).
+        if signal.getsignal(signum) in (_stop_on_signal, _raise_pending):
+          signal.signal(signum, handler)
 
 
 def with_one_line_errors(main):
