@@ -134,7 +134,7 @@ def prepare(config: RunConfig) -> None:
 # "tensorflow-cpu" wheels load the CUDA stubs too. TF_CPP_MIN_LOG_LEVEL cannot hide the lines that come
 # before absl's logging is initialised; among them is oneDNN's notice that it is on (it is, by default,
 # on every x86 CPU), twice, which says nothing a CPU user can act on.
-_CUDA_PROBE_LINES = ("All log messages before absl::InitializeLog() is called are written to STDERR",
+CUDA_PROBE_LINES = ("All log messages before absl::InitializeLog() is called are written to STDERR",
                      "Could not find cuda drivers on your machine", "failed call to cuInit",
                      "oneDNN custom operations are on")
 
@@ -155,7 +155,17 @@ def quiet_cuda_probe(config: RunConfig):
   if not _cuda_probe_is_noise(config):
     yield
     return
-  with DroppedLines(_CUDA_PROBE_LINES):
+  with DroppedLines(CUDA_PROBE_LINES):
+    yield
+
+
+@contextlib.contextmanager
+def quiet_tensorflow_import():
+  """Runs the block (a tool's import of TensorFlow) with TensorFlow's start-up INFO lines and its CUDA
+  probe's lines dropped on any machine: for tools that only read and write files (TensorBoard), which
+  never use a GPU, so no probe result is theirs to report."""
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+  with DroppedLines(CUDA_PROBE_LINES):
     yield
 
 

@@ -41,8 +41,8 @@ def main(argv):
   print("On your laptop run:\n  %s\nthen open http://localhost:%d/" % (
       tunnel_command(FLAGS.user, FLAGS.login_host, host, FLAGS.port), FLAGS.port), flush=True)
   if FLAGS.start:
-    command = [sys.executable, "-m", "tensorboard.main", "--logdir", FLAGS.logdir, "--port",
-               str(FLAGS.port), "--host", "0.0.0.0"]
+    command = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_tensorboard.py"),
+               "--logdir", FLAGS.logdir, "--port", str(FLAGS.port), "--host", "0.0.0.0"]
     print("Starting: " + " ".join(command), flush=True)
     sys.exit(subprocess.call(command))
 

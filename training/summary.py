@@ -172,8 +172,8 @@ def closing_report(summary: dict, logdir: str, argv=(), processes: int = 1) -> s
       test += " (%s)" % ", ".join(details)
     lines.append("  test: %s" % test)
   lines.append("  outputs: %s" % _outputs(logdir))
-  python, tensorboard = _commands()
-  lines += ["Next:", "  %s --logdir %s" % (tensorboard, shlex.quote(logdir))]
+  python = python_command()
+  lines += ["Next:", "  %s tools/serve_tensorboard.py --logdir %s" % (python, shlex.quote(logdir))]
   if model.get_model_info(summary["model"]).task == "regression":  # tools/predict.py's reports
     lines.append("  %s tools/predict.py --logdir %s" % (python, shlex.quote(logdir)))
   epochs = summary["epochs"] + 5
@@ -231,7 +231,7 @@ def resume_line(argv, logdir: str, epochs: int) -> str:
   resubmit = os.environ.get(RESUBMIT_VARIABLE)
   if resubmit:
     return " ".join([resubmit] + [shlex.quote(word) for word in _resume_flags(logdir, epochs)])
-  return "%s %s" % (_commands()[0], resume_command(argv, logdir, epochs))
+  return "%s %s" % (python_command(), resume_command(argv, logdir, epochs))
 
 
 # Flags the resume line sets itself, and those of them that take a value.
@@ -265,15 +265,12 @@ def _under_working_folder(path: str) -> bool:
   return os.path.abspath(path).startswith(os.getcwd() + os.sep)
 
 
-def _commands():
-  """How to call this Python and its TensorBoard: by the virtual environment's path when it lies under
-  the working folder (`make run` users have no activated environment), else by name."""
-  folder = os.path.dirname(sys.executable)
-  if not _under_working_folder(folder):
-    return "python", "tensorboard"
-  tensorboard = os.path.join(folder, "tensorboard")
-  return (os.path.relpath(sys.executable),
-          os.path.relpath(tensorboard) if os.path.exists(tensorboard) else "tensorboard")
+def python_command() -> str:
+  """How to call this Python: by the virtual environment's path when it lies under the working folder
+  (`make run` users have no activated environment), else by name."""
+  if not _under_working_folder(os.path.dirname(sys.executable)):
+    return "python"
+  return os.path.relpath(sys.executable)
 
 
 RUN_CONFIG_FILE = "run_config.yaml"

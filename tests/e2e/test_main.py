@@ -45,7 +45,7 @@ def test_mnist_check_end_to_end(tmp_path, replicas):
     assert noise not in result.stderr, result.stderr[-3000:]
   # Issue 19: the log ends with where the run is and what to run next, and has no CUDA probe noise.
   closing = result.stdout[result.stdout.index("Run finished: " + logdir):]
-  assert "tensorboard --logdir " + logdir in closing and "tools/predict.py" not in closing
+  assert "tools/serve_tensorboard.py --logdir " + logdir in closing and "tools/predict.py" not in closing
   assert "test: loss" in closing and "--resume --epochs=7" in closing
   if not glob.glob("/dev/nvidia[0-9]*"):
     assert "cuInit" not in result.stderr and "Could not find cuda drivers" not in result.stderr

@@ -1,0 +1,89 @@
+"""`tools/serve_tensorboard.py`: a real TensorBoard server on 127.0.0.1, asked over HTTP for the
+scalars of real event files, and its log read for TensorFlow's CUDA probe lines."""
+
+import glob
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+import tensorflow as tf
+
+from tests.support.helpers import REPO_ROOT, assert_one_line_error
+
+TOOL = os.path.join(REPO_ROOT, "tools", "serve_tensorboard.py")
+CUDA_PROBE_LINES = ("failed call to cuInit", "Could not find cuda drivers", "absl::InitializeLog")
+
+
+def _write_losses(logdir, losses):
+  with tf.summary.create_file_writer(os.path.join(logdir, "train")).as_default():
+    for step, loss in enumerate(losses):
+      tf.summary.scalar("epoch_loss", loss, step=step)
+
+
+def _lines(stream, into):
+  for line in stream:
+    into.put(line)
+  into.put(None)
+
+
+def _get_json(url):
+  with urllib.request.urlopen(url, timeout=30) as response:
+    return json.loads(response.read().decode())
+
+
+@pytest.fixture
+def server(tmp_path):
+  logdir = str(tmp_path / "run")
+  _write_losses(logdir, [0.5, 0.25, 0.125])
+  process = subprocess.Popen([sys.executable, TOOL, "--logdir", logdir, "--port", "0", "--host", "127.0.0.1"],
+                             stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+  lines = queue.Queue()
+  threading.Thread(target=_lines, args=(process.stderr, lines), daemon=True).start()
+  log, url, deadline = [], None, time.time() + 120
+  while url is None and time.time() < deadline:
+    try:
+      line = lines.get(timeout=1)
+    except queue.Empty:
+      continue
+    if line is None:
+      break
+    log.append(line)
+    match = re.search(r"TensorBoard \S+ at (http://\S+/) ", line)
+    url = match.group(1) if match else None
+  try:
+    assert url, "no server address in: %s" % "".join(log)
+    yield process, url, log, lines
+  finally:
+    if process.poll() is None:
+      process.kill()
+    process.wait()
+
+
+def test_serves_the_runs_scalars_without_the_cuda_probe_lines(server):
+  process, url, log, lines = server
+  deadline = time.time() + 60  # TensorBoard reads the event files in the background after it starts
+  while "train" not in _get_json(url + "data/runs") and time.time() < deadline:
+    time.sleep(0.5)
+  scalars = _get_json(url + "data/plugin/scalars/scalars?run=train&tag=epoch_loss")
+  assert [(step, value) for _, step, value in scalars] == [(0, 0.5), (1, 0.25), (2, 0.125)]
+  process.send_signal(signal.SIGINT)  # Ctrl-C: TensorBoard's own quiet exit
+  assert process.wait(timeout=30) == 0
+  log += [line for line in iter(lines.get, None)]
+  if not glob.glob("/dev/nvidia[0-9]*"):
+    noise = [line for line in log if any(pattern in line for pattern in CUDA_PROBE_LINES)]
+    assert not noise, "".join(log)
+  assert not any("Traceback" in line for line in log), "".join(log)
+
+
+def test_missing_logdir_is_one_line_error(tmp_path):
+  result = subprocess.run([sys.executable, TOOL, "--logdir", str(tmp_path / "nope")],
+                          capture_output=True, text=True, timeout=60)
+  assert_one_line_error(result, "--logdir=%s" % (tmp_path / "nope"), "no such folder")
