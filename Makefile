@@ -1,7 +1,7 @@
 # Set-up and everyday commands. `make run` and `make test` create the virtual environment on first use.
 #   BACKEND=cpu|gpu|tf26   which TensorFlow requirements file to install (default cpu)
 #   make test-tf26         the same tests on Python 3.8 + TensorFlow 2.6.3 (the Poplar SDK's versions)
-PYTHON ?= python3
+#   PYTHON=, REFERENCE_PYTHON=   the Pythons that create .venv and .venv-torch (default: found, below)
 BACKEND ?= cpu
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,7 +11,31 @@ REFERENCE_VENV ?= .venv-torch
 # (process start-up, TensorFlow imports and Python run on one core); two workers use both. Each
 # worker holds its own TensorFlow (about 1 GB).
 TEST_WORKERS ?= 2
-PYTHON38 ?= $(shell for p in $$HOME/.pyenv/versions/3.8*/bin/python python3.8; do $$p -c "import sys; assert sys.version_info[:2] == (3, 8)" 2>/dev/null && { echo $$p; break; }; done)
+# The Python versions with wheels of each requirements file's TensorFlow or PyTorch, newest first.
+# TensorFlow 2.21 has none for 3.14 (Fedora 43's python3); 3.9 (RHEL 9's) gets 2.20, its last release.
+PYTHON_VERSIONS_cpu := 3.13 3.12 3.11 3.10 3.9
+PYTHON_VERSIONS_gpu := $(PYTHON_VERSIONS_cpu)
+PYTHON_VERSIONS_tf26 := 3.8
+PYTHON_VERSIONS_reference := 3.14 3.13 3.12 3.11 3.10
+# Exit status 0 when the Python $(1) is one of the versions $(2).
+is_one_of = $(1) -c "import sys; sys.exit('%d.%d' % sys.version_info[:2] not in '$(2)'.split())" 2>/dev/null
+# python3 when it is one of the versions $(1), else the newest of them found as python3.X on PATH or
+# under pyenv; empty when there is none.
+find_python = $(shell for p in python3 $(foreach v,$(1),python$(v) $(wildcard $(HOME)/.pyenv/versions/$(v).*/bin/python)); do $(call is_one_of,$$p,$(1)) && { echo $$p; break; }; done)
+# The Pythons that create the virtual environments (PYTHON=... and REFERENCE_PYTHON=... choose).
+ifndef PYTHON
+PYTHON := $(call find_python,$(PYTHON_VERSIONS_$(BACKEND)))
+endif
+ifndef REFERENCE_PYTHON
+REFERENCE_PYTHON := $(call find_python,$(PYTHON_VERSIONS_reference))
+endif
+# Recipe lines that create the virtual environment $(1) for requirements-$(2).txt with the Python named
+# by the variable $(3), or say in one line why they cannot.
+define make_venv
+	@test -x $(1)/bin/python || $(call is_one_of,$($(3)),$(PYTHON_VERSIONS_$(2))) || { echo "error: requirements-$(2).txt needs Python $(PYTHON_VERSIONS_$(2)) (the versions its TensorFlow or PyTorch has wheels for), and $(if $($(3)),$(3)=$($(3)) is $$($($(3)) -V 2>&1),none of them was found: python3 is $$(python3 -V 2>&1 || echo missing)); install one (your system's python$(firstword $(PYTHON_VERSIONS_$(2))) package, or pyenv install $(firstword $(PYTHON_VERSIONS_$(2)))), or name it: make $(3)=/path/to/python3.X" >&2; exit 1; }
+	test -x $(1)/bin/python || $($(3)) -m venv $(1)
+	@$(call is_one_of,$(1)/bin/python,$(PYTHON_VERSIONS_$(2))) || { echo "error: $(1) has $$($(1)/bin/python -V 2>&1), but requirements-$(2).txt needs Python $(PYTHON_VERSIONS_$(2)): remove it (rm -rf $(1)) and run make again" >&2; exit 1; }
+endef
 
 # bash with pipefail: a recipe that pipes pip's output still fails when pip does.
 SHELL := /bin/bash
@@ -21,12 +45,12 @@ SHELL := /bin/bash
 # lines on a first install here. They are counted into one line; everything else pip prints is kept.
 PIP_INSTALL = @echo '$(1)/bin/python -m pip install --quiet $(2)'; $(1)/bin/python -m pip install --quiet $(2) 2>&1 | awk '/^WARNING: Location .* is ignored: it is neither a file nor a directory/ {n++; next} {print; fflush()} END {if (n) printf "pip: left out %d warning%s that an index location of the pip configuration does not exist (pip config list shows them)\n", n, (n == 1 ? "" : "s")}'
 
-.PHONY: install run test test-unit test-slurm test-tf26 bench bench-reference parity print-python38 clean
+.PHONY: install run test test-unit test-slurm test-tf26 bench bench-reference parity print-python clean
 
 install: $(VENV)/.installed-$(BACKEND)
 
 $(VENV)/.installed-$(BACKEND): requirements.txt requirements-$(BACKEND).txt requirements-dev.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(call make_venv,$(VENV),$(BACKEND),PYTHON)
 	$(call PIP_INSTALL,$(VENV),--upgrade "pip<25")
 	$(call PIP_INSTALL,$(VENV),-r requirements-$(BACKEND).txt -r requirements.txt -r requirements-dev.txt)
 	touch $@
@@ -47,11 +71,11 @@ test-slurm: install
 	@reason=$$(tools/slurm/local_cluster.sh install 2>&1) || { echo "test-slurm: the Slurm tests did NOT run: $$(echo "$$reason" | tail -1)"; exit 0; }
 	$(PY) -m pytest -q -m slurm tests/e2e/test_slurm.py
 
-# The reference PyTorch model for side-by-side benchmarks, always on the default python3 (its wheel).
+# The reference PyTorch model for side-by-side benchmarks, in an environment of its own.
 bench-reference: $(REFERENCE_VENV)/.installed
 
 $(REFERENCE_VENV)/.installed: requirements-reference.txt
-	test -x $(REFERENCE_VENV)/bin/python || python3 -m venv $(REFERENCE_VENV)
+	$(call make_venv,$(REFERENCE_VENV),reference,REFERENCE_PYTHON)
 	$(call PIP_INSTALL,$(REFERENCE_VENV),-r requirements-reference.txt)
 	touch $@
 
@@ -65,11 +89,11 @@ parity: install bench-reference
 	$(PY) tools/parity.py --reference_python=$(REFERENCE_VENV)/bin/python $(PARITY_ARGS)
 
 test-tf26:
-	@test -n "$(PYTHON38)" || { echo "test-tf26 needs Python 3.8 (pyenv install 3.8)"; exit 1; }
-	$(MAKE) test PYTHON=$(PYTHON38) VENV=.venv-tf26 BACKEND=tf26
+	$(MAKE) test VENV=.venv-tf26 BACKEND=tf26
 
-print-python38:
-	@echo $(PYTHON38)
+# The Python that `make install` would create the environment with for BACKEND (empty: none found).
+print-python:
+	@echo $(PYTHON)
 
 clean:
 	rm -rf .venv .venv-tf26 $(REFERENCE_VENV) .pytest_cache

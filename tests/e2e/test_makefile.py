@@ -1,0 +1,68 @@
+"""The Makefile's choice of Python for the virtual environment, run with a real `make` on a PATH that
+holds only the Pythons each test puts there.
+
+TensorFlow has wheels for a range of Python versions per backend (requirements-<backend>.txt): a
+python3 outside it (Fedora 43's 3.14) must lead to a supported python3.X when there is one, and else to
+one error line before any environment is made, instead of pip's page of versions.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.helpers import REPO_ROOT
+
+MAKE = shutil.which("make")
+pytestmark = pytest.mark.skipif(MAKE is None, reason="make is not installed")
+# The backend whose TensorFlow has wheels for the Python running the tests (3.8: the Poplar SDK stack).
+BACKEND = "tf26" if sys.version_info[:2] == (3, 8) else "cpu"
+THIS_PYTHON = "python%d.%d" % sys.version_info[:2]
+
+
+def _bin(tmp_path, pythons):
+  """A folder for PATH with `make`, an unsupported `python3` (3.14) and links to this Python by name."""
+  folder = tmp_path / "bin"
+  folder.mkdir()
+  (folder / "make").symlink_to(MAKE)
+  python3 = folder / "python3"
+  # Answers the version check as Python 3.14 does (not in any backend's list) and `-V`.
+  python3.write_text('#!/bin/sh\n[ "$1" = "-V" ] && { echo "Python 3.14.0"; exit 0; }\nexit 1\n')
+  python3.chmod(0o755)
+  for name in pythons:
+    (folder / name).symlink_to(sys.executable)
+  return folder
+
+
+def _make(tmp_path, folder, *args):
+  env = {"PATH": str(folder), "HOME": str(tmp_path)}  # HOME: no pyenv Pythons
+  return subprocess.run(["make", "--no-print-directory", "-s", "BACKEND=" + BACKEND] + list(args),
+                        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_a_supported_python3_x_is_chosen_over_an_unsupported_python3(tmp_path):
+  result = _make(tmp_path, _bin(tmp_path, [THIS_PYTHON]), "print-python")
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.strip() == THIS_PYTHON
+
+
+def test_no_supported_python_is_one_error_line_and_no_environment(tmp_path):
+  venv = tmp_path / "venv"
+  result = _make(tmp_path, _bin(tmp_path, []), "install", "VENV=" + str(venv))
+  assert result.returncode != 0
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1, result.stderr
+  assert "requirements-%s.txt" % BACKEND in errors[0] and "python3 is Python 3.14.0" in errors[0]
+  assert "%d.%d" % sys.version_info[:2] in errors[0]  # the list of supported versions
+  assert not venv.exists()
+  assert "pip" not in result.stdout + result.stderr
+
+
+def test_an_unsupported_python_named_by_the_user_is_refused(tmp_path):
+  folder = _bin(tmp_path, [THIS_PYTHON])
+  result = _make(tmp_path, folder, "install", "VENV=" + str(tmp_path / "venv"), "PYTHON=" + str(folder / "python3"))
+  assert result.returncode != 0
+  assert "PYTHON=%s is Python 3.14.0" % (folder / "python3") in result.stderr
+  assert not (tmp_path / "venv").exists()
