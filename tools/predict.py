@@ -82,6 +82,18 @@ def main(argv):
                                      plots=FLAGS.plots, export_dir=FLAGS.export_dir)
   print(evaluation.format_table(result.results))
   print("Wrote " + ", ".join(result.files), flush=True)
+  print("In TensorBoard (Images, Text and Scalars of the run %s): %s" % _tensorboard_hint(result.files),
+        flush=True)
+
+
+def _tensorboard_hint(files) -> tuple:
+  """The report's TensorBoard run name and the command that shows it: over the run folder when the
+  report lies inside it (beside the training curves), else over the report's own folder."""
+  from training.summary import tool_command  # pylint: disable=import-outside-toplevel
+  outdir = os.path.dirname(next(path for path in files if os.path.basename(path).startswith("events.out.")))
+  inside = os.path.abspath(outdir).startswith(os.path.abspath(FLAGS.logdir) + os.sep)
+  logdir = FLAGS.logdir if inside else outdir
+  return os.path.relpath(outdir, logdir), tool_command("serve_tensorboard.py", logdir)
 
 
 if __name__ == "__main__":

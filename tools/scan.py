@@ -27,7 +27,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from errors import parse_flags  # noqa: E402  pylint: disable=wrong-import-position
-from training.summary import python_command, write_yaml  # noqa: E402  pylint: disable=wrong-import-position
+from training.summary import tool_command, write_yaml  # noqa: E402  pylint: disable=wrong-import-position
 MODES = ("serial", "slurm", "point", "report")
 FLAGS = flags.FLAGS
 
@@ -206,9 +206,7 @@ def report(scan_dir: str) -> int:
         row["name"], row["status"], _number(row.get("best_val_loss")), _number(row.get("test_loss")),
         "exit %s: %s" % (row.get("returncode"), row.get("error")) if row["status"] == "failed" else ""))
   print("report: %s, %s" % (os.path.join(scan_dir, "scan.yaml"), os.path.join(scan_dir, "scan.png")))
-  print("TensorBoard, one HParams row per point: %s %s --logdir %s" % (
-      python_command(), os.path.relpath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                     "serve_tensorboard.py")), scan_dir))
+  print("TensorBoard, one HParams row per point: " + tool_command("serve_tensorboard.py", scan_dir))
   if table["not_finished"]:
     print("error: %d of %d scan points did not finish: %s" % (len(table["not_finished"]), len(rows),
                                                               ", ".join(table["not_finished"])))

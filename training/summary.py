@@ -172,10 +172,9 @@ def closing_report(summary: dict, logdir: str, argv=(), processes: int = 1) -> s
       test += " (%s)" % ", ".join(details)
     lines.append("  test: %s" % test)
   lines.append("  outputs: %s" % _outputs(logdir))
-  python = python_command()
-  lines += ["Next:", "  %s tools/serve_tensorboard.py --logdir %s" % (python, shlex.quote(logdir))]
+  lines += ["Next:", "  " + tool_command("serve_tensorboard.py", logdir)]
   if model.get_model_info(summary["model"]).task == "regression":  # tools/predict.py's reports
-    lines.append("  %s tools/predict.py --logdir %s" % (python, shlex.quote(logdir)))
+    lines.append("  " + tool_command("predict.py", logdir))
   epochs = summary["epochs"] + 5
   note = relaunch_note(processes)
   lines.append("  %s   # train on to epoch %d%s" % (
@@ -271,6 +270,16 @@ def python_command() -> str:
   if not _under_working_folder(os.path.dirname(sys.executable)):
     return "python"
   return os.path.relpath(sys.executable)
+
+
+_TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+
+
+def tool_command(tool: str, logdir: str) -> str:
+  """The command that runs `tools/<tool>` on `logdir`, as the user can paste it here."""
+  script = os.path.join(_TOOLS, tool)
+  return "%s %s --logdir %s" % (python_command(), os.path.relpath(script) if _under_working_folder(script)
+                                else script, shlex.quote(logdir))
 
 
 RUN_CONFIG_FILE = "run_config.yaml"

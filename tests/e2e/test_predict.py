@@ -125,6 +125,9 @@ def test_predict_tool_and_export_round_trip(trained_run, data_file, tmp_path):
   # 50 samples exactly: 3 batches of 16 and a short one of 2.
   assert "parameter" in result.stdout and "p14" in result.stdout and "validation split, 50 samples" \
       in result.stdout
+  # The report outside the run folder: TensorBoard over the report's folder, whose root run holds it.
+  assert "In TensorBoard (Images, Text and Scalars of the run .): " in result.stdout
+  assert "tools/serve_tensorboard.py --logdir %s\n" % outdir in result.stdout
   sum_pred = _load_yaml(os.path.join(outdir, "sum_pred.yaml"))
   _check_sum_pred(sum_pred, "validation", 50)
   assert os.path.join("checkpoints", "best") in sum_pred["checkpoint"]
@@ -229,9 +232,12 @@ def test_predict_names_real_data_as_main_does_a_folder_and_a_cell(trained_run, d
   with open(config_path, "w") as f:
     yaml.safe_dump(saved, f)
   result = run_predict("--logdir=" + copy, "--data_path=" + data_file, "--max_samples=32", "--backend=cpu",
-                       "--noplots", "--outdir=" + str(tmp_path / "out2"))
+                       "--noplots")
   assert result.returncode == 0, result.stderr[-3000:]
-  assert _load_yaml(str(tmp_path / "out2" / "sum_pred.yaml"))["data_path"] == os.path.abspath(data_file)
+  assert _load_yaml(os.path.join(copy, "predict", "sum_pred.yaml"))["data_path"] == os.path.abspath(data_file)
+  # The report in the run folder (the default --outdir): TensorBoard over the run, beside its training.
+  assert "In TensorBoard (Images, Text and Scalars of the run predict): " in result.stdout
+  assert "tools/serve_tensorboard.py --logdir %s\n" % copy in result.stdout
 
 
 def _copy_of(trained_run, tmp_path):
