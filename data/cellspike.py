@@ -242,7 +242,7 @@ def default_data_path(config: RunConfig) -> str:
   return cellspike_generate.generate_dataset(
       folder, cell_name=DEFAULT_CELL, num_train=DEFAULT_SAMPLES["train"],
       num_val=DEFAULT_SAMPLES["val"], num_test=DEFAULT_SAMPLES["test"], seed=0, fp16=True,
-      workers=usable_cores())
+      workers=usable_cores(), label="--data_cache=%s" % config.data_cache)
 
 
 def open_configured(config: RunConfig):

@@ -17,9 +17,11 @@ name in out_dir and renamed at the end: an interrupted run never leaves a partia
 name.
 """
 
+import errno
 import json
 import multiprocessing
 import os
+import shutil
 import sys
 import time
 
@@ -247,33 +249,56 @@ def _fill(h5, batches, num_norm, dtype, progress):
   return norm
 
 
+def file_bytes(counts, dtype) -> int:
+  """The size of the .h5 file for (train, val, test) sample counts: its contiguous datasets, plus a
+  megabyte for HDF5's headers and meta.JSON."""
+  values = neuron_sim.NUM_TIME_BINS * neuron_sim.NUM_FEATURES + 2 * neuron_sim.NUM_PAR
+  return sum(counts) * values * np.dtype(dtype).itemsize + 2 ** 20
+
+
+def _check_free_space(out_dir: str, needed: int, label: str) -> None:
+  free = shutil.disk_usage(out_dir).free
+  if free < needed:
+    raise UserError("%s: the dataset needs %.0f MB, and the file system of %s has %.0f MB free (free "
+                    "some space, or choose another folder)" % (label, needed / 1e6, out_dir, free / 1e6))
+
+
+def _disk_full(error: BaseException) -> bool:
+  """ENOSPC; h5py 3.1 (the TensorFlow 2.6 stack's) leaves OSError.errno unset and gives it in the text."""
+  return isinstance(error, OSError) and (error.errno == errno.ENOSPC or
+                                         "errno = %d," % errno.ENOSPC in str(error))
+
+
 def generate_dataset(out_dir: str, cell_name: str = "synth", num_train: int = 20000, num_val: int = 2000,
                      num_test: int = 2000, seed: int = 0, fp16: bool = False,
                      probe_type: str = "excite_4prB8kHz", batch_size: int = 1024, progress: bool = True,
-                     workers: int = 1) -> str:
+                     workers: int = 1, label: str = None) -> str:
   """Simulates and writes one cell's dataset and the meta yaml; returns the path of the .h5 file.
 
-  `workers` > 1 simulates batches in that many spawned processes (the same bits as 1 worker).
+  `workers` > 1 simulates batches in that many spawned processes (the same bits as 1 worker). `label`
+  names the folder in error messages as the user gave it (default `--out_dir=<out_dir>`).
   """
   counts = (num_train, num_val, num_test)
   _check_args(out_dir, cell_name, counts, seed, batch_size, workers, probe_type)
+  label = label or "--out_dir=%s" % out_dir
   try:
     os.makedirs(out_dir, exist_ok=True)
   except OSError as error:
-    raise UserError("--out_dir=%s: cannot create it (%s)" % (out_dir, error.strerror)) from None
+    raise UserError("%s: cannot create it (%s)" % (label, error.strerror)) from None
   dtype = np.float16 if fp16 else np.float32
   path = os.path.join(out_dir, h5_name(cell_name))
   meta = {"dataInfo": _data_info(cell_name, counts, seed, fp16, probe_type)}
+  for stale in atomic_files.remove_stale(path):
+    logging.info("removed %s, the partial file of a generation on this host that was killed", stale)
+  _check_free_space(out_dir, file_bytes(counts, dtype), label)
   started = time.time()
   logging.info("generating %s: %d train, %d val, %d test samples, seed %d, %s, %d worker(s)",
                path, num_train, num_val, num_test, seed, "fp16" if fp16 else "fp32", workers)
-  for stale in atomic_files.remove_stale(path):
-    logging.info("removed %s, the partial file of a generation on this host that was killed", stale)
   tmp = atomic_files.temporary_name(path)
   try:
     h5 = h5py.File(tmp, "w")
   except OSError as error:
-    raise UserError("--out_dir=%s: cannot write %s (%s)" % (out_dir, tmp, error)) from None
+    raise UserError("%s: cannot write %s (%s)" % (label, tmp, error)) from None
   try:
     with h5:
       _create_datasets(h5, counts, dtype)
@@ -284,9 +309,13 @@ def generate_dataset(out_dir: str, cell_name: str = "synth", num_train: int = 20
                           "fnorm_samples": int(min(NORM_SAMPLES, num_train)), "fnorm_domain": "train"}
       h5.create_dataset("meta.JSON", data=[json.dumps(meta)], dtype=h5py.special_dtype(vlen=str))
     os.replace(tmp, path)
-  except BaseException:
+  except BaseException as error:
     if os.path.exists(tmp):
       os.remove(tmp)
+    if _disk_full(error):  # filled up meanwhile by others
+      raise UserError("%s: the file system of %s filled up while the dataset was written (%.0f MB "
+                      "needed); its partial file was removed" % (label, out_dir,
+                                                                 file_bytes(counts, dtype) / 1e6)) from None
     raise
   atomic_files.write_text(os.path.join(out_dir, meta_yaml_name(probe_type)),
                      yaml.safe_dump(meta, default_flow_style=None, sort_keys=False, width=110))

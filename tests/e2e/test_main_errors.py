@@ -427,6 +427,52 @@ def test_a_read_only_data_cache_is_one_error_line(tmp_path):
                                                                                                folder))
 
 
+def test_a_data_cache_without_room_for_the_dataset_is_one_error_line(tmp_path):
+  """A real 1 MB file system (a tmpfs in a private mount namespace) for the 0.9 GB built-in dataset: refused
+  before the simulation starts, instead of h5py's "No space left on device" traceback minutes later."""
+  cache = tmp_path / "small_disk"
+  cache.mkdir()
+  if not can_mount_tmpfs(str(cache)):
+    pytest.skip("cannot mount a tmpfs here (needs unshare and mount rights)")
+  script = 'mount -t tmpfs -o size=1m tmpfs "$MNT" || exit 77; exec "$@"'
+  result = run_main("--model=neuron_inverter", "--epochs=1", "--data_cache=%s" % cache,
+                    "--logdir=" + str(tmp_path / "run"), prefix=("unshare", "-m", "sh", "-c", script, "sh"),
+                    env={"MNT": str(cache)})
+  assert_one_line_error(result, "--data_cache=%s: the dataset needs 897 MB, and the file system of %s has 1 MB "
+                        "free" % (cache, cache / "cellspike-v3-seed0"))
+  assert "generating" not in result.stderr
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_disk_that_fills_up_during_generation_is_one_error_line_and_no_partial_file(tmp_path):
+  """Room at the start, then another writer takes it (here: a filler started once the temporary file
+  exists, on a real 8 MB tmpfs): the write's ENOSPC becomes one line naming the flag."""
+  mount = tmp_path / "disk"
+  mount.mkdir()
+  if not can_mount_tmpfs(str(mount)):
+    pytest.skip("cannot mount a tmpfs here (needs unshare and mount rights)")
+  listing = tmp_path / "left.txt"
+  script = """
+mount -t tmpfs -o size=8m tmpfs "$MNT" || exit 77
+"$@" &
+pid=$!
+while ! ls -A "$MNT/data" 2>/dev/null | grep -q tmp && kill -0 $pid 2>/dev/null; do sleep 0.01; done
+dd if=/dev/zero of="$MNT/filler" bs=64k 2>/dev/null
+wait $pid
+status=$?
+ls -A "$MNT/data" > "$LISTING"
+exit $status
+"""
+  out_dir = mount / "data"
+  command = [sys.executable, os.path.join(REPO_ROOT, "tools", "generate_cellspike.py"), "--out_dir=%s" % out_dir,
+             "--num_train=200", "--num_val=8", "--num_test=8", "--workers=1", "--noprogress"]
+  result = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh"] + command, capture_output=True, text=True,
+                          timeout=180, env=dict(os.environ, MNT=str(mount), LISTING=str(listing)))
+  assert_one_line_error(result, "--out_dir=%s: the file system of %s filled up while the dataset was written"
+                        % (out_dir, out_dir), "its partial file was removed")
+  assert listing.read_text().split() == []
+
+
 def test_a_second_job_into_a_busy_folder_is_refused(tmp_path, good_file):
   """The first job holds the folder's lock (here: this process, as a running job would)."""
   from training import run_folder  # pylint: disable=import-outside-toplevel
