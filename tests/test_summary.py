@@ -3,7 +3,8 @@
 import os
 import shlex
 
-from training.summary import RESUBMIT_VARIABLE, closing_report, interrupted_report, resume_command
+from training.summary import (RESUBMIT_VARIABLE, closing_report, interrupted_report, python_command,
+                              resume_command)
 
 
 def test_resume_command_keeps_the_runs_flags_and_replaces_logdir_epochs_and_resume():
@@ -18,6 +19,28 @@ def test_resume_command_names_the_script_relative_to_the_working_folder():
   script = os.path.join(os.getcwd(), "main.py")
   assert resume_command([script, "--model=mnist"], "r", 4).startswith("main.py --model=mnist ")
   assert resume_command(["/elsewhere/main.py"], "r", 4).startswith("/elsewhere/main.py ")
+
+
+def _python_in(folder):
+  folder.mkdir(parents=True)
+  path = folder / "python3"
+  path.write_text("#!/bin/sh\n")
+  path.chmod(0o755)
+  return str(path)
+
+
+def test_the_reports_python_is_one_that_has_this_pythons_packages(tmp_path, monkeypatch):
+  """Pasted commands must run with this Python: `python` on the PATH may be another one, or none."""
+  work, environment, other = tmp_path / "work", tmp_path / "env" / "bin", tmp_path / "other" / "bin"
+  work.mkdir()
+  monkeypatch.chdir(work)
+  monkeypatch.setenv("PATH", str(environment))
+  monkeypatch.setattr("sys.executable", _python_in(work / ".venv" / "bin"))   # make run's .venv
+  assert python_command() == os.path.join(".venv", "bin", "python3")
+  monkeypatch.setattr("sys.executable", _python_in(environment))              # an activated environment
+  assert python_command() == "python3"
+  monkeypatch.setattr("sys.executable", _python_in(other))                    # neither: the whole path
+  assert python_command() == str(other / "python3")
 
 
 def test_closing_report_prints_a_resume_line_without_placeholders():

@@ -9,6 +9,7 @@ import glob
 import math
 import os
 import shlex
+import shutil
 import sys
 
 import numpy as np
@@ -265,11 +266,18 @@ def _under_working_folder(path: str) -> bool:
 
 
 def python_command() -> str:
-  """How to call this Python: by the virtual environment's path when it lies under the working folder
-  (`make run` users have no activated environment), else by name."""
-  if not _under_working_folder(os.path.dirname(sys.executable)):
-    return "python"
-  return os.path.relpath(sys.executable)
+  """How to call this Python in a command to paste: by its path relative to the working folder when it
+  lies there (`make run`'s .venv, which the user has not activated); by the name `python3` or `python`
+  when the PATH finds that name in this Python's own folder (an activated environment, a container's
+  interpreter); else by its whole path, since another `python` would lack this one's packages."""
+  if _under_working_folder(os.path.dirname(sys.executable)):
+    return os.path.relpath(sys.executable)
+  folder = os.path.dirname(os.path.abspath(sys.executable))
+  for name in ("python3", "python"):
+    found = shutil.which(name)
+    if found and os.path.dirname(os.path.abspath(found)) == folder:
+      return name
+  return sys.executable
 
 
 _TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
