@@ -151,7 +151,7 @@ def closing_report(summary: dict, logdir: str, argv=(), processes: int = 1) -> s
   """The last lines a user reads: how well the run learned, where its outputs are, what to run next.
 
   `argv` is the run's command line (`sys.argv`); the resume line repeats its flags, since a resume
-  must be given the same model, design, replicas and optimizer. A run of several `processes`
+  must be given the same model, design and optimizer (mid-epoch also the same replicas and batch). A run of several `processes`
   (workers, poprun instances) is continued by launching them all again, as before.
   """
   baseline = summary.get("mean_predictor_val_loss")
