@@ -5,6 +5,9 @@ last rename wins, with the same content). Plain Python, so the generator's modul
 TensorFlow.
 """
 
+import contextlib
+import errno
+import fcntl
 import os
 import re
 import socket
@@ -57,3 +60,24 @@ def write_text(path: str, text: str) -> None:
     if os.path.exists(tmp):
       os.remove(tmp)
     raise
+
+
+@contextlib.contextmanager
+def one_writer_at_a_time(path: str, on_wait):
+  """Runs the block while this process alone holds `fcntl.flock` on `.<name>.lock` beside `path`. When
+  another process holds it (two jobs on a host, the workers of one multi-worker run), `on_wait()` is
+  called once and the block waits its turn; the kernel releases a killed holder's lock. Where the file
+  system has no locks (some Lustre and NFS mounts: ENOLCK, ENOSYS, EOPNOTSUPP), the block runs
+  unlocked, as it did before: the renames still keep every reader's file whole."""
+  folder, name = os.path.split(path)
+  with open(os.path.join(folder, ".%s.lock" % name), "a") as handle:
+    try:
+      try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        on_wait()
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+    except OSError as error:
+      if error.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
+        raise
+    yield

@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from data import cellspike_file, hdf5_native, staging, synthetic
+from data import atomic_files, cellspike_file, hdf5_native, staging, synthetic
 from data import splits as splits_lib
 from data.splits import BatchLayout, Split, Splits, count_steps, eval_layout
 from errors import UserError
@@ -223,26 +223,37 @@ def mean_predictor_loss(path: str, split: str = "val") -> float:
 
 
 def default_data_path(config: RunConfig) -> str:
-  """The built-in dataset: generated once by the neuron simulation into a cache folder, then reused."""
+  """The built-in dataset: generated once by the neuron simulation into a cache folder, then reused.
+  Processes that start together (two jobs, a multi-worker run's workers) generate it once: the others
+  wait for the first and then read its file."""
   from data import cellspike_generate  # pylint: disable=import-outside-toplevel
   folder = os.path.join(config.data_cache, "cellspike-%s-seed0" % DEFAULT_DATA_VERSION)
   path = os.path.join(folder, cellspike_generate.h5_name(DEFAULT_CELL))
-  if os.path.isfile(path):
-    logging.info("Using the built-in generated dataset %s", path)
-    return path
+  if not os.path.isfile(path):
+    _check_cache_folder(config.data_cache, folder)
+    def on_wait():
+      logging.info("Another process is generating the built-in dataset into %s; waiting for it", folder)
+    with atomic_files.one_writer_at_a_time(path, on_wait):
+      if not os.path.isfile(path):  # else written by the process this one waited for
+        logging.info("Generating the built-in dataset into %s (once; later runs reuse it)", folder)
+        return cellspike_generate.generate_dataset(
+            folder, cell_name=DEFAULT_CELL, num_train=DEFAULT_SAMPLES["train"],
+            num_val=DEFAULT_SAMPLES["val"], num_test=DEFAULT_SAMPLES["test"], seed=0, fp16=True,
+            workers=usable_cores(), label="--data_cache=%s" % config.data_cache)
+  logging.info("Using the built-in generated dataset %s", path)
+  return path
+
+
+def _check_cache_folder(data_cache: str, folder: str) -> None:
+  """Creates the dataset's folder, or says in one line why it cannot hold the dataset."""
   try:
     os.makedirs(folder, exist_ok=True)
   except OSError as error:
     raise UserError("--data_cache=%s: cannot create %s for the built-in dataset (%s)"
-                    % (config.data_cache, folder, error.strerror)) from None
+                    % (data_cache, folder, error.strerror)) from None
   if not os.access(folder, os.W_OK | os.X_OK):
     raise UserError("--data_cache=%s: cannot write the built-in dataset into %s (permission denied)"
-                    % (config.data_cache, folder))
-  logging.info("Generating the built-in dataset into %s (once; later runs reuse it)", folder)
-  return cellspike_generate.generate_dataset(
-      folder, cell_name=DEFAULT_CELL, num_train=DEFAULT_SAMPLES["train"],
-      num_val=DEFAULT_SAMPLES["val"], num_test=DEFAULT_SAMPLES["test"], seed=0, fp16=True,
-      workers=usable_cores(), label="--data_cache=%s" % config.data_cache)
+                    % (data_cache, folder))
 
 
 def open_configured(config: RunConfig):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
+from data import atomic_files
 from data import cellspike_generate
 from data import neuron_sim
 from errors import UserError
@@ -332,3 +333,47 @@ def test_progress_rate_leaves_out_the_workers_start_up(monkeypatch, capsys):
     progress.update("train", 1000)
   last = capsys.readouterr().err.strip().splitlines()[-1]   # 10 s after the previous line
   assert "13000/30000 samples (43%), 1000.0 samples/s, 17 s left (train split)" in last, last
+
+
+_BUILT_IN = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from absl import logging
+logging.set_verbosity(logging.INFO)
+from data import cellspike
+from run_config import RunConfig
+cellspike.DEFAULT_SAMPLES = {"train": 48, "val": 8, "test": 8}  # the built-in dataset, made small
+print(cellspike.default_data_path(RunConfig(model="neuron_inverter", data_cache=sys.argv[2])))
+"""
+
+
+def _wait_for_line(process, text):
+  lines = []
+  for line in process.stderr:
+    lines.append(line)
+    if text in line:
+      return
+  raise AssertionError("no %r in:\n%s" % (text, "".join(lines)))
+
+
+def test_processes_that_start_together_generate_the_built_in_dataset_once(tmp_path):
+  """A process that finds another generating the built-in dataset (two jobs, a multi-worker run's
+  workers) waits for its file instead of simulating the same dataset beside it. This test is the other
+  process: it holds the lock, writes the file once the second is waiting, then lets it go."""
+  folder = tmp_path / "cellspike-v3-seed0"
+  folder.mkdir()
+  path = str(folder / cellspike_generate.h5_name("synth"))
+  command = [sys.executable, "-c", _BUILT_IN, REPO, str(tmp_path)]
+  with atomic_files.one_writer_at_a_time(path, on_wait=None):
+    second = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+      _wait_for_line(second, "Another process is generating the built-in dataset into %s" % folder)
+      assert second.poll() is None
+      _generate(folder, num_train=48, num_val=8, num_test=8, seed=0, fp16=True)
+    except BaseException:
+      second.kill()
+      raise
+  out, err = second.communicate(timeout=120)
+  assert second.returncode == 0, err
+  assert "Generating the built-in dataset" not in err and "Using the built-in generated dataset" in err, err
+  assert out.strip() == path
