@@ -249,7 +249,7 @@ def _fill(h5, batches, num_norm, dtype, progress):
   return norm
 
 
-def file_bytes(counts, dtype) -> int:
+def _file_bytes(counts, dtype) -> int:
   """The size of the .h5 file for (train, val, test) sample counts: its contiguous datasets, plus a
   megabyte for HDF5's headers and meta.JSON."""
   values = neuron_sim.NUM_TIME_BINS * neuron_sim.NUM_FEATURES + 2 * neuron_sim.NUM_PAR
@@ -290,7 +290,7 @@ def generate_dataset(out_dir: str, cell_name: str = "synth", num_train: int = 20
   meta = {"dataInfo": _data_info(cell_name, counts, seed, fp16, probe_type)}
   for stale in atomic_files.remove_stale(path):
     logging.info("removed %s, the partial file of a generation on this host that was killed", stale)
-  _check_free_space(out_dir, file_bytes(counts, dtype), label)
+  _check_free_space(out_dir, _file_bytes(counts, dtype), label)
   started = time.time()
   logging.info("generating %s: %d train, %d val, %d test samples, seed %d, %s, %d worker(s)",
                path, num_train, num_val, num_test, seed, "fp16" if fp16 else "fp32", workers)
@@ -315,7 +315,7 @@ def generate_dataset(out_dir: str, cell_name: str = "synth", num_train: int = 20
     if _disk_full(error):  # filled up meanwhile by others
       raise UserError("%s: the file system of %s filled up while the dataset was written (%.0f MB "
                       "needed); its partial file was removed" % (label, out_dir,
-                                                                 file_bytes(counts, dtype) / 1e6)) from None
+                                                                 _file_bytes(counts, dtype) / 1e6)) from None
     raise
   atomic_files.write_text(os.path.join(out_dir, meta_yaml_name(probe_type)),
                      yaml.safe_dump(meta, default_flow_style=None, sort_keys=False, width=110))
