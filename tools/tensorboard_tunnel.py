@@ -11,7 +11,6 @@ do the same by hand with `ssh -L`).
 import getpass
 import os
 import socket
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,7 +43,7 @@ def main(argv):
     command = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_tensorboard.py"),
                "--logdir", FLAGS.logdir, "--port", str(FLAGS.port), "--host", "0.0.0.0"]
     print("Starting: " + " ".join(command), flush=True)
-    sys.exit(subprocess.call(command))
+    os.execv(sys.executable, command)  # TensorBoard in this process: Ctrl-C and SIGTERM go to it alone
 
 
 if __name__ == "__main__":

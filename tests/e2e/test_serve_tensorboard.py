@@ -7,6 +7,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -39,12 +40,9 @@ def _get_json(url):
     return json.loads(response.read().decode())
 
 
-@pytest.fixture
-def server(tmp_path):
-  logdir = str(tmp_path / "run")
-  _write_losses(logdir, [0.5, 0.25, 0.125])
-  process = subprocess.Popen([sys.executable, TOOL, "--logdir", logdir, "--port", "0", "--host", "127.0.0.1"],
-                             stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+def _start(command):
+  """Starts a TensorBoard command; returns (process, its address, its log so far, the rest's queue)."""
+  process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
   lines = queue.Queue()
   threading.Thread(target=_lines, args=(process.stderr, lines), daemon=True).start()
   log, url, deadline = [], None, time.time() + 120
@@ -58,8 +56,20 @@ def server(tmp_path):
     log.append(line)
     match = re.search(r"TensorBoard \S+ at (http://\S+/) ", line)
     url = match.group(1) if match else None
+  if url is None:
+    process.kill()
+    process.wait()
+    raise AssertionError("no server address in: %s" % "".join(log))
+  return process, url, log, lines
+
+
+@pytest.fixture
+def server(tmp_path):
+  logdir = str(tmp_path / "run")
+  _write_losses(logdir, [0.5, 0.25, 0.125])
+  process, url, log, lines = _start([sys.executable, TOOL, "--logdir", logdir, "--port", "0", "--host",
+                                     "127.0.0.1"])
   try:
-    assert url, "no server address in: %s" % "".join(log)
     yield process, url, log, lines
   finally:
     if process.poll() is None:
@@ -87,3 +97,24 @@ def test_missing_logdir_is_one_line_error(tmp_path):
   result = subprocess.run([sys.executable, TOOL, "--logdir", str(tmp_path / "nope")],
                           capture_output=True, text=True, timeout=60)
   assert_one_line_error(result, "--logdir=%s" % (tmp_path / "nope"), "no such folder")
+
+
+def test_the_tunnel_tool_runs_it_and_ctrl_c_ends_it_without_a_traceback(tmp_path):
+  """tools/tensorboard_tunnel.py prints the SSH line, then becomes this TensorBoard (exec): a Ctrl-C
+  reaches TensorBoard alone, not a waiting parent that would print a KeyboardInterrupt traceback."""
+  _write_losses(str(tmp_path), [1.0])
+  with socket.socket() as probe:  # a port free now (the tool takes no --port=0)
+    probe.bind(("", 0))
+    port = probe.getsockname()[1]
+  process, url, log, lines = _start([sys.executable, os.path.join(REPO_ROOT, "tools", "tensorboard_tunnel.py"),
+                                     "--logdir=%s" % tmp_path, "--port=%d" % port, "--login_host=login.example.org"])
+  try:
+    assert isinstance(_get_json(url + "data/runs"), list)  # the server answers
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=30) == 0
+  finally:
+    if process.poll() is None:
+      process.kill()
+  log += [line for line in iter(lines.get, None)]
+  assert "ssh -N -L %d:" % port in process.stdout.read()
+  assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in log), "".join(log)
