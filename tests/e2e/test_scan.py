@@ -1,8 +1,10 @@
 """tools/scan.py: a learning-rate scan run serially with real trainings; failed points are listed."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -63,3 +65,32 @@ def test_a_scan_folder_that_cannot_be_written_is_one_error_line(tmp_path):
   assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
   assert result.stderr.splitlines() == ["error: --scan_dir=%s: cannot write %s/grid.yaml (Not a directory)"
                                         % (scan_dir, scan_dir)]
+
+
+def test_ctrl_c_stops_the_point_with_a_checkpoint_and_the_scan_continues_it(tmp_path):
+  """Ctrl-C on a serial scan: the running point's main.py stops gracefully (its checkpoint saved, not
+  killed mid-save), the scan ends in one line with status 130, and the same command resumes it."""
+  data_path = write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 128, "val": 32, "test": 32})
+  scan_dir = str(tmp_path / "scan")
+  args = ["--scan_dir=" + scan_dir, "--learning_rates=1e-3,2e-3", "--replicas=1", "--"] + [
+      arg for arg in _main_args(data_path) if not arg.startswith(("--epochs", "--steps_per_epoch"))] + [
+      "--epochs=2", "--steps_per_epoch=400"]
+  env = {k: v for k, v in os.environ.items() if k not in ("TF_USE_LEGACY_KERAS", "TF2_BEHAVIOR")}
+  scan = subprocess.Popen([sys.executable, SCAN] + args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  log = os.path.join(scan_dir, "replicas1_lr0.001.log")
+  deadline = time.time() + 120
+  while not (os.path.exists(log) and "first step done" in open(log).read()):
+    assert scan.poll() is None and time.time() < deadline, scan.communicate()
+    time.sleep(0.1)
+  scan.send_signal(signal.SIGINT)
+  out, err = scan.communicate(timeout=120)
+  assert scan.returncode == 130, out + err
+  assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted by SIGINT: the scan "
+                                                                            "stopped"), err
+  assert "Training interrupted by SIGINT" in open(log).read()  # a graceful stop, with its checkpoint
+  assert "replicas1_lr0.002" not in out                         # the next point did not start
+  again = _scan(*args)
+  assert again.returncode == 0, again.stdout + again.stderr
+  assert "--resume" in again.stdout.splitlines()[0]             # the stopped point continued
+  assert "Resumed from" in open(log).read()
