@@ -32,7 +32,7 @@ import yaml
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from errors import OneLineArgumentParser, existing_file  # noqa: E402  pylint: disable=wrong-import-position
+from errors import OneLineArgumentParser, existing_file, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
 from model.designs import DESIGNS  # noqa: E402  pylint: disable=wrong-import-position  (plain data)
 
 
@@ -218,4 +218,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  with reported_on_one_line():  # Ctrl-C or SIGTERM: one line and status 130 (143), the runs' children ended
+    main()

@@ -6,8 +6,10 @@ The reference PyTorch model runs from `.venv-torch`, which `make test` builds (r
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -240,3 +242,17 @@ def test_the_benchmark_tools_report_a_user_error_on_one_line(tool, args, expecte
   assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
   errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and errors[0].startswith(expected), result.stderr[-2000:]
+
+
+def test_ctrl_c_during_parity_is_one_line(tmp_path):
+  data = write_cellspike(str(tmp_path / "d.h5"), sizes={"train": 256, "val": 32, "test": 16})
+  tool = subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "tools", "parity.py"), "--data_path=" + data,
+                           "--train_samples=256", "--val_samples=32", "--epochs=50", "--seeds=0",
+                           "--reference_python=" + TORCH_PYTHON, "--out=" + str(tmp_path / "parity")],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  assert tool.stdout.readline().startswith("reference, seed 0")   # the reference is training
+  time.sleep(1)
+  tool.send_signal(signal.SIGINT)
+  out, err = tool.communicate(timeout=60)
+  assert tool.returncode == 130, out + err
+  assert err.strip().splitlines() == ["interrupted by SIGINT (Ctrl-C)"], err
