@@ -28,14 +28,25 @@ def read_scalars(folder: str) -> dict:
     accumulator.Reload()
   finally:
     accumulator_log.setLevel(level)
-  series = {tag: [(e.step, float(e.value)) for e in accumulator.Scalars(tag)]
+  series = {tag: _by_step([(e.wall_time, e.step, float(e.value)) for e in accumulator.Scalars(tag)])
             for tag in accumulator.Tags()["scalars"]}
   for tag in accumulator.Tags()["tensors"]:
-    values = [(e.step, tensor_util.make_ndarray(e.tensor_proto)) for e in accumulator.Tensors(tag)]
-    numeric = [(step, float(v)) for step, v in values if v.ndim == 0 and np.issubdtype(v.dtype, np.number)]
+    values = [(e.wall_time, e.step, tensor_util.make_ndarray(e.tensor_proto)) for e in accumulator.Tensors(tag)]
+    numeric = [(time, step, float(v)) for time, step, v in values
+               if v.ndim == 0 and np.issubdtype(v.dtype, np.number)]
     if numeric:
-      series[tag] = numeric
+      series[tag] = _by_step(numeric)
   return series
+
+
+def _by_step(events) -> list:
+  """(step, value) in step order, the newest value of a step written twice (a resume repeats the epoch
+  it stopped in). The accumulator reads a folder's files in name order, and names sort by their
+  counter as text ('.10.' before '.9.'), so a resumed run's files can come back in either order."""
+  newest = {}
+  for _, step, value in sorted(events, key=lambda event: event[0]):
+    newest[step] = value
+  return sorted(newest.items())
 
 
 def read_hparams(folder: str):
