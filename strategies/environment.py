@@ -135,8 +135,8 @@ def prepare(config: RunConfig) -> None:
 # before absl's logging is initialised; among them is oneDNN's notice that it is on (it is, by default,
 # on every x86 CPU), twice, which says nothing a CPU user can act on.
 CUDA_PROBE_LINES = ("All log messages before absl::InitializeLog() is called are written to STDERR",
-                     "Could not find cuda drivers on your machine", "failed call to cuInit",
-                     "oneDNN custom operations are on")
+                    "Could not find cuda drivers on your machine", "failed call to cuInit",
+                    "oneDNN custom operations are on")
 
 
 def _cuda_probe_is_noise(config: RunConfig) -> bool:
