@@ -1,8 +1,7 @@
 """Files that appear whole or not at all: written under a hidden name unique to the process, then renamed.
 
 Readers never see a partial file, and processes that write the same file at once do not collide (the
-last rename wins, with the same content). Plain Python, so the generator's modules can use it without
-TensorFlow.
+last rename wins, with the same content). Without TensorFlow, so the generator's modules can use it.
 """
 
 import contextlib
@@ -11,6 +10,8 @@ import fcntl
 import os
 import re
 import socket
+
+import psutil
 
 
 def temporary_name(path: str) -> str:
@@ -30,23 +31,13 @@ def remove_stale(path: str) -> list:
   removed = []
   for entry in os.listdir(folder or "."):
     match = pattern.match(entry)
-    if match and not _alive(int(match.group(1))):
+    if match and not psutil.pid_exists(int(match.group(1))):
       try:
         os.remove(os.path.join(folder, entry))
         removed.append(entry)
       except OSError:
         pass  # removed meanwhile by another run
   return removed
-
-
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:  # another user's process
-    return True
-  return True
 
 
 def write_text(path: str, text: str) -> None:
@@ -60,6 +51,12 @@ def write_text(path: str, text: str) -> None:
     if os.path.exists(tmp):
       os.remove(tmp)
     raise
+
+
+def disk_full(error: BaseException) -> bool:
+  """Whether a write failed for want of space. h5py 3.1 (the TensorFlow 2.6 stack's) leaves
+  OSError.errno unset and names the cause only in its message."""
+  return getattr(error, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in str(error)
 
 
 @contextlib.contextmanager

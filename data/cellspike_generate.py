@@ -17,7 +17,6 @@ name in out_dir and renamed at the end: an interrupted run never leaves a partia
 name.
 """
 
-import errno
 import json
 import multiprocessing
 import os
@@ -263,12 +262,6 @@ def _check_free_space(out_dir: str, needed: int, label: str) -> None:
                     "some space, or choose another folder)" % (label, needed / 1e6, out_dir, free / 1e6))
 
 
-def _disk_full(error: BaseException) -> bool:
-  """ENOSPC; h5py 3.1 (the TensorFlow 2.6 stack's) leaves OSError.errno unset and gives it in the text."""
-  return isinstance(error, OSError) and (error.errno == errno.ENOSPC or
-                                         "errno = %d," % errno.ENOSPC in str(error))
-
-
 def generate_dataset(out_dir: str, cell_name: str = "synth", num_train: int = 20000, num_val: int = 2000,
                      num_test: int = 2000, seed: int = 0, fp16: bool = False,
                      probe_type: str = "excite_4prB8kHz", batch_size: int = 1024, progress: bool = True,
@@ -312,7 +305,7 @@ def generate_dataset(out_dir: str, cell_name: str = "synth", num_train: int = 20
   except BaseException as error:
     if os.path.exists(tmp):
       os.remove(tmp)
-    if _disk_full(error):  # filled up meanwhile by others
+    if atomic_files.disk_full(error):  # filled up meanwhile by others
       raise UserError("%s: the file system of %s filled up while the dataset was written (%.0f MB "
                       "needed); its partial file was removed" % (label, out_dir,
                                                                  _file_bytes(counts, dtype) / 1e6)) from None

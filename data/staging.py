@@ -22,7 +22,6 @@ Two uses, one copy routine (h5py, window by window, so memory stays bounded):
 """
 
 import atexit
-import errno
 import hashlib
 import json
 import os
@@ -37,6 +36,7 @@ import numpy as np
 import psutil
 from absl import logging
 
+from data import atomic_files
 from errors import UserError
 
 _COPY_BYTES = 64 * 2**20   # bytes copied per h5py read
@@ -206,7 +206,7 @@ def _copy(source: h5py.File, keys: tuple, start: int, stop: int, target_path: st
         target.attrs[_STAMP] = json.dumps(dict(stamp, checksum=digest.hexdigest()))
   except (OSError, RuntimeError, ValueError) as error:  # damaged chunks, a full disk
     folder = os.path.dirname(target_path)
-    if getattr(error, "errno", None) == errno.ENOSPC or "No space left" in str(error):
+    if atomic_files.disk_full(error):
       raise UserError("%s ran out of space while staging %s from %s; free space there or choose a larger "
                       "--stage_dir" % (folder, "/".join(keys), path)) from None
     raise UserError("%s: staging %s into %s failed (%s)" % (path, "/".join(keys), folder,
