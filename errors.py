@@ -4,7 +4,8 @@ Anything a user can cause (a bad flag combination, a missing or malformed data f
 not installed) is raised as `UserError` with a message naming the flag, file or key and what was
 expected. `main.py` and the tools print it on one line and exit non-zero (`reported_on_one_line`); any
 other exception is a bug and keeps its traceback. A bad flag is one line too (`parse_flags`, and
-`OneLineArgumentParser` for the argparse tools beside PyTorch).
+`OneLineArgumentParser` for the argparse tools beside PyTorch), and so is a package missing from the
+Python that runs them (`report_missing_packages`).
 """
 
 import argparse
@@ -99,6 +100,66 @@ def with_one_line_errors(main):
     with reported_on_one_line():
       return main(argv)
   return main_reporting_on_one_line
+
+
+_REPO_ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _is_own_module(package: str) -> bool:
+  """Whether `package` is this repository's (a folder or module at its top, or a tool beside another)."""
+  return any(os.path.exists(os.path.join(_REPO_ROOT, *parts))
+             for parts in ((package,), (package + ".py",), ("tools", package + ".py")))
+
+
+def _shown_path(path: str) -> str:
+  """`path` relative to the working folder when it lies below it, else whole: a command to paste."""
+  relative = os.path.relpath(path)
+  return path if relative.startswith("..") else relative
+
+
+# The environments `make` builds: where each is, the target that builds it, and what it holds.
+_ENVIRONMENTS = {
+    "application": (".venv", "make install", "TensorFlow and requirements.txt"),
+    "reference": (".venv-torch", "make bench-reference", "PyTorch (requirements-reference.txt)"),
+}
+
+
+def missing_package_message(module: str, environment: str = "application") -> str:
+  """The one line for a third-party `module` this Python cannot import, and how to get it. The usual
+  cause is the README's first command run by a Python other than the one of the `environment` that
+  `make` builds for the program."""
+  package = module.split(".")[0]
+  program = _shown_path(os.path.abspath(sys.argv[0])) if sys.argv and sys.argv[0] else "the program"
+  found = "Python %d.%d (%s) has no module %r, which %s needs" % (
+      sys.version_info[0], sys.version_info[1], sys.executable, package, program)
+  folder, target, contents = _ENVIRONMENTS[environment]
+  venv = os.path.join(_REPO_ROOT, folder)
+  venv_python = os.path.join(venv, "bin", "python")
+  if os.path.exists(venv_python) and os.path.realpath(sys.prefix) != os.path.realpath(venv):
+    return "%s: run it with %s, the environment `%s` made" % (found, _shown_path(venv_python), target)
+  if package == "tensorflow":
+    return ("%s: `make install` installs TensorFlow's CPU build into .venv (`BACKEND=gpu make install` the "
+            "CUDA one); on a Graphcore host, install the Poplar SDK's TensorFlow wheel (README, 'Installing "
+            "for each backend')" % found)
+  return "%s: `%s` creates %s with %s; then run %s %s" % (
+      found, target, folder, contents, os.path.join(folder, "bin", "python"), program)
+
+
+def report_missing_packages(environment: str = "application") -> None:
+  """Called by main.py and every tool before their first third-party import: from then on, a
+  third-party module missing at the top level is one `error:` line (the interpreter still exits with
+  status 1); anything else, our own modules included, keeps its traceback. `environment` names the
+  one `make` builds for the program (_ENVIRONMENTS)."""
+  previous = sys.excepthook
+
+  def report(kind, value, trace):
+    name = getattr(value, "name", None) if isinstance(value, ModuleNotFoundError) else None
+    if name and not _is_own_module(name.split(".")[0]):
+      sys.stderr.write("error: %s\n" % missing_package_message(name, environment))
+    else:
+      previous(kind, value, trace)
+
+  sys.excepthook = report
 
 
 HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort", "--helpfull", "-helpfull",

@@ -9,12 +9,14 @@ below becomes one line on stderr and exit status 1.
 
 import sys
 
-from absl import app
-from absl import flags as absl_flags
-import flags
-from errors import parse_flags, reported_on_one_line
-from strategies import environment
-from training import logs
+from errors import parse_flags, report_missing_packages, reported_on_one_line
+report_missing_packages()  # before the first third-party import: run by a Python without them, one line
+
+from absl import app  # noqa: E402  pylint: disable=wrong-import-position
+from absl import flags as absl_flags  # noqa: E402  pylint: disable=wrong-import-position
+import flags  # noqa: E402  pylint: disable=wrong-import-position
+from strategies import environment  # noqa: E402  pylint: disable=wrong-import-position
+from training import logs  # noqa: E402  pylint: disable=wrong-import-position
 
 FLAGS = absl_flags.FLAGS
 

@@ -29,9 +29,11 @@ import time
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
+from errors import parse_flags, report_missing_packages, with_one_line_errors  # noqa: E402  pylint: disable=wrong-import-position
+report_missing_packages()  # before the first third-party import: one line where one is missing
+
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
-from errors import parse_flags, with_one_line_errors  # noqa: E402  pylint: disable=wrong-import-position
 from flags import PRECISIONS  # noqa: E402  pylint: disable=wrong-import-position
 from model.designs import DESIGNS  # noqa: E402  pylint: disable=wrong-import-position
 

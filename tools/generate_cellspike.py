@@ -14,13 +14,15 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from errors import UserError, parse_flags, report_missing_packages, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
+report_missing_packages()  # before the first third-party import: one line where one is missing
+
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
 from absl import logging  # noqa: E402  pylint: disable=wrong-import-position
 
 from data import cellspike_generate  # noqa: E402  pylint: disable=wrong-import-position
 from data import neuron_sim  # noqa: E402  pylint: disable=wrong-import-position
-from errors import UserError, parse_flags, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
 from strategies.cpuinfo import usable_cores  # noqa: E402  pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS

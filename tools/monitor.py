@@ -19,9 +19,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from errors import parse_flags, report_missing_packages, with_one_line_errors  # noqa: E402  pylint: disable=wrong-import-position
+report_missing_packages()  # before the first third-party import: one line where one is missing
+
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
-from errors import parse_flags, with_one_line_errors  # noqa: E402  pylint: disable=wrong-import-position
 
 def define_flags() -> None:
   """Flags only when run as a program: tests import this module beside main.py's flags."""

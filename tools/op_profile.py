@@ -18,10 +18,12 @@ import sys
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
+from errors import UserError, parse_flags, report_missing_packages  # noqa: E402  pylint: disable=wrong-import-position
+report_missing_packages()  # before the first third-party import: one line where one is missing
+
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
 
-from errors import UserError, parse_flags  # noqa: E402  pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 # Events on executor threads that wrap ops rather than being ops.

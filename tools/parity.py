@@ -25,14 +25,16 @@ import os
 import subprocess
 import sys
 
-import h5py
-import numpy as np
-import yaml
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from errors import OneLineArgumentParser, existing_file, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
+from errors import OneLineArgumentParser, existing_file, report_missing_packages, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
+report_missing_packages()  # before the first third-party import: one line where one is missing
+
+import h5py  # noqa: E402  pylint: disable=wrong-import-position
+import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
+import yaml  # noqa: E402  pylint: disable=wrong-import-position
+
 from model.designs import DESIGNS  # noqa: E402  pylint: disable=wrong-import-position  (plain data)
 
 

@@ -18,11 +18,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from errors import UserError, parse_flags, report_missing_packages, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
+report_missing_packages()  # before the first third-party import: one line where one is missing
+
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
 
 import flags as app_flags  # noqa: E402  pylint: disable=wrong-import-position
-from errors import UserError, parse_flags, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 SPLITS = ("test", "validation", "train")

@@ -19,17 +19,19 @@ imported beside PyTorch.
 import json
 import os
 import statistics
+import sys
 import time
 
-import sys
-
-import h5py
-import numpy as np
-import torch
-from torch import nn
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from errors import OneLineArgumentParser, existing_file  # noqa: E402  standard library only
+
+from errors import OneLineArgumentParser, existing_file, report_missing_packages  # noqa: E402  pylint: disable=wrong-import-position
+report_missing_packages("reference")  # before the first third-party import: one line where one is missing
+
+import h5py  # noqa: E402  pylint: disable=wrong-import-position
+import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
+import torch  # noqa: E402  pylint: disable=wrong-import-position
+from torch import nn  # noqa: E402  pylint: disable=wrong-import-position
+
 from model.designs import DESIGNS  # noqa: E402  plain data: no TensorFlow comes with it
 
 class ReferenceModel(nn.Module):

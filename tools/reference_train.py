@@ -18,15 +18,21 @@ line: per-epoch training and validation loss, learning rate, and seconds (traini
 """
 
 import json
+import os
+import sys
 import time
 
-import h5py
-import numpy as np
-import torch
-from torch import nn
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from reference_torch import DESIGNS, ReferenceModel
-from errors import OneLineArgumentParser, existing_file  # noqa: E402  reference_torch put the repo on sys.path
+from errors import OneLineArgumentParser, existing_file, report_missing_packages  # noqa: E402  pylint: disable=wrong-import-position
+report_missing_packages("reference")  # before the first third-party import: one line where one is missing
+
+import h5py  # noqa: E402  pylint: disable=wrong-import-position
+import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
+import torch  # noqa: E402  pylint: disable=wrong-import-position
+from torch import nn  # noqa: E402  pylint: disable=wrong-import-position
+
+from reference_torch import DESIGNS, ReferenceModel  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def parse_args():

@@ -20,14 +20,16 @@ import subprocess
 import sys
 import time
 
-import yaml
-from absl import app
-from absl import flags
-
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-from errors import parse_flags  # noqa: E402  pylint: disable=wrong-import-position
+from errors import parse_flags, report_missing_packages  # noqa: E402  pylint: disable=wrong-import-position
+report_missing_packages()  # before the first third-party import: one line where one is missing
+
+import yaml  # noqa: E402  pylint: disable=wrong-import-position
+from absl import app  # noqa: E402  pylint: disable=wrong-import-position
+from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
+
 from training.summary import tool_command, write_yaml  # noqa: E402  pylint: disable=wrong-import-position
 MODES = ("serial", "slurm", "point", "report")
 FLAGS = flags.FLAGS

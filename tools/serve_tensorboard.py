@@ -13,7 +13,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from errors import UserError, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
+from errors import UserError, report_missing_packages, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
+report_missing_packages()  # before the first third-party import: one line where one is missing
+
 from strategies.environment import quiet_tensorflow_import  # noqa: E402  pylint: disable=wrong-import-position
 
 

@@ -15,9 +15,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from errors import parse_flags, report_missing_packages  # noqa: E402  pylint: disable=wrong-import-position
+report_missing_packages()  # before the first third-party import: one line where one is missing
+
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
-from errors import parse_flags  # noqa: E402  pylint: disable=wrong-import-position
 
 flags.DEFINE_string("logdir", None, "Run folder (or a parent of several runs).", required=True)
 flags.DEFINE_integer("port", 6006, "TensorBoard port on this host and on the laptop.", lower_bound=1)
