@@ -66,3 +66,24 @@ def test_an_unsupported_python_named_by_the_user_is_refused(tmp_path):
   assert result.returncode != 0
   assert "PYTHON=%s is Python 3.14.0" % (folder / "python3") in result.stderr
   assert not (tmp_path / "venv").exists()
+
+
+def test_a_venv_that_fails_half_way_is_removed(tmp_path):
+  """Debian's python3 without its python3.X-venv package: `-m venv` makes bin/python, then fails on
+  ensurepip. Left there, the next make would skip the venv and fail in pip with "No module named pip"."""
+  folder = _bin(tmp_path, [])
+  without_ensurepip = folder / THIS_PYTHON
+  without_ensurepip.write_text(
+      '#!/bin/sh\nif [ "$1 $2" = "-m venv" ]; then\n  "%s" -m venv --without-pip "$3"\n'
+      '  echo "The virtual environment was not created successfully because ensurepip is not available." >&2\n'
+      '  exit 1\nfi\nexec "%s" "$@"\n' % (sys.executable, sys.executable))
+  without_ensurepip.chmod(0o755)
+  (folder / "rm").symlink_to(shutil.which("rm"))
+  venv = tmp_path / "venv"
+  result = _make(tmp_path, folder, "install", "VENV=" + str(venv))
+  assert result.returncode != 0
+  assert "ensurepip is not available" in result.stderr  # Python's own reason stays
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1 and "the partial %s was removed" % venv in errors[0], result.stderr
+  assert not venv.exists()
+  assert "pip install" not in result.stdout
