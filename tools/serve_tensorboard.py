@@ -5,15 +5,17 @@
 Every argument goes to TensorBoard unchanged (`--help` lists them). `tensorboard --logdir ...` shows the
 same pages, but TensorBoard imports TensorFlow, whose CUDA probe writes "failed call to cuInit" and
 "Could not find cuda drivers" errors on a CPU-only machine before the server starts; here they are
-dropped. A local `--logdir` that does not exist is an error instead of an empty dashboard.
+dropped. A local `--logdir` that does not exist is an error instead of an empty dashboard, and a bad
+TensorBoard flag is one `tensorboard: error:` line without the page of usage.
 """
 
+import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from errors import UserError, report_missing_packages, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
+from errors import OneLineArgumentParser, UserError, report_missing_packages, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
 
 from strategies.environment import quiet_tensorflow_import  # noqa: E402  pylint: disable=wrong-import-position
@@ -45,6 +47,9 @@ def main(argv) -> int:
       tensorflow.config.list_physical_devices()  # the CUDA probe runs here, inside the quiet block
       from tensorboard import main as tensorboard_main  # pylint: disable=import-outside-toplevel
   sys.argv = ["tensorboard"] + list(argv[1:])
+  # TensorBoard's flags are argparse (tensorboard/program.py), whose error prints the whole usage
+  # first; this process has no other parser, so its errors become our one line (`--help` shows usage).
+  argparse.ArgumentParser.error = OneLineArgumentParser.error
   return tensorboard_main.run_main()  # TensorBoard's own handling of its flags, Ctrl-C and SIGTERM
 
 

@@ -99,6 +99,14 @@ def test_missing_logdir_is_one_line_error(tmp_path):
   assert_one_line_error(result, "--logdir=%s" % (tmp_path / "nope"), "no such folder")
 
 
+def test_a_bad_tensorboard_flag_is_one_line_without_the_usage(tmp_path):
+  result = subprocess.run([sys.executable, TOOL, "--logdir", str(tmp_path), "--port", "abc"],
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2, result.stderr
+  assert_one_line_error(result, "tensorboard: error: argument --port", "'abc'")
+  assert "usage:" not in result.stderr
+
+
 def test_the_tunnel_tool_runs_it_and_ctrl_c_ends_it_without_a_traceback(tmp_path):
   """tools/tensorboard_tunnel.py prints the SSH line, then becomes this TensorBoard (exec): a Ctrl-C
   reaches TensorBoard alone, not a waiting parent that would print a KeyboardInterrupt traceback."""
