@@ -47,7 +47,21 @@ SHELL := /bin/bash
 # lines on a first install here. They are counted into one line; everything else pip prints is kept.
 PIP_INSTALL = @echo '$(1)/bin/python -m pip install --quiet $(2)'; $(1)/bin/python -m pip install --quiet $(2) 2>&1 | awk '/^WARNING: Location .* is ignored: it is neither a file nor a directory/ {n++; next} {print; fflush()} END {if (n) printf "pip: left out %d warning%s that an index location of the pip configuration does not exist (pip config list shows them)\n", n, (n == 1 ? "" : "s")}'
 
-.PHONY: install run test test-unit test-slurm test-tf26 bench bench-reference parity print-python clean
+.PHONY: help install run test test-unit test-slurm test-tf26 bench bench-reference parity print-python clean
+.DEFAULT_GOAL := help
+
+help:
+	@echo "make run          install into .venv (first time), then train the main job on the built-in data"
+	@echo "                  (RUN_ARGS=\"--epochs=6\" passes flags to main.py)"
+	@echo "make test         install, then the test suite (about 4 minutes on 2 cores)"
+	@echo "make install      only the environment: .venv with TensorFlow ($(BACKEND) build) and requirements.txt"
+	@echo "make test-unit    the in-process tests only (under a minute)"
+	@echo "make test-slurm   the job scripts on a real one-node Slurm on this machine"
+	@echo "make test-tf26    the tests on Python 3.8 with TensorFlow 2.6.3, the Poplar SDK's versions"
+	@echo "make bench        training, inference and start-up figures beside the reference PyTorch model"
+	@echo "make parity       learning parity with the reference PyTorch code (3 seeds)"
+	@echo "make clean        remove the environments"
+	@echo "Variables: BACKEND=cpu|gpu|tf26, PYTHON=/path/to/python3.X, TEST_WORKERS=N; README.md has the rest."
 
 install: $(VENV)/.installed-$(BACKEND)
 

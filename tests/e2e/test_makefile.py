@@ -87,3 +87,12 @@ def test_a_venv_that_fails_half_way_is_removed(tmp_path):
   assert len(errors) == 1 and "the partial %s was removed" % venv in errors[0], result.stderr
   assert not venv.exists()
   assert "pip install" not in result.stdout
+
+
+def test_make_alone_lists_the_targets_and_installs_nothing(tmp_path):
+  venv = tmp_path / "venv"
+  result = _make(tmp_path, _bin(tmp_path, [THIS_PYTHON]), "VENV=" + str(venv))
+  assert result.returncode == 0, result.stderr
+  targets = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("make ")]
+  assert {"run", "test", "install", "test-tf26"} <= set(targets), result.stdout
+  assert not venv.exists()
