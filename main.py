@@ -1,11 +1,15 @@
-"""Trains and tests a model on IPUs, GPUs or CPUs: `python main.py --model=neuron_inverter --replicas=4`.
+"""Trains and tests a model on IPUs, GPUs or CPUs.
 
-The application's flags are listed below (`--helpfull` adds absl's); README.md has examples.
+    python main.py --model=neuron_inverter --replicas=4     # the main job (`make run`)
+    python main.py --model=mnist                            # the first check of a new system
+    python main.py --model=neuron_inverter --logdir=RUN --resume --epochs=6   # continue a run
 
-The entry point is kept thin on purpose: parse flags, freeze them into a RunConfig, set TensorFlow's
-start-up environment, then `train_and_evaluate(config)` (tests call it too). A UserError anywhere
-below becomes one line on stderr and exit status 1.
+The application's flags are listed below (`--helpfull` adds absl's); README.md has more examples.
 """
+
+# The entry point is kept thin on purpose: parse flags, freeze them into a RunConfig, set TensorFlow's
+# start-up environment, then `train_and_evaluate(config)` (tests call it too). A UserError anywhere
+# below becomes one line on stderr and exit status 1. The docstring above is absl's --help text.
 
 import sys
 

@@ -121,6 +121,8 @@ def test_help_lists_the_applications_flags_without_absls():
   result = run_main("--help", timeout=60)
   assert result.returncode == 0 and "Traceback" not in result.stderr
   assert result.stdout.startswith("Trains and tests a model")
+  assert "python main.py --model=mnist" in result.stdout  # usage examples, not notes for developers
+  assert "RunConfig" not in result.stdout and "UserError" not in result.stdout
   for name in ("--model", "--replicas", "--epochs", "--data_path", "--[no]resume"):
     assert name in result.stdout
   assert "--helpshort" not in result.stdout and "--verbosity" not in result.stdout  # absl's own
