@@ -183,6 +183,9 @@ def parse_flags(argv):
     if stop.code == 1 and any(arg.split("=")[0] in HELP_FLAGS for arg in argv[1:]):
       sys.exit(0)
     raise
+  except BrokenPipeError:  # `--help | head`: the reader has what it wanted (the Python docs' recipe)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+    sys.exit(0)
 
 
 def existing_file(path: str) -> str:

@@ -2,6 +2,8 @@
 
 import dataclasses
 import os
+import subprocess
+import sys
 
 import pytest
 from absl import flags as absl_flags
@@ -126,6 +128,16 @@ def test_help_lists_the_applications_flags_without_absls():
   for name in ("--model", "--replicas", "--epochs", "--data_path", "--[no]resume"):
     assert name in result.stdout
   assert "--helpshort" not in result.stdout and "--verbosity" not in result.stdout  # absl's own
+
+
+def test_help_into_a_closed_pipe_is_quiet():
+  """`main.py --help | head`: absl's help writes on after the reader has gone (here `true`, gone before
+  the help is written); no BrokenPipeError traceback, and status 0."""
+  result = subprocess.run("%s main.py --help | true; echo status ${PIPESTATUS[0]}" % sys.executable,
+                          shell=True, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+                          executable="/bin/bash")
+  assert result.stdout.strip() == "status 0", result.stdout + result.stderr
+  assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("arg", ["--learning_rate=inf", "--lr_factor=nan", "--available_memory_proportion=nan"])

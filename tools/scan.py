@@ -1,4 +1,4 @@
-"""Learning-rate x replica scans, as the reference's scanHpar.sh does: one main.py run per grid point.
+r"""Learning-rate x replica scans, as the reference's scanHpar.sh does: one main.py run per grid point.
 
     python tools/scan.py --scan_dir=scans/lr --learning_rates=5e-4,1e-3,2e-3 --replicas=1,4 \
         -- --model=neuron_inverter --epochs=10                       # serially, on this machine
