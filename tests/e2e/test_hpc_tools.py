@@ -1,6 +1,7 @@
 """HPC launch tools: container definitions (parsed with spython), the container launcher (with a
 stand-in `singularity`), Slurm/poprun scripts and the TensorBoard tunnel helper."""
 
+import glob
 import os
 import shlex
 import stat
@@ -20,12 +21,47 @@ def test_definition_files_parse(name, base):
   parsers = pytest.importorskip("spython.main.parse.parsers")
   (recipe,) = parsers.SingularityParser(os.path.join(TOOLS, "containers", name)).recipe.values()
   assert recipe.fromHeader == base
-  assert recipe.files == [". /opt/neuron_inverter"]
+  assert recipe.files == _files_lines(name)
   installs = " ".join(recipe.install)
   assert "pip install" in installs and "tensorflow-cpu" not in installs
   if "ipu" in name:  # never a PyPI TensorFlow over Graphcore's wheel
     assert "requirements-ipu.txt" in installs
   assert recipe.cmd == 'exec python3 /opt/neuron_inverter/main.py "$@"'
+
+
+def _files_lines(name):
+  """The lines of a definition file's %files section."""
+  with open(os.path.join(TOOLS, "containers", name)) as definition:
+    sections = definition.read().split("\n%")
+  (files,) = [section for section in sections if section.startswith("files\n")]
+  return [line.strip() for line in files.splitlines()[1:] if line.strip()]
+
+
+def test_the_images_get_the_application_and_nothing_of_the_checkout(tmp_path):
+  """%files copied as Apptainer does (internal/pkg/build/files/copy.go: the source globbed in the build's
+  folder, a destination ending in '/' made a folder, then `cp -fLr`): the copy runs main.py on its own,
+  and a checkout's .venv, logs and tests stay out (`%files . /opt/...` took them, gigabytes)."""
+  lines = _files_lines("tensorflow.def")
+  assert lines == _files_lines("ipu-tensorflow2.def")
+  root = tmp_path / "rootfs"
+  for line in lines:
+    source, destination = line.split()
+    assert destination.endswith("/")
+    (root / destination.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    for path in glob.glob(os.path.join(REPO_ROOT, source)):
+      subprocess.run(["cp", "-fLr", path, str(root / destination.lstrip("/"))], check=True)
+  app = root / "opt" / "neuron_inverter"
+  copied = set(os.listdir(app))
+  needed = {entry for entry in os.listdir(REPO_ROOT)
+            if entry.endswith(".py") or os.path.isfile(os.path.join(REPO_ROOT, entry, "__init__.py"))}
+  assert needed - {"tests"} <= copied and {"requirements.txt", "requirements-ipu.txt", "configs"} <= copied
+  assert not copied & {".venv", ".venv-tf26", ".venv-torch", "logs", "tests", ".git", "docs"}
+  result = subprocess.run([sys.executable, str(app / "main.py"), "--model=neuron_inverter", "--design=dev",
+                           "--synthetic_data", "--epochs=1", "--steps_per_epoch=2", "--eval_steps=1",
+                           "--logdir=" + str(tmp_path / "run")], cwd=str(tmp_path), capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert (tmp_path / "run" / "summary.yaml").exists()
 
 
 def _stand_in(tmp_path, name):
