@@ -111,10 +111,11 @@ def _is_own_module(package: str) -> bool:
              for parts in ((package,), (package + ".py",), ("tools", package + ".py")))
 
 
-def _shown_path(path: str) -> str:
-  """`path` relative to the working folder when it lies below it, else whole: a command to paste."""
+def shown_path(path: str) -> str:
+  """`path` as a command to paste shows it: relative to the working folder when it lies below it, else
+  as given (used in messages here and in the closing report's commands, training/summary.py)."""
   relative = os.path.relpath(path)
-  return path if relative.startswith("..") else relative
+  return path if relative == os.pardir or relative.startswith(os.pardir + os.sep) else relative
 
 
 # The environments `make` builds: where each is, the target that builds it, and what it holds.
@@ -129,14 +130,14 @@ def missing_package_message(module: str, environment: str = "application") -> st
   cause is the README's first command run by a Python other than the one of the `environment` that
   `make` builds for the program."""
   package = module.split(".")[0]
-  program = _shown_path(os.path.abspath(sys.argv[0])) if sys.argv and sys.argv[0] else "the program"
+  program = shown_path(os.path.abspath(sys.argv[0])) if sys.argv and sys.argv[0] else "the program"
   found = "Python %d.%d (%s) has no module %r, which %s needs" % (
       sys.version_info[0], sys.version_info[1], sys.executable, package, program)
   folder, target, contents = _ENVIRONMENTS[environment]
   venv = os.path.join(_REPO_ROOT, folder)
   venv_python = os.path.join(venv, "bin", "python")
   if os.path.exists(venv_python) and os.path.realpath(sys.prefix) != os.path.realpath(venv):
-    return "%s: run it with %s, the environment `%s` made" % (found, _shown_path(venv_python), target)
+    return "%s: run it with %s, the environment `%s` made" % (found, shown_path(venv_python), target)
   if package == "tensorflow":
     return ("%s: `make install` installs TensorFlow's CPU build into .venv (`BACKEND=gpu make install` the "
             "CUDA one); on a Graphcore host, install the Poplar SDK's TensorFlow wheel (README, 'Installing "

@@ -17,7 +17,7 @@ import yaml
 
 import flags
 import model
-from errors import UserError
+from errors import UserError, shown_path
 from run_config import RunConfig
 
 REQUIRED_KEYS = ("model", "backend", "replicas", "global_batch_size", "epochs", "train_loss",
@@ -151,8 +151,8 @@ def closing_report(summary: dict, logdir: str, argv=(), processes: int = 1) -> s
   """The last lines a user reads: how well the run learned, where its outputs are, what to run next.
 
   `argv` is the run's command line (`sys.argv`); the resume line repeats its flags, since a resume
-  must be given the same model, design and optimizer (mid-epoch also the same replicas and batch). A run of several `processes`
-  (workers, poprun instances) is continued by launching them all again, as before.
+  must be given the same model, design and optimizer (mid-epoch also the same replicas and batch). A
+  run of several `processes` (workers, poprun instances) is continued by launching them all again.
   """
   baseline = summary.get("mean_predictor_val_loss")
   lines = ["", "Run finished: %s" % logdir]
@@ -252,7 +252,7 @@ def resume_command(argv, logdir: str, epochs: int) -> str:
       skip_value = name in _RESUME_VALUED and "=" not in token
       continue
     kept.append(token)
-  script = os.path.relpath(argv[0]) if _under_working_folder(argv[0]) else argv[0]
+  script = shown_path(argv[0])
   words = [script] + kept + _resume_flags(logdir, epochs)
   return " ".join(shlex.quote(word) for word in words)
 
@@ -261,17 +261,14 @@ def _resume_flags(logdir: str, epochs: int) -> list:
   return ["--logdir=" + logdir, "--resume", "--epochs=%d" % epochs]
 
 
-def _under_working_folder(path: str) -> bool:
-  return os.path.abspath(path).startswith(os.getcwd() + os.sep)
-
-
 def python_command() -> str:
   """How to call this Python in a command to paste: by its path relative to the working folder when it
   lies there (`make run`'s .venv, which the user has not activated); by the name `python3` or `python`
   when the PATH finds that name in this Python's own folder (an activated environment, a container's
   interpreter); else by its whole path, since another `python` would lack this one's packages."""
-  if _under_working_folder(os.path.dirname(sys.executable)):
-    return os.path.relpath(sys.executable)
+  shown = shown_path(sys.executable)
+  if shown != sys.executable:  # below the working folder
+    return shown
   folder = os.path.dirname(os.path.abspath(sys.executable))
   for name in ("python3", "python"):
     found = shutil.which(name)
@@ -285,9 +282,7 @@ _TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 def tool_command(tool: str, logdir: str) -> str:
   """The command that runs `tools/<tool>` on `logdir`, as the user can paste it here."""
-  script = os.path.join(_TOOLS, tool)
-  return "%s %s --logdir %s" % (python_command(), os.path.relpath(script) if _under_working_folder(script)
-                                else script, shlex.quote(logdir))
+  return "%s %s --logdir %s" % (python_command(), shown_path(os.path.join(_TOOLS, tool)), shlex.quote(logdir))
 
 
 RUN_CONFIG_FILE = "run_config.yaml"
