@@ -339,9 +339,10 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
   set_seeds(config.seed)  # the initial weights do not depend on whether the forms were timed
   net = build_and_compile(config, backend, module, splits, resume_state.get("optimizer_format"))
   net.summary()
-  logging.info("Global batch %d = %d per replica x %d gradient accumulation x %d replicas; "
+  logging.info("Global batch %d = %d per replica x %d gradient accumulation x %d replica%s; "
                "%d optimizer steps per epoch", global_batch_size, config.batch_size,
-               backend.gradient_accumulation, backend.replicas, backend.optimizer_steps(splits.train.steps))
+               backend.gradient_accumulation, backend.replicas, "" if backend.replicas == 1 else "s",
+               backend.optimizer_steps(splits.train.steps))
 
   if info.has_batch_norm and config.batch_norm_statistics == "batch":
     logging.info("Batch normalisation by each batch's own statistics, in evaluation and prediction too "

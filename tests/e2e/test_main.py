@@ -38,6 +38,9 @@ def test_mnist_check_end_to_end(tmp_path, replicas):
   cores = cpuinfo.usable_cores()
   line = "%d replicas on %d core%s: each op on one thread" % (replicas, cores, "" if cores == 1 else "s")
   assert (line in result.stderr) == (replicas >= max(cores, 2))
+  replica_word = "replica;" if replicas == 1 else "replicas;"
+  assert "Global batch %d = 32 per replica x 1 gradient accumulation x %d %s" % (
+      32 * replicas, replicas, replica_word) in result.stderr
   # TF 2.6 noise under MirroredStrategy: an all-reduce ThreadPool left open printed a Pool.__del__
   # traceback at exit (strategies/collective_threads.py), and tf.data's auto-sharding a warning with
   # a protobuf dump at every fit and evaluate (strategies/backend.py fit_input).
