@@ -1,9 +1,12 @@
 # Set-up and everyday commands. `make run` and `make test` create the virtual environment on first use.
-#   BACKEND=cpu|gpu|tf26   which TensorFlow requirements file to install (default cpu)
+#   BACKEND=cpu|gpu|tf26   which TensorFlow requirements file to install (default cpu), each into its own
+#                          environment: .venv, .venv-gpu, .venv-tf26 (two TensorFlow builds in one
+#                          environment overwrite each other's files, and tf26 needs another Python)
 #   make test-tf26         the same tests on Python 3.8 + TensorFlow 2.6.3 (the Poplar SDK's versions)
 #   PYTHON=, REFERENCE_PYTHON=   the Pythons that create .venv and .venv-torch (default: found, below)
 BACKEND ?= cpu
-VENV ?= .venv
+VENV_cpu := .venv
+VENV ?= $(or $(VENV_$(BACKEND)),.venv-$(BACKEND))
 PY := $(VENV)/bin/python
 RUN_ARGS ?=
 REFERENCE_VENV ?= .venv-torch
@@ -51,10 +54,10 @@ PIP_INSTALL = @echo '$(1)/bin/python -m pip install --quiet $(2)'; $(1)/bin/pyth
 .DEFAULT_GOAL := help
 
 help:
-	@echo "make run          install into .venv (first time), then train the main job on the built-in data"
+	@echo "make run          install into $(VENV) (first time), then train the main job on the built-in data"
 	@echo "                  (RUN_ARGS=\"--epochs=6\" passes flags to main.py)"
 	@echo "make test         install, then the test suite (about 4 minutes on 2 cores)"
-	@echo "make install      only the environment: .venv with TensorFlow ($(BACKEND) build) and requirements.txt"
+	@echo "make install      only the environment: $(VENV) with TensorFlow ($(BACKEND) build) and requirements.txt"
 	@echo "make test-unit    the in-process tests only (under a minute)"
 	@echo "make test-slurm   the job scripts on a real one-node Slurm on this machine"
 	@echo "make test-tf26    the tests on Python 3.8 with TensorFlow 2.6.3, the Poplar SDK's versions"
@@ -67,6 +70,7 @@ install: $(VENV)/.installed-$(BACKEND)
 
 $(VENV)/.installed-$(BACKEND): requirements.txt requirements-$(BACKEND).txt requirements-dev.txt
 	$(call make_venv,$(VENV),$(BACKEND),PYTHON)
+	@for marker in $(VENV)/.installed-*; do other=$${marker##*/.installed-}; [ -e "$$marker" ] && [ "$$other" != $(BACKEND) ] && { echo "error: $(VENV) holds the TensorFlow of BACKEND=$$other, which that of BACKEND=$(BACKEND) would overwrite: remove it (rm -rf $(VENV)) and run make again, or name another folder with VENV=" >&2; exit 1; }; done; true
 	$(call PIP_INSTALL,$(VENV),--upgrade "pip<25")
 	$(call PIP_INSTALL,$(VENV),-r requirements-$(BACKEND).txt -r requirements.txt -r requirements-dev.txt)
 	touch $@
@@ -105,11 +109,11 @@ parity: install bench-reference
 	$(PY) tools/parity.py --reference_python=$(REFERENCE_VENV)/bin/python $(PARITY_ARGS)
 
 test-tf26:
-	$(MAKE) test VENV=.venv-tf26 BACKEND=tf26
+	$(MAKE) test BACKEND=tf26
 
 # The Python that `make install` would create the environment with for BACKEND (empty: none found).
 print-python:
 	@echo $(PYTHON)
 
 clean:
-	rm -rf .venv .venv-tf26 $(REFERENCE_VENV) .pytest_cache
+	rm -rf .venv .venv-gpu .venv-tf26 $(REFERENCE_VENV) .pytest_cache

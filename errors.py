@@ -118,32 +118,37 @@ def shown_path(path: str) -> str:
   return path if relative == os.pardir or relative.startswith(os.pardir + os.sep) else relative
 
 
-# The environments `make` builds: where each is, the target that builds it, and what it holds.
+# The environments `make` builds for each program: where each is and the command that builds it (the
+# application's, one per BACKEND, in the Makefile's order), and what they hold.
 _ENVIRONMENTS = {
-    "application": (".venv", "make install", "TensorFlow and requirements.txt"),
-    "reference": (".venv-torch", "make bench-reference", "PyTorch (requirements-reference.txt)"),
+    "application": ((".venv", "make install"), (".venv-gpu", "BACKEND=gpu make install"),
+                    (".venv-tf26", "BACKEND=tf26 make install")),
+    "reference": ((".venv-torch", "make bench-reference"),),
 }
+_CONTENTS = {"application": "TensorFlow and requirements.txt", "reference": "PyTorch (requirements-reference.txt)"}
 
 
 def missing_package_message(module: str, environment: str = "application") -> str:
   """The one line for a third-party `module` this Python cannot import, and how to get it. The usual
-  cause is the README's first command run by a Python other than the one of the `environment` that
-  `make` builds for the program."""
+  cause is the README's first command run by a Python other than one of the environments that `make`
+  builds for the program: then the line names the first of them that exists."""
   package = module.split(".")[0]
   program = shown_path(os.path.abspath(sys.argv[0])) if sys.argv and sys.argv[0] else "the program"
   found = "Python %d.%d (%s) has no module %r, which %s needs" % (
       sys.version_info[0], sys.version_info[1], sys.executable, package, program)
-  folder, target, contents = _ENVIRONMENTS[environment]
-  venv = os.path.join(_REPO_ROOT, folder)
-  venv_python = os.path.join(venv, "bin", "python")
-  if os.path.exists(venv_python) and os.path.realpath(sys.prefix) != os.path.realpath(venv):
-    return "%s: run it with %s, the environment `%s` made" % (found, shown_path(venv_python), target)
+  venvs = [(os.path.join(_REPO_ROOT, folder), target) for folder, target in _ENVIRONMENTS[environment]]
+  if os.path.realpath(sys.prefix) not in [os.path.realpath(venv) for venv, _ in venvs]:
+    for venv, target in venvs:
+      venv_python = os.path.join(venv, "bin", "python")
+      if os.path.exists(venv_python):
+        return "%s: run it with %s, the environment `%s` made" % (found, shown_path(venv_python), target)
   if package == "tensorflow":
     return ("%s: `make install` installs TensorFlow's CPU build into .venv (`BACKEND=gpu make install` the "
-            "CUDA one); on a Graphcore host, install the Poplar SDK's TensorFlow wheel (README, 'Installing "
-            "for each backend')" % found)
+            "CUDA one, into .venv-gpu); on a Graphcore host, install the Poplar SDK's TensorFlow wheel "
+            "(README, 'Installing for each backend')" % found)
+  folder, target = _ENVIRONMENTS[environment][0]
   return "%s: `%s` creates %s with %s; then run %s %s" % (
-      found, target, folder, contents, os.path.join(folder, "bin", "python"), program)
+      found, target, folder, _CONTENTS[environment], os.path.join(folder, "bin", "python"), program)
 
 
 def report_missing_packages(environment: str = "application") -> None:

@@ -96,3 +96,28 @@ def test_make_alone_lists_the_targets_and_installs_nothing(tmp_path):
   targets = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("make ")]
   assert {"run", "test", "install", "test-tf26"} <= set(targets), result.stdout
   assert not venv.exists()
+
+
+@pytest.mark.parametrize("backend, venv", [("cpu", ".venv"), ("gpu", ".venv-gpu"), ("tf26", ".venv-tf26")])
+def test_each_backend_installs_into_its_own_environment(tmp_path, backend, venv):
+  """`make run` then `BACKEND=gpu make run` must not put the CUDA build over the CPU one in one
+  environment, and tf26 needs Python 3.8: each BACKEND's environment is its own folder."""
+  result = subprocess.run(["make", "--no-print-directory", "-n", "-B", "install", "BACKEND=" + backend,
+                           "PYTHON=" + sys.executable], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=60)
+  assert result.returncode == 0, result.stderr
+  assert "touch %s/.installed-%s" % (venv, backend) in result.stdout.splitlines()
+
+
+def test_an_environment_of_another_backend_is_refused_before_pip(tmp_path):
+  venv = tmp_path / "venv"
+  (venv / "bin").mkdir(parents=True)
+  (venv / "bin" / "python").symlink_to(sys.executable)
+  (venv / ".installed-gpu").touch()  # made by BACKEND=gpu make install VENV=...
+  result = _make(tmp_path, _bin(tmp_path, [THIS_PYTHON]), "install", "VENV=" + str(venv))
+  assert result.returncode != 0
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+  assert errors == ["error: %s holds the TensorFlow of BACKEND=gpu, which that of BACKEND=%s would overwrite: "
+                    "remove it (rm -rf %s) and run make again, or name another folder with VENV=" % (
+                        venv, BACKEND, venv)], result.stderr
+  assert "pip install" not in result.stdout and not (venv / (".installed-" + BACKEND)).exists()

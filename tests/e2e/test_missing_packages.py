@@ -32,12 +32,17 @@ def bare_python(tmp_path_factory):
   return str(folder / "bin" / "python")
 
 
+APPLICATION_VENVS = (".venv", ".venv-gpu", ".venv-tf26")  # make's, for BACKEND=cpu, gpu and tf26
+
+
 def _advice(prefix, otherwise="`make install` creates .venv"):
   """What the line advises a Python whose sys.prefix is `prefix`, given what this checkout holds: the
-  environment `make install` built, if there is one and it is another."""
-  venv = os.path.join(REPO_ROOT, ".venv")
-  if os.path.exists(os.path.join(venv, "bin", "python")) and os.path.realpath(prefix) != os.path.realpath(venv):
-    return "run it with .venv/bin/python"
+  first environment `make` built, if there is one and `prefix` is none of them."""
+  venvs = [os.path.join(REPO_ROOT, folder) for folder in APPLICATION_VENVS]
+  if os.path.realpath(prefix) not in [os.path.realpath(venv) for venv in venvs]:
+    for folder, venv in zip(APPLICATION_VENVS, venvs):
+      if os.path.exists(os.path.join(venv, "bin", "python")):
+        return "run it with %s/bin/python" % folder
   return otherwise
 
 
@@ -74,3 +79,19 @@ def test_our_own_missing_module_keeps_its_traceback(monkeypatch, capsys):
   assert seen == [own] and capsys.readouterr().err == ""
   sys.excepthook(ModuleNotFoundError, ModuleNotFoundError("x", name="h5py"), None)
   assert seen == [own] and "has no module 'h5py'" in capsys.readouterr().err
+
+
+def test_the_line_names_the_environment_of_another_backend(tmp_path, monkeypatch):
+  """Each BACKEND has its own environment: a checkout with only .venv-gpu (BACKEND=gpu make install)
+  is sent there, not told to create .venv."""
+  python = tmp_path / ".venv-gpu" / "bin" / "python"
+  python.parent.mkdir(parents=True)
+  python.write_text("")
+  monkeypatch.setattr(errors, "_REPO_ROOT", str(tmp_path))
+  monkeypatch.chdir(tmp_path)
+  message = errors.missing_package_message("absl.flags")
+  assert message.endswith("has no module 'absl', which %s needs: run it with .venv-gpu/bin/python, the "
+                          "environment `BACKEND=gpu make install` made" % errors.shown_path(
+                              os.path.abspath(sys.argv[0])))
+  monkeypatch.setattr(sys, "prefix", str(tmp_path / ".venv-gpu"))  # that environment itself lacks it
+  assert "`make install` creates .venv with TensorFlow" in errors.missing_package_message("absl")
