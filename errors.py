@@ -57,6 +57,13 @@ def _quiet_lost_stops(unraisable, report=sys.__unraisablehook__):
     report(unraisable)
 
 
+def leave_interrupts_to_the_parent():
+  """Initializer of a multiprocessing.Pool's workers. A terminal's Ctrl-C reaches the whole foreground
+  process group, and each worker it found in Python code printed its own KeyboardInterrupt traceback;
+  the parent, which reports the stop in one line (reported_on_one_line), ends its pool itself."""
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @contextlib.contextmanager
 def reported_on_one_line(status: int = 1):
   """Runs the block; a UserError from it becomes one `error: ...` line on stderr and exit `status`.

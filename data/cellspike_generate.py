@@ -31,7 +31,7 @@ from absl import logging
 
 from data import atomic_files
 from data import neuron_sim
-from errors import UserError
+from errors import UserError, leave_interrupts_to_the_parent
 
 H5_NAME_TEMPLATE = "*_excite.cellSpike_4prB8kHz.data.h5"
 DOMAINS = ("train", "val", "test")
@@ -107,7 +107,7 @@ def _simulated(batches, workers: int):
     results = (_simulate_segments(batch) for batch in batches)
     pool = None
   else:
-    pool = multiprocessing.get_context("spawn").Pool(workers)
+    pool = multiprocessing.get_context("spawn").Pool(workers, initializer=leave_interrupts_to_the_parent)
     results = pool.imap(_simulate_segments, batches)
   try:
     for batch, traces in results:

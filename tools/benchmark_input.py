@@ -25,6 +25,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from errors import parse_flags, report_missing_packages, with_one_line_errors  # noqa: E402  pylint: disable=wrong-import-position
+from errors import leave_interrupts_to_the_parent  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
@@ -129,7 +130,7 @@ def time_raw_read(path: str, samples: int, processes: int = 1, chunk: int = 4096
   if processes == 1:
     nbytes = _read_rows(jobs[0])
   else:
-    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+    with multiprocessing.get_context("spawn").Pool(processes, initializer=leave_interrupts_to_the_parent) as pool:
       pool.map(_import_h5py, range(processes))  # the pool's start-up is not reading
       start = time.perf_counter()
       nbytes = sum(pool.map(_read_rows, jobs))
