@@ -21,6 +21,18 @@ image=${IMAGE:-neuron_inverter_ipu.sif}
 cache_dir=${CACHE_DIR:-$HOME/.cache/neuron_inverter}
 log_dir=${LOG_DIR:-$PWD/logs}
 runtime=${SINGULARITY:-$(command -v apptainer >/dev/null 2>&1 && echo apptainer || echo singularity)}
+if ! command -v "$runtime" >/dev/null 2>&1; then
+  if [ -n "${SINGULARITY:-}" ]; then
+    echo "error: SINGULARITY=$runtime: no such command on the PATH" >&2
+  else
+    echo "error: neither apptainer nor singularity is on the PATH: install one (or load its module), or name it with SINGULARITY=" >&2
+  fi
+  exit 1
+fi
+case $image in
+  *://*) ;;  # docker://, oras://, library://: the runtime fetches it
+  *) [ -e "$image" ] || { echo "error: IMAGE=$image: no such image (build one from tools/containers/, README 'Containers')" >&2; exit 1; } ;;
+esac
 mkdir -p "$cache_dir" "$log_dir"
 
 binds=()

@@ -4,13 +4,14 @@ stand-in `singularity`), Slurm/poprun scripts and the TensorBoard tunnel helper.
 import glob
 import os
 import shlex
+import shutil
 import stat
 import subprocess
 import sys
 
 import pytest
 
-from tests.support.helpers import REPO_ROOT
+from tests.support.helpers import REPO_ROOT, assert_one_line_error
 
 TOOLS = os.path.join(REPO_ROOT, "tools")
 
@@ -79,8 +80,9 @@ def test_container_launcher_forwards_everything(tmp_path):
   env = dict(os.environ, PATH="%s:%s" % (tmp_path / "bin", os.environ["PATH"]), SINGULARITY="singularity",
              IMAGE="app.sif", DATA_DIR="/data", CACHE_DIR=str(tmp_path / "cache"),
              LOG_DIR=str(tmp_path / "logs"))
+  (tmp_path / "app.sif").touch()
   subprocess.run([os.path.join(TOOLS, "run_container.sh"), "--model=neuron_inverter", "--replicas=4",
-                  "--data_path=/data/x.h5"], env=env, check=True)
+                  "--data_path=/data/x.h5"], env=env, check=True, cwd=str(tmp_path))
   args = record.read_text().split("\n")[:-1]
   ipuof = ["--bind", "/etc/ipuof.conf.d"] if os.path.isdir("/etc/ipuof.conf.d") else []
   cache, logs = str(tmp_path / "cache"), str(tmp_path / "logs")
@@ -89,6 +91,30 @@ def test_container_launcher_forwards_everything(tmp_path):
                                       "/opt/neuron_inverter/main.py", "--data_cache=" + cache,
                                       "--cache_dir=%s/executables" % cache, "--model=neuron_inverter",
                                       "--replicas=4", "--data_path=/data/x.h5"])
+
+
+
+@pytest.mark.parametrize("case", ["no runtime", "named runtime missing", "no image"])
+def test_container_launcher_without_its_runtime_or_image_is_one_line(tmp_path, case):
+  """Not `exec: singularity: not found` from bash's last line, nor the runtime's own failure later, and
+  no cache or log folders made on the way."""
+  folder = tmp_path / "bin"
+  folder.mkdir()
+  for tool in ("bash", "mkdir"):  # a PATH without apptainer or singularity, whatever this machine has
+    (folder / tool).symlink_to(shutil.which(tool))
+  env = dict(os.environ, PATH=str(folder), IMAGE=str(tmp_path / "app.sif"), CACHE_DIR=str(tmp_path / "cache"),
+             LOG_DIR=str(tmp_path / "logs"))
+  expected = "neither apptainer nor singularity is on the PATH"
+  if case == "named runtime missing":
+    env["SINGULARITY"] = "apptainer-1.3"
+    expected = "SINGULARITY=apptainer-1.3: no such command on the PATH"
+  elif case == "no image":
+    _stand_in(tmp_path, "apptainer")
+    expected = "IMAGE=%s: no such image" % env["IMAGE"]
+  result = subprocess.run([os.path.join(TOOLS, "run_container.sh"), "--model=mnist"], env=env,
+                          capture_output=True, text=True, timeout=30)
+  assert_one_line_error(result, expected)
+  assert not (tmp_path / "cache").exists() and not (tmp_path / "logs").exists()
 
 
 def test_poprun_script_maps_to_our_flags(tmp_path):
