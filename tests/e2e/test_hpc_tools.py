@@ -129,6 +129,16 @@ def test_poprun_script_maps_to_our_flags(tmp_path):
       "--ipus_per_replica=2", "--pipeline_stages=2"]
 
 
+
+def test_poprun_script_without_the_sdk_is_one_line(tmp_path):
+  folder = tmp_path / "bin"
+  folder.mkdir()
+  (folder / "bash").symlink_to(shutil.which("bash"))  # a PATH without poprun
+  result = subprocess.run([os.path.join(TOOLS, "slurm", "poprun.sh"), "2", "4", "2"], capture_output=True,
+                          text=True, env=dict(os.environ, PATH=str(folder)), timeout=30)
+  assert_one_line_error(result, "poprun is not on the PATH", "Poplar SDK")
+
+
 @pytest.mark.parametrize("script", ["ipu.sbatch", "gpu.sbatch", "poprun.sh", "scan.sbatch", "local_cluster.sh"])
 def test_slurm_scripts_are_valid_bash(script):
   subprocess.run(["bash", "-n", os.path.join(TOOLS, "slurm", script)], check=True)

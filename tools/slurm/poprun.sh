@@ -9,6 +9,8 @@ set -euo pipefail
 instances=${1:?instances}; replicas=${2:?replicas}; ipus_per_replica=${3:?IPUs per replica}
 shift 3
 cache=${CACHE_DIR:-$HOME/.cache/neuron_inverter/executables}
+command -v poprun >/dev/null 2>&1 || {
+  echo "error: poprun is not on the PATH: it comes with the Poplar SDK (source <sdk>/enable first)" >&2; exit 1; }
 # shellcheck disable=SC2086  # POPRUN_ARGS is a list of options
 exec poprun ${POPRUN_ARGS:-} --num-instances="$instances" --num-replicas="$replicas" \
     --ipus-per-replica="$ipus_per_replica" --executable-cache-path="$cache" \
