@@ -17,6 +17,7 @@ name in out_dir and renamed at the end: an interrupted run never leaves a partia
 name.
 """
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -295,9 +296,12 @@ def generate_dataset(out_dir: str, cell_name: str = "synth", num_train: int = 20
   try:
     with h5:
       _create_datasets(h5, counts, dtype)
-      batches = _simulated(_batches(seed, counts, batch_size, workers), workers)
-      mean, std = _fill(h5, batches, min(NORM_SAMPLES, num_train), dtype,
-                        _Progress(sum(counts), progress, workers))
+      # Closed here however _fill ends: a Ctrl-C that lands in _fill, not in the generator, left it to
+      # the garbage collector, which once ran its pool.join() on the pool's own thread at exit
+      # ("cannot join current thread", Python 3.8).
+      with contextlib.closing(_simulated(_batches(seed, counts, batch_size, workers), workers)) as batches:
+        mean, std = _fill(h5, batches, min(NORM_SAMPLES, num_train), dtype,
+                          _Progress(sum(counts), progress, workers))
       meta["packInfo"] = {"fnorm_mean": [float(x) for x in mean], "fnorm_std": [float(x) for x in std],
                           "fnorm_samples": int(min(NORM_SAMPLES, num_train)), "fnorm_domain": "train"}
       h5.create_dataset("meta.JSON", data=[json.dumps(meta)], dtype=h5py.special_dtype(vlen=str))
