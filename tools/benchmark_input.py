@@ -24,8 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from errors import parse_flags, report_missing_packages, with_one_line_errors  # noqa: E402  pylint: disable=wrong-import-position
-from errors import leave_interrupts_to_the_parent  # noqa: E402  pylint: disable=wrong-import-position
+from errors import leave_interrupts_to_the_parent, parse_flags, report_missing_packages, with_one_line_errors  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position

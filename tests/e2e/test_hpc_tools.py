@@ -75,6 +75,14 @@ def _stand_in(tmp_path, name):
   return record
 
 
+def _path_of(tmp_path, *tools):
+  """A folder for PATH that holds only `tools` (links to this machine's), as `_stand_in` adds to it."""
+  folder = tmp_path / "bin"
+  folder.mkdir(exist_ok=True)
+  for tool in tools:
+    (folder / tool).symlink_to(shutil.which(tool))
+  return folder
+
 def test_container_launcher_forwards_everything(tmp_path):
   record = _stand_in(tmp_path, "singularity")
   env = dict(os.environ, PATH="%s:%s" % (tmp_path / "bin", os.environ["PATH"]), SINGULARITY="singularity",
@@ -98,10 +106,7 @@ def test_container_launcher_forwards_everything(tmp_path):
 def test_container_launcher_without_its_runtime_or_image_is_one_line(tmp_path, case):
   """Not `exec: singularity: not found` from bash's last line, nor the runtime's own failure later, and
   no cache or log folders made on the way."""
-  folder = tmp_path / "bin"
-  folder.mkdir()
-  for tool in ("bash", "mkdir"):  # a PATH without apptainer or singularity, whatever this machine has
-    (folder / tool).symlink_to(shutil.which(tool))
+  folder = _path_of(tmp_path, "bash", "mkdir")  # without apptainer or singularity, whatever this machine has
   env = dict(os.environ, PATH=str(folder), IMAGE=str(tmp_path / "app.sif"), CACHE_DIR=str(tmp_path / "cache"),
              LOG_DIR=str(tmp_path / "logs"))
   expected = "neither apptainer nor singularity is on the PATH"
@@ -131,9 +136,7 @@ def test_poprun_script_maps_to_our_flags(tmp_path):
 
 
 def test_poprun_script_without_the_sdk_is_one_line(tmp_path):
-  folder = tmp_path / "bin"
-  folder.mkdir()
-  (folder / "bash").symlink_to(shutil.which("bash"))  # a PATH without poprun
+  folder = _path_of(tmp_path, "bash")  # without poprun
   result = subprocess.run([os.path.join(TOOLS, "slurm", "poprun.sh"), "2", "4", "2"], capture_output=True,
                           text=True, env=dict(os.environ, PATH=str(folder)), timeout=30)
   assert_one_line_error(result, "poprun is not on the PATH", "Poplar SDK")

@@ -26,7 +26,7 @@ import yaml
 from errors import UserError
 from run_config import RunConfig
 from tests.support.cellspike_files import write_cellspike
-from tests.support.helpers import REPO_ROOT, can_mount_tmpfs
+from tests.support.helpers import REPO_ROOT, WITH_DEFAULT_SIGINT, can_mount_tmpfs
 from tests.support.training_parts import readable_state
 from training.checkpoints import read_index
 
@@ -43,15 +43,6 @@ def data_file(tmp_path_factory):
                          sizes={"train": 256, "val": 32, "test": 32})
 
 
-# A shell starts a command with SIGINT at its default action, which Python turns into KeyboardInterrupt.
-# Under pytest-xdist the job was once seen starting with SIGINT and SIGQUIT ignored (SigIgn 0x81001006 in
-# /proc/PID/status), as a child forked while another thread of the worker is inside C's system() would
-# (it ignores both for its duration); an ignored SIGINT stays ignored across exec, and Python keeps it
-# so. The job therefore starts through this launcher, which restores the default before main.py runs.
-_WITH_DEFAULT_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-                        "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
-
-
 class Job:
   """One `python main.py` process, output to files, always killed in `close`."""
 
@@ -62,7 +53,7 @@ class Job:
     self._log = open(self.log_path, "w")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TF_USE_LEGACY_KERAS", None)
-    command = list(prefix) + [sys.executable, "-c", _WITH_DEFAULT_SIGINT,
+    command = list(prefix) + [sys.executable, "-c", WITH_DEFAULT_SIGINT,
                               os.path.join(REPO_ROOT, "main.py"), *ARGS, "--data_path=" + data_file,
                               "--logdir=" + logdir, *extra]
     self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=self._log,

@@ -20,6 +20,7 @@ import time
 
 import h5py
 import numpy as np
+import psutil
 import pytest
 import yaml
 from absl import flags as absl_flags
@@ -29,7 +30,8 @@ import flags
 import main
 from errors import UserError, parse_flags
 from tests.support.cellspike_files import write_cellspike, write_meta_yaml
-from tests.support.helpers import REPO_ROOT, assert_one_line_error, can_mount_tmpfs, hold_lock, run_main
+from tests.support.helpers import (REPO_ROOT, WITH_DEFAULT_SIGINT, assert_one_line_error, can_mount_tmpfs,
+                                   hold_lock, run_main)
 
 flags.define_flags()
 FLAGS = absl_flags.FLAGS
@@ -475,31 +477,13 @@ exit $status
   assert listing.read_text().split() == []
 
 
-
-def _children(pid):
-  """The pids whose parent is `pid` (from /proc/*/stat)."""
-  found = []
-  for entry in os.listdir("/proc"):
-    try:
-      with open("/proc/%s/stat" % entry) as stat:
-        if entry.isdigit() and int(stat.read().rsplit(")", 1)[1].split()[1]) == pid:
-          found.append(int(entry))
-    except (OSError, IndexError, ValueError):
-      pass
-  return found
-
-
 def test_ctrl_c_while_generating_is_one_line_from_the_whole_process_group(tmp_path):
   """A terminal's Ctrl-C goes to every process of the foreground group: the simulation workers too.
   Each of them printed a KeyboardInterrupt traceback when the signal found it in Python code (seen on a
   first run, about one Ctrl-C in five) before the parent's one line. Here the workers get theirs first,
   which must change nothing, then the whole group gets one."""
   out_dir = tmp_path / "data"
-  # SIGINT at its default action in the tool and its workers, whatever the test runner left ignored
-  # (tests/e2e/test_loop_faults.py, _WITH_DEFAULT_SIGINT).
-  launcher = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-              "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
-  command = [sys.executable, "-c", launcher, os.path.join(REPO_ROOT, "tools", "generate_cellspike.py"),
+  command = [sys.executable, "-c", WITH_DEFAULT_SIGINT, os.path.join(REPO_ROOT, "tools", "generate_cellspike.py"),
              "--out_dir=%s" % out_dir, "--num_train=200000", "--workers=2", "--batch_size=256", "--noprogress"]
   job = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
@@ -509,7 +493,7 @@ def test_ctrl_c_while_generating_is_one_line_from_the_whole_process_group(tmp_pa
       assert job.poll() is None and time.monotonic() < deadline, job.communicate()
       time.sleep(0.05)
     time.sleep(2)  # the workers started and simulating
-    workers = _children(job.pid)  # the two workers and multiprocessing's resource tracker
+    workers = [child.pid for child in psutil.Process(job.pid).children()]  # and the resource tracker
     assert len(workers) >= 2, workers
     for worker in workers:
       os.kill(worker, signal.SIGINT)
@@ -525,6 +509,7 @@ def test_ctrl_c_while_generating_is_one_line_from_the_whole_process_group(tmp_pa
   assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
   assert err.strip().splitlines()[-1] == "interrupted by SIGINT (Ctrl-C)", err
   assert not os.listdir(out_dir)  # the partial file removed
+
 
 def test_a_second_job_into_a_busy_folder_is_refused(tmp_path, good_file):
   """The first job holds the folder's lock (here: this process, as a running job would)."""

@@ -9,6 +9,15 @@ import sys
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+# A shell starts a command with SIGINT at its default action, which Python turns into KeyboardInterrupt.
+# Under pytest-xdist a job was once seen starting with SIGINT and SIGQUIT ignored (SigIgn 0x81001006 in
+# /proc/PID/status), as a child forked while another thread of the worker is inside C's system() would
+# (it ignores both for its duration); an ignored SIGINT stays ignored across exec, and Python keeps it
+# so. Tests that send SIGINT therefore start their program through this launcher (`python -c
+# WITH_DEFAULT_SIGINT program args...`), which restores the default first.
+WITH_DEFAULT_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                       "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+
 def run_main(*args, timeout=300, prefix=(), env=None, one_stream=False):
   """Runs `python main.py ARGS` as a user would (after a `prefix` command such as `unshare`, with `env`
   added to the environment; with `one_stream`, stderr into stdout as a terminal shows them); returns
