@@ -63,10 +63,12 @@ def pearson_r(u: np.ndarray, z: np.ndarray) -> float:
   return float(np.dot(u, z) / denominator) if denominator > 0 else 0.0
 
 
-def compute_metrics(truth: np.ndarray, prediction: np.ndarray, par_names) -> dict:
+def compute_metrics(truth: np.ndarray, prediction: np.ndarray, par_names, baseline_mean=None) -> dict:
   """Overall and per-parameter figures of (N, P) truth U and prediction Z (float64 arithmetic).
 
-  Residual is Z - U (prediction minus truth). Returns a plain dict ready for YAML.
+  Residual is Z - U (prediction minus truth). The baseline is the MSE of always predicting
+  `baseline_mean` (the training set's mean target, as in the training run's report), or U's own mean
+  when there is none. Returns a plain dict ready for YAML.
   """
   u, z = np.asarray(truth, np.float64), np.asarray(prediction, np.float64)
   if u.shape != z.shape or u.ndim != 2 or len(u) < 2:
@@ -91,7 +93,9 @@ def compute_metrics(truth: np.ndarray, prediction: np.ndarray, par_names) -> dic
   return {
       "num_samples": int(len(u)),
       "mse": float(np.mean(residual ** 2)),
-      "mean_predictor_mse": float(np.mean(u.var(axis=0))),  # MSE of always predicting the truth mean
+      "mean_predictor_mse": float(np.mean((u - (u.mean(axis=0) if baseline_mean is None
+                                                 else np.asarray(baseline_mean, np.float64))) ** 2)),
+      "mean_predictor": "split mean" if baseline_mean is None else "training-set mean",
       "verdict_rule": {"statistic": "pearson_r", "learned_min_r": LEARNED_MIN_R, "weak_min_r": WEAK_MIN_R,
                        "rule": "learned if r >= %g; weak if %g <= r < %g; else not learned"
                                % (LEARNED_MIN_R, WEAK_MIN_R, LEARNED_MIN_R)},
@@ -238,7 +242,7 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
       "input_shape": list(info.input_shape),
       "predict_seconds": seconds,
   }
-  results.update(compute_metrics(truth, prediction, info.par_names))
+  results.update(compute_metrics(truth, prediction, info.par_names, cellspike.training_mean(info.path)))
   summary = summary_lib.read_summary(config.logdir)
   results["train"] = {key: summary.get(key) for key in
                       ("epochs", "train_loss", "val_loss", "test_loss", "best_val_loss", "wall_seconds",

@@ -214,10 +214,17 @@ def _log_split(info, split, layout, source, plans, steps, samples, in_memory) ->
                source.frames.dtype.name, source.targets.dtype.name)
 
 
+def training_mean(path: str):
+  """The mean target vector of the file's train split (float64), or None if the file has none."""
+  with h5py.File(path, "r") as f:
+    key = cellspike_file.TARGETS_KEY % "train"
+    return np.asarray(f[key][:], np.float64).mean(axis=0) if key in f else None
+
+
 def mean_predictor_loss(path: str, split: str = "val") -> float:
   """MSE on `split` of always predicting the training-set mean: the baseline a model must beat."""
+  mean = training_mean(path)
   with h5py.File(path, "r") as f:
-    mean = np.asarray(f[cellspike_file.TARGETS_KEY % "train"][:], np.float64).mean(axis=0)
     targets = np.asarray(f[cellspike_file.TARGETS_KEY % split][:], np.float64)
   return float(np.mean((targets - mean) ** 2))
 
@@ -306,7 +313,8 @@ def load(config: RunConfig, layout: BatchLayout, first_epoch: int = 0) -> Splits
       input_shape=info.input_shape,
       num_outputs=info.num_params,
       summary_extras={
-          "mean_predictor_val_loss": mean_predictor_loss(info.path),
+          "mean_predictor_val_loss": mean_predictor_loss(info.path, "val"),
+          "mean_predictor_test_loss": mean_predictor_loss(info.path, "test"),
           "par_names": list(info.par_names),
           "train_blocks": [list(block) for block in train.blocks],
           "input_meta": info.meta,

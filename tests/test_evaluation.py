@@ -43,8 +43,12 @@ def test_hand_computed_figures():
   assert p["residual_mean"] == pytest.approx(0.5) and p["residual_std"] == pytest.approx(0.5)
   # r = cov / (sd_u sd_z) = 1.0 / (sqrt(1.25) * 1.0)
   assert p["pearson_r"] == pytest.approx(1.0 / np.sqrt(1.25))
-  assert figures["mean_predictor_mse"] == pytest.approx(1.25)
+  assert figures["mean_predictor_mse"] == pytest.approx(1.25) and figures["mean_predictor"] == "split mean"
   assert figures["num_samples"] == 4
+  # Against the training set's mean, as the training run's report: (1 + 0 + 1 + 4) / 4.
+  figures = evaluation.compute_metrics(truth, prediction, ["x"], baseline_mean=np.array([1.0]))
+  assert figures["mean_predictor_mse"] == pytest.approx(1.5)
+  assert figures["mean_predictor"] == "training-set mean"
 
 
 @pytest.mark.parametrize("r, expected", [(1.0, "learned"), (0.7, "learned"), (0.6999, "weak"), (0.3, "weak"),

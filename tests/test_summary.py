@@ -54,9 +54,13 @@ def test_closing_report_prints_a_resume_line_without_placeholders():
 
 def test_closing_report_says_how_many_samples_the_test_loss_covers():
   summary = {"model": "neuron_inverter", "epochs": 3, "test_loss": 0.1632, "mean_predictor_val_loss": 0.3326,
-             "test_samples": 2048, "test_weights_epoch": 3}
-  assert "  test: loss 0.1632 (0.491 of the mean-predictor baseline 0.3326) (2048 samples, weights of " \
-         "epoch 3)" in closing_report(summary, "logs/r").splitlines()
+             "mean_predictor_test_loss": 0.3336, "test_samples": 2048, "test_weights_epoch": 3,
+             "best_val_loss": 0.1628, "best_val_epoch": 3, "val_loss": 0.1628}
+  lines = closing_report(summary, "logs/r").splitlines()
+  assert "  test: loss 0.1632 (0.489 of the mean-predictor baseline 0.3336) (2048 samples, weights of " \
+         "epoch 3)" in lines     # each split against its own baseline
+  assert "  validation: best 0.1628 (0.489 of the mean-predictor baseline 0.3326), epoch 3; last epoch " \
+         "0.1628" in lines
   del summary["test_samples"]  # a summary.yaml of an earlier session
   assert "(weights of epoch 3)" in closing_report(summary, "logs/r")
 

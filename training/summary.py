@@ -154,14 +154,15 @@ def closing_report(summary: dict, logdir: str, argv=(), processes: int = 1) -> s
   must be given the same model, design and optimizer (mid-epoch also the same replicas and batch). A
   run of several `processes` (workers, poprun instances) is continued by launching them all again.
   """
-  baseline = summary.get("mean_predictor_val_loss")
   lines = ["", "Run finished: %s" % logdir]
   if summary.get("best_val_loss") is not None:
     lines.append("  validation: %s, epoch %d; last epoch %.4f" % (
-        _loss_line("best", summary["best_val_loss"], baseline), summary["best_val_epoch"],
-        summary["val_loss"]))
+        _loss_line("best", summary["best_val_loss"], summary.get("mean_predictor_val_loss")),
+        summary["best_val_epoch"], summary["val_loss"]))
   if summary.get("test_loss") is not None:
-    test = _loss_line("loss", summary["test_loss"], baseline)
+    # Each split against its own baseline: the training mean scores 0.3326 on the built-in data's
+    # validation split and 0.3336 on its test split.
+    test = _loss_line("loss", summary["test_loss"], summary.get("mean_predictor_test_loss"))
     if summary.get("test_accuracy") is not None:
       test += ", accuracy %.4f" % summary["test_accuracy"]
     details = []

@@ -90,9 +90,16 @@ def test_main_predict_writes_the_report(trained_run):
   sum_pred = _load_yaml(os.path.join(logdir, "predict", "sum_pred.yaml"))
   _check_sum_pred(sum_pred, "test", 70)
   assert _load_yaml(os.path.join(logdir, "summary.yaml"))["test_samples"] == 70
-  # The test split is evaluated with the weights the run tested: its MSE is the run's test loss.
-  assert sum_pred["mse"] == pytest.approx(_load_yaml(os.path.join(logdir, "summary.yaml"))["test_loss"],
-                                          rel=1e-4)
+  # The test split is evaluated with the weights the run tested: its MSE is the run's test loss, and
+  # its baseline the one the run's report gave for the test split (the training mean's MSE there).
+  run_summary = _load_yaml(os.path.join(logdir, "summary.yaml"))
+  assert sum_pred["mse"] == pytest.approx(run_summary["test_loss"], rel=1e-4)
+  assert sum_pred["mean_predictor"] == "training-set mean"
+  assert sum_pred["mean_predictor_mse"] == pytest.approx(run_summary["mean_predictor_test_loss"], rel=1e-9)
+  assert run_summary["mean_predictor_test_loss"] != pytest.approx(run_summary["mean_predictor_val_loss"])
+  assert "  test: loss %.4f (%.3f of the mean-predictor baseline %.4f)" % (
+      run_summary["test_loss"], run_summary["test_loss"] / run_summary["mean_predictor_test_loss"],
+      run_summary["mean_predictor_test_loss"]) in result.stdout
   for name in ("truth_vs_pred.png", "residuals.png", "training_curves.png"):
     width, height = png_size(os.path.join(logdir, "predict", name))
     assert width >= 800 and height >= 600
