@@ -21,6 +21,19 @@ BOOKKEEPING_KEYS = ("epoch_seconds", "epoch_wall_seconds", "samples_per_sec", "s
                     "lr")
 
 
+class EpochScalars(tf.keras.callbacks.TensorBoard):
+  """Keras' TensorBoard writer without its own `learning_rate` scalar.
+
+  With a LearningRateSchedule (the default cosine), Keras adds `epoch_learning_rate`: the rate of the
+  next epoch's first update. The run's schedule callback already logs `lr`, the rate of the epoch's
+  last update, which the epoch line, summary.yaml and the curves show; two nearly equal charts would
+  only make a user ask which one is right.
+  """
+
+  def _collect_learning_rate(self, logs):  # Keras' hook (keras 2.6 and tf_keras callbacks.py)
+    return logs
+
+
 class RunProgbar(tf.keras.callbacks.ProgbarLogger):
   """Keras' progress bar, headed with the run's epoch count. The rest of an epoch that a resumed run
   trains is a fit of its own (training/loop.py `_fit`), which Keras' own bar would head "Epoch 2/2"

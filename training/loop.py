@@ -198,7 +198,7 @@ def _make_callbacks(config, backend, schedule, checkpointing, state, global_batc
   # epoch's checkpoint and TensorBoard scalars are written.
   callbacks = [resumed, throughput, quiet, replica_statistics.ShareBeforeEvaluation(), schedule,
                checkpointing, tf.keras.callbacks.TerminateOnNaN(),
-               tf.keras.callbacks.TensorBoard(log_dir=outdir, profile_batch=0)]
+               callbacks_lib.EpochScalars(log_dir=outdir, profile_batch=0)]
   if config.profile_dir and backend.profiles_with_tensorflow:
     callbacks.append(tf.keras.callbacks.TensorBoard(log_dir=config.profile_dir, profile_batch=(2, 4),
                                                     write_graph=False))

@@ -61,6 +61,7 @@ def test_two_replicas_one_epoch(tmp_path, fp16_file):
   scalars = read_scalars(os.path.join(logdir, "train"))
   assert scalars["epoch_lr"][0][1] == pytest.approx(1e-3)
   assert "epoch_samples_per_sec_per_replica" in scalars and "epoch_epoch_seconds" in scalars
+  assert "epoch_learning_rate" not in scalars   # one rate chart: the schedule's epoch_lr (issue 19)
   assert "epoch_loss" in read_scalars(os.path.join(logdir, "validation"))
 
 
