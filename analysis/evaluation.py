@@ -169,11 +169,13 @@ def _eval_split(config: RunConfig, backend: Backend, split: str, max_samples: in
   replicas = max(1, backend.replicas)
   if max_samples:
     batch = max(1, min(batch, max_samples // replicas))
-  layout = eval_layout(backend.layout(batch))
   # The split's first `max_samples` rows (at least one per replica): all of them where the backend
-  # takes a short last batch, whole batches of them on IPUs.
-  data_split = cellspike.split_from_file(info, key, config, layout, first_epoch=0, shuffle=False,
-                                        max_steps=0, max_rows=max(max_samples, replicas) if max_samples else 0)
+  # takes a short last batch; on IPUs whole batches, of a size that divides each replica's share
+  # where one does (data.splits.eval_layout).
+  max_rows = max(max_samples, replicas) if max_samples else 0
+  rows = min(info.splits[key].num_samples, max_rows or info.splits[key].num_samples)
+  data_split = cellspike.split_from_file(info, key, config, eval_layout(backend.layout(batch), rows),
+                                        first_epoch=0, shuffle=False, max_steps=0, max_rows=max_rows)
   return info, data_split
 
 

@@ -303,12 +303,15 @@ def load(config: RunConfig, layout: BatchLayout, first_epoch: int = 0) -> Splits
                info.input_shape, info.num_params)
   train = split_from_file(info, "train", config, layout, first_epoch=first_epoch, shuffle=True,
                           max_steps=config.steps_per_epoch)
+
+  def evaluation(split: str) -> Split:
+    return split_from_file(info, split, config, eval_layout(layout, info.splits[split].num_samples),
+                           first_epoch=0, shuffle=False, max_steps=config.eval_steps)
+
   return Splits(
       train=train,
-      validation=split_from_file(info, "val", config, eval_layout(layout), first_epoch=0, shuffle=False,
-                                 max_steps=config.eval_steps),
-      test=split_from_file(info, "test", config, eval_layout(layout), first_epoch=0, shuffle=False,
-                           max_steps=config.eval_steps),
+      validation=evaluation("val"),
+      test=evaluation("test"),
       source="cellSpike: " + info.path,
       input_shape=info.input_shape,
       num_outputs=info.num_params,

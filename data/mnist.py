@@ -124,7 +124,7 @@ def load(config: RunConfig, layout: BatchLayout, first_epoch: int = 0) -> Splits
       train=split_from_arrays(arrays["train"], layout, _normalise, shuffle=True, seed=config.seed,
                        max_steps=config.steps_per_epoch, name="train"),
       validation=None,
-      test=split_from_arrays(arrays["test"], eval_layout(layout), _normalise, shuffle=False, seed=config.seed,
+      test=split_from_arrays(arrays["test"], eval_layout(layout, len(arrays["test"].x)), _normalise, shuffle=False, seed=config.seed,
                       max_steps=config.eval_steps, name="test"),
       source="mnist: " + where,
       input_shape=(28, 28, 1),

@@ -295,6 +295,9 @@ class IPUBackend(Backend):
   local_replicas: int = 0                 # under poprun: this instance's replicas (0: all)
   rank: int = 0                           # under poprun: popdist.getInstanceIndex()
   world_size: int = 1                     # under poprun: popdist.getNumInstances()
+  # --batch_norm_statistics=batch normalises each batch by its own statistics, in evaluation too, so
+  # the evaluation batch stays the micro-batch instead of one that divides each replica's shard.
+  eval_batch_fixed: bool = False
 
   def optimizer_steps(self, steps: int) -> int:
     # IPU Keras: "a step refers to the forward and backward passes on a micro batch" [keras.rst], and
@@ -308,6 +311,7 @@ class IPUBackend(Backend):
     return BatchLayout(replicas=local, replica_rows=micro_batch, element_per_replica=True,
                        steps_multiple=self.gradient_accumulation,
                        eval_steps_multiple=self.eval_depth_multiple,
+                       eval_divides_shards=not self.eval_batch_fixed,
                        first_shard=self.rank * local, num_shards=self.replicas)
 
   @property
@@ -448,4 +452,5 @@ def create(config: RunConfig) -> IPUBackend:
       cache_dir=environment.executable_cache_dir("ipu"),
       local_replicas=popdist.getNumLocalReplicas() if popdist else 0,
       rank=popdist.getInstanceIndex() if popdist else 0,
-      world_size=popdist.getNumInstances() if popdist else 1)
+      world_size=popdist.getNumInstances() if popdist else 1,
+      eval_batch_fixed=config.batch_norm_statistics == "batch")

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import model
-from data.splits import Arrays, Splits, count_steps, eval_layout, split_from_arrays
+from data.splits import Arrays, Splits, count_steps, dividing_batch, eval_layout, split_from_arrays
 from errors import UserError
 from run_config import RunConfig
 from strategies import ipu as ipu_backend
@@ -132,6 +132,30 @@ def test_poprun_instances_read_their_own_shards(monkeypatch):
   layout = ipu_backend.create(_config(replicas=4)).layout(16)
   assert layout.replicas == 2 and list(layout.shards) == [2, 3] and layout.total_shards == 4
   assert not eval_layout(layout).keeps_tail    # static shapes: an evaluation leaves its tail out
+
+
+@pytest.mark.parametrize("statistics, eval_rows, evaluated", [("moving", 32, 2048), ("batch", 48, 1920)])
+def test_evaluation_covers_the_built_in_splits_in_batches_that_divide_the_shards(monkeypatch, statistics,
+                                                                                eval_rows, evaluated):
+  """The built-in 2,048 validation samples over 4 replicas of 48: 512 rows a replica, in 16 batches of
+  32, every sample. Batch statistics depend on the batch size, so that setting keeps the micro-batch
+  and leaves 2 x 4 x 16 rows out, as before."""
+  fake_ipu.install(monkeypatch)
+  backend = ipu_backend.create(_config(replicas=4, batch_norm_statistics=statistics))
+  evaluation = eval_layout(backend.layout(48), 2048)
+  assert evaluation.replica_rows == eval_rows and not evaluation.keeps_tail
+  rows = tf.range(2048, dtype=tf.float32)[:, None].numpy()
+  split = split_from_arrays(Arrays(rows, rows), evaluation, lambda x, y: (x, y), False, 0, 0, "val")
+  assert split.samples == evaluated and split.steps * 4 * eval_rows == evaluated
+  seen = sorted(int(v) for x, _ in split.dataset for v in x.numpy().ravel())
+  assert len(set(seen)) == len(seen) == evaluated and all(x.shape[0] == eval_rows for x, _ in split.dataset)
+
+
+@pytest.mark.parametrize("batch, shard_rows, multiple, rows", [
+    (48, 512, 1, 32), (48, 480, 1, 48), (16, 512, 1, 16), (48, 17, 1, 48), (48, 512, 2, 32),
+    (48, 480, 4, 40), (7, 9, 1, 7), (1, 5, 1, 1)])
+def test_dividing_batch(batch, shard_rows, multiple, rows):
+  assert dividing_batch(batch, shard_rows, multiple) == rows
 
 
 def test_keras_steps_count_the_elements_of_all_local_replicas(monkeypatch):
@@ -560,6 +584,12 @@ def _fit_refusal(training, train, val, test, steps_per_execution):
           or _refusal(training.check_fit, train, test, steps_per_execution))
 
 
+def _eval_steps(layout, samples, name):
+  """Steps of an evaluation split of `samples` rows, as the loaders lay it out."""
+  evaluation = eval_layout(layout, samples)
+  return count_steps(samples, evaluation.step_rows, 0, name, evaluation.steps_multiple)
+
+
 def _sweep_case(backend, training, inference, batch, samples, requested):
   """One run's splits laid out as the loaders do, given to the backend and then to the stand-in.
 
@@ -568,11 +598,9 @@ def _sweep_case(backend, training, inference, batch, samples, requested):
   """
   backend = dataclasses.replace(backend, requested_steps_per_execution=requested)
   layout = backend.layout(batch)
-  evaluation = eval_layout(layout)
   try:
     train = count_steps(samples[0], layout.step_rows, 0, "train", layout.steps_multiple)
-    val, test = (count_steps(n, evaluation.step_rows, 0, name, evaluation.steps_multiple)
-                 for n, name in ((samples[1], "val"), (samples[2], "test")))
+    val, test = (_eval_steps(layout, n, name) for n, name in ((samples[1], "val"), (samples[2], "test")))
   except UserError:
     return []   # a split smaller than one step: refused before steps_per_execution matters
   keras = [backend.fit_input(None, steps)[1] for steps in (train, val, test)]  # Keras' steps
@@ -624,8 +652,10 @@ def _tiny_splits(backend, train_elements, eval_elements):
   split = lambda data, split_layout, name: split_from_arrays(  # noqa: E731
       data, split_layout, lambda x, y: (x, y), False, 7, 0, name)
   return Splits(train=split(arrays(train_elements, 2), layout, "train"),
-                validation=split(arrays(eval_elements * replicas, 2), eval_layout(layout), "val"),
-                test=split(arrays(eval_elements * replicas, 2), eval_layout(layout), "test"),
+                validation=split(arrays(eval_elements * replicas, 2),
+                                 eval_layout(layout, eval_elements * replicas * 2), "val"),
+                test=split(arrays(eval_elements * replicas, 2),
+                           eval_layout(layout, eval_elements * replicas * 2), "test"),
                 source="tiny", input_shape=(3,), num_outputs=1)
 
 

@@ -48,7 +48,7 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
       "test_loss": float(test_results["loss"]) if "loss" in test_results else None,
       "test_weights_epoch": test_epoch,
       # Every sample on CPUs and GPUs (a short last batch); whole batches on IPUs, which need static
-      # shapes: 1,920 of a test split of 2,048 in global batches of 192.
+      # shapes, of a size that divides each replica's share where one does (data.splits.eval_layout).
       "test_samples": splits.test.samples * backend.world_size if splits.test and test_results else None,
       "samples_per_sec_per_replica": throughput.samples_per_sec_per_replica,
       "compile_seconds": throughput.compile_seconds,
