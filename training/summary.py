@@ -84,10 +84,12 @@ def _last(history: dict, key: str):
 
 
 def _epoch_time_stats(history: dict, key: str = "epoch_seconds"):
-  seconds = history.get(key, [])[1:]  # the first epoch carries the compilation
+  """Mean and standard deviation of this run's epoch times, without its first epoch, which carries
+  the compilation; named, so that summary.yaml reads without the README."""
+  seconds = history.get(key, [])[1:]
   if not seconds:
     return None
-  return [float(np.mean(seconds)), float(np.std(seconds))]
+  return {"mean": float(np.mean(seconds)), "std": float(np.std(seconds)), "epochs": len(seconds)}
 
 
 def _full_history(epoch_logs: list) -> dict:

@@ -71,6 +71,8 @@ def test_resume_continues_epochs_and_schedule(tmp_path, fp16_file):
   first = _run(fp16_file, logdir, "--epochs=2", *plateau)
   assert first.returncode == 0, first.stderr[-3000:]
   before = _summary(logdir)
+  epoch_2 = before["history"]["epoch_seconds"][1]   # the first carries the compilation: left out
+  assert before["seconds_per_epoch"] == {"mean": pytest.approx(epoch_2), "std": 0.0, "epochs": 1}
   resumed = _run(fp16_file, logdir, "--epochs=3", *plateau, "--resume")
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   after = _summary(logdir)
