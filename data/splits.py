@@ -26,7 +26,7 @@ class BatchLayout:
   steps_multiple: int = 1             # training steps are trimmed to a multiple (whole optimizer steps)
   eval_steps_multiple: int = 1        # evaluation steps too (e.g. an IPU inference pipeline's depth)
   eval_keeps_tail: bool = False       # evaluation may end with a short batch (see `keeps_tail`)
-  eval_divides_shards: bool = False   # else: evaluation batches that divide each shard (see eval_layout)
+  eval_divides_shards: bool = False   # static evaluation batches sized to divide each shard (eval_layout)
   keeps_tail: bool = False            # a pass ends with a short batch instead of leaving its tail out
   first_shard: int = 0                # this process's first replica among all processes' replicas
   num_shards: int = 0                 # replicas of all processes (0: just this process's)

@@ -139,7 +139,7 @@ def test_evaluation_covers_the_built_in_splits_in_batches_that_divide_the_shards
                                                                                 eval_rows, evaluated):
   """The built-in 2,048 validation samples over 4 replicas of 48: 512 rows a replica, in 16 batches of
   32, every sample. Batch statistics depend on the batch size, so that setting keeps the micro-batch
-  and leaves 2 x 4 x 16 rows out, as before."""
+  and leaves 128 rows out (32 a replica), as before."""
   fake_ipu.install(monkeypatch)
   backend = ipu_backend.create(_config(replicas=4, batch_norm_statistics=statistics))
   evaluation = eval_layout(backend.layout(48), 2048)
