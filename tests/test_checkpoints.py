@@ -55,6 +55,11 @@ def test_saves_are_atomic_keep_two_and_never_overwrite_a_listed_checkpoint(tmp_p
   assert read_index(folder) == ["ckpt-1", "ckpt-2"]
   assert tf.train.latest_checkpoint(folder) == os.path.join(folder, "ckpt-2")
   assert not any(os.path.exists(path) for path in stale)        # leftovers of killed saves are swept
+  # An improving epoch's `last` is best's files, linked: written once, on disk once.
+  for suffix in (".index", ".data-00000-of-00001"):
+    in_last, in_best = (os.stat(os.path.join(checkpoints.folder(which), "ckpt-2" + suffix))
+                        for which in ("last", "best"))
+    assert in_last.st_ino == in_best.st_ino and in_last.st_nlink == 2
   weights = [w.numpy().copy() for w in net.weights]
   # A resumed run saving epoch 2 again must not rewrite the files the index lists.
   listed = os.path.join(folder, "ckpt-2.data-00000-of-00001")
@@ -227,3 +232,30 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, where)
   # The next save, with space again, works and cleans up.
   callback.on_epoch_end(2, {"loss": 0.3, "val_loss": 0.2})
   assert read_index(folder) == ["ckpt-1", "ckpt-3"]
+
+
+def test_last_is_written_where_best_cannot_be_linked_and_outlives_it(tmp_path, monkeypatch):
+  net, checkpoints, callback = toy_checkpoints(tmp_path)
+  callback.on_epoch_end(0, {"loss": 0.5, "val_loss": 0.4})          # linked
+  def _cross_device(*args):
+    raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+  monkeypatch.setattr(checkpoints_lib.os, "link", _cross_device)     # a folder without hard links
+  callback.on_epoch_end(1, {"loss": 0.4, "val_loss": 0.3})          # written
+  monkeypatch.undo()
+  last, best = (os.path.join(checkpoints.folder(which), "ckpt-2.data-00000-of-00001")
+                for which in ("last", "best"))
+  assert os.stat(last).st_ino != os.stat(best).st_ino and os.stat(last).st_nlink == 1
+  assert open(last, "rb").read() == open(best, "rb").read()
+  assert not [name for name in os.listdir(checkpoints.folder("last")) if name.startswith(".saving-")]
+  # Best moved on and deleted its ckpt-1; last's ckpt-1, linked to it, stays whole and readable.
+  assert read_index(checkpoints.folder("best")) == ["ckpt-2"]
+  kept = os.path.join(checkpoints.folder("last"), "ckpt-1")
+  assert os.stat(kept + ".index").st_nlink == 1 and readable_state(kept)["epoch"] == 1
+  callback.on_epoch_end(2, {"loss": 0.3, "val_loss": 0.2})          # linked again
+  weights = [w.numpy().copy() for w in net.weights]
+  assert read_index(checkpoints.folder("last")) == ["ckpt-2", "ckpt-3"]
+  for w in net.weights:
+    w.assign(tf.zeros_like(w))
+  assert checkpoints.restore_last()["epoch"] == 3
+  for restored, saved in zip(net.weights, weights):
+    np.testing.assert_array_equal(restored.numpy(), saved)

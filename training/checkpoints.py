@@ -143,9 +143,11 @@ class RunCheckpoints:
     names = read_index(folder)
     return os.path.join(folder, names[-1]) if names else None
 
-  def save(self, which: str, state: dict, name: str = None) -> str:
+  def save(self, which: str, state: dict, name: str = None, same_as: str = None) -> str:
     """Writes a checkpoint atomically (see the module docstring); returns its path (prefix).
 
+    `same_as`: a checkpoint just saved with the same state (the epoch's `best`): its files are
+    hard-linked instead of written again, where the folder allows it.
     Raises CheckpointSaveError if it cannot be written; the previous checkpoint is then untouched.
     """
     folder = self.folder(which)
@@ -158,7 +160,8 @@ class RunCheckpoints:
       self._state.assign(json.dumps(dict(state, **self.identity)))
       staging = tempfile.mkdtemp(prefix=STAGING_PREFIX + name + ".", dir=folder) if _is_local(folder) \
           else os.path.join(folder, STAGING_PREFIX + name + ".%d" % os.getpid())
-      self._checkpoint.write(os.path.join(staging, name))
+      if not (same_as and _linked(same_as, os.path.join(staging, name))):
+        self._checkpoint.write(os.path.join(staging, name))
       files = sorted(_files_of(staging, name), key=lambda f: f.endswith(".index"))  # .index last
       if not files or not files[-1].endswith(".index"):
         raise OSError(errno.EIO, "TensorFlow wrote no checkpoint files")
@@ -207,6 +210,26 @@ class RunCheckpoints:
     logging.info("Restored %s (epoch %d%s)", path, state["epoch"],
                  ", step %d of the next" % state["step"] if state.get("step") else "")
     return state
+
+
+def _linked(source: str, prefix: str) -> bool:
+  """Hard-links the files of checkpoint `source` as checkpoint `prefix` (a checkpoint's files hold no
+  name: its reader finds the data files by prefix). False, leaving nothing behind, where links are
+  not possible (a remote or another file system, one without links), and the caller writes instead."""
+  if not (_is_local(source) and _is_local(prefix)):
+    return False
+  folder, name = os.path.split(source)
+  made = []
+  try:
+    for file_name in _files_of(folder, name):
+      target = prefix + file_name[len(name):]
+      os.link(os.path.join(folder, file_name), target)
+      made.append(target)
+  except OSError:
+    for target in made:
+      os.remove(target)
+    return False
+  return bool(made)
 
 
 def _fresh_name(name: str, listed: list) -> str:
@@ -295,9 +318,10 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
         pass
     self.epoch_logs.append(entry)
     state = self._state(epoch + 1)
-    if improved:
-      self.checkpoints.save(BEST, state)
-    self.last_saved = self.checkpoints.save(LAST, state)
+    best = self.checkpoints.save(BEST, state) if improved else None
+    # The same weights and state: `last` links best's files instead of writing them again (a third
+    # less disk per run, and one write of the weights per improving epoch instead of two).
+    self.last_saved = self.checkpoints.save(LAST, state, same_as=best)
 
   def save_interrupted(self, epoch: int, step: int, partial_logs: dict) -> str:
     """Saves `last` after `step` steps of epoch `epoch` (0-based): `--resume` continues from that step."""
