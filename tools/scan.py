@@ -199,7 +199,7 @@ def point_result(scan_dir: str, point: dict) -> dict:
               wall_seconds=round(summary.get("wall_seconds") or 0.0, 1))
 
 
-def plot(rows: list, path: str) -> None:
+def plot(rows: list, path: str, title: str, best: dict = None) -> None:
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
@@ -208,10 +208,15 @@ def plot(rows: list, path: str) -> None:
     done = sorted((row["learning_rate"], row["best_val_loss"]) for row in rows
                   if row["replicas"] == replicas and row["status"] == "finished")
     if done:
-      axes.plot(*zip(*done), marker="o", label="%d replica(s)" % replicas)
+      axes.plot(*zip(*done), marker="o", label="%d replica%s" % (replicas, "" if replicas == 1 else "s"))
+  if best:
+    axes.plot([best["learning_rate"]], [best["best_val_loss"]], marker="*", markersize=16, color="#d7191c",
+              linestyle="none", label="best: %s, %.4f" % (best["name"], best["best_val_loss"]))
   missing = [row for row in rows if row["status"] != "finished"]
+  axes.set_title(title, fontsize=10)
   if missing:
-    axes.set_title("not finished: " + ", ".join(row["name"] for row in missing), fontsize=8, color="red")
+    axes.text(0.5, 1.08, "not finished: " + ", ".join(row["name"] for row in missing), fontsize=8,
+              color="red", ha="center", transform=axes.transAxes)
   if any(row["status"] == "finished" and row["learning_rate"] > 0 for row in rows):
     axes.set_xscale("log")
   axes.set_xlabel("learning rate")
@@ -232,12 +237,16 @@ def report(scan_dir: str) -> int:
   table = {"points": rows, "best": best, "not_finished": [row["name"] for row in rows
                                                            if row["status"] != "finished"]}
   write_yaml(os.path.join(scan_dir, "scan.yaml"), table)
-  plot(rows, os.path.join(scan_dir, "scan.png"))
+  plot(rows, os.path.join(scan_dir, "scan.png"), "The best validation loss of each point of %s" % scan_dir,
+       best)
   print("%-24s %-9s %14s %10s" % ("point", "status", "best val loss", "test loss"))
   for row in rows:
     print("%-24s %-9s %14s %10s  %s" % (
         row["name"], row["status"], _number(row.get("best_val_loss")), _number(row.get("test_loss")),
         "exit %s: %s" % (row.get("returncode"), row.get("error")) if row["status"] == "failed" else ""))
+  if best:
+    print("best: %s, validation loss %.4f (epoch %s)" % (best["name"], best["best_val_loss"],
+                                                          best.get("best_val_epoch")))
   print("report: %s, %s" % (os.path.join(scan_dir, "scan.yaml"), os.path.join(scan_dir, "scan.png")))
   print("TensorBoard, one HParams row per point: " + tool_command("serve_tensorboard.py", scan_dir))
   if table["not_finished"]:

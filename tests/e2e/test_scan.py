@@ -47,6 +47,8 @@ def test_a_serial_scan_reports_every_point_and_lists_the_failed_one(tmp_path):
     assert trial == name and settings["replicas"] == 2
     assert settings["learning_rate"] == pytest.approx(rows[name]["learning_rate"])
   assert table["best"]["name"] in ("replicas2_lr0.001", "replicas2_lr0.003")
+  assert "best: %s, validation loss %.4f (epoch 1)" % (table["best"]["name"], table["best"]["best_val_loss"]) \
+      in result.stdout
   assert os.path.getsize(os.path.join(scan_dir, "scan.png")) > 10000
 
   # Run again: the finished points are skipped, the failed one is tried again (and fails again).
