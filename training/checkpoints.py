@@ -5,7 +5,9 @@ Each folder holds TensorFlow checkpoints (`<name>.index` + `<name>.data-*`, read
 newest one. A save never touches a checkpoint that the index names, so a job killed at any instant
 (SIGKILL, node failure, full disk) keeps the previous checkpoint intact:
 
-1. the checkpoint is written under a fresh name into a private staging folder (`.saving-*`);
+1. the checkpoint is written under a fresh name into a private staging folder (`.saving-*`); an
+   epoch's `last` that is also its new `best` hard-links best's files there instead, where the folder
+   allows links;
 2. its files are fsynced, renamed into the folder (data files first, `.index` last) and the folder is
    fsynced;
 3. the index is rewritten atomically (temporary file, fsync, rename, fsync of the folder);
