@@ -76,6 +76,7 @@ def compute_metrics(truth: np.ndarray, prediction: np.ndarray, par_names, baseli
   if len(par_names) != u.shape[1]:
     raise ValueError("%d parameter names for %d parameters" % (len(par_names), u.shape[1]))
   residual = z - u
+  predicted_mean = u.mean(axis=0) if baseline_mean is None else np.asarray(baseline_mean, np.float64)
   parameters = []
   for i, name in enumerate(par_names):
     r = pearson_r(u[:, i], z[:, i])
@@ -93,8 +94,7 @@ def compute_metrics(truth: np.ndarray, prediction: np.ndarray, par_names, baseli
   return {
       "num_samples": int(len(u)),
       "mse": float(np.mean(residual ** 2)),
-      "mean_predictor_mse": float(np.mean((u - (u.mean(axis=0) if baseline_mean is None
-                                                 else np.asarray(baseline_mean, np.float64))) ** 2)),
+      "mean_predictor_mse": float(np.mean((u - predicted_mean) ** 2)),
       "mean_predictor": "split mean" if baseline_mean is None else "training-set mean",
       "verdict_rule": {"statistic": "pearson_r", "learned_min_r": LEARNED_MIN_R, "weak_min_r": WEAK_MIN_R,
                        "rule": "learned if r >= %g; weak if %g <= r < %g; else not learned"
@@ -173,7 +173,8 @@ def _eval_split(config: RunConfig, backend: Backend, split: str, max_samples: in
   # takes a short last batch; on IPUs whole batches, of a size that divides each replica's share
   # where one does (data.splits.eval_layout).
   max_rows = max(max_samples, replicas) if max_samples else 0
-  rows = min(info.splits[key].num_samples, max_rows or info.splits[key].num_samples)
+  rows = info.splits[key].num_samples
+  rows = min(rows, max_rows) if max_rows else rows
   data_split = cellspike.split_from_file(info, key, config, eval_layout(backend.layout(batch), rows),
                                         first_epoch=0, shuffle=False, max_steps=0, max_rows=max_rows)
   return info, data_split

@@ -221,12 +221,13 @@ def training_mean(path: str):
     return np.asarray(f[key][:], np.float64).mean(axis=0) if key in f else None
 
 
-def mean_predictor_loss(path: str, split: str = "val") -> float:
-  """MSE on `split` of always predicting the training-set mean: the baseline a model must beat."""
+def mean_predictor_losses(path: str, splits=("val", "test")) -> dict:
+  """MSE on each of `splits` of always predicting the training-set mean: the baselines a model must
+  beat (the train split read once for all of them)."""
   mean = training_mean(path)
   with h5py.File(path, "r") as f:
-    targets = np.asarray(f[cellspike_file.TARGETS_KEY % split][:], np.float64)
-  return float(np.mean((targets - mean) ** 2))
+    targets = {split: np.asarray(f[cellspike_file.TARGETS_KEY % split][:], np.float64) for split in splits}
+  return {split: float(np.mean((values - mean) ** 2)) for split, values in targets.items()}
 
 
 def default_data_path(config: RunConfig) -> str:
@@ -308,6 +309,7 @@ def load(config: RunConfig, layout: BatchLayout, first_epoch: int = 0) -> Splits
     return split_from_file(info, split, config, eval_layout(layout, info.splits[split].num_samples),
                            first_epoch=0, shuffle=False, max_steps=config.eval_steps)
 
+  baselines = mean_predictor_losses(info.path, ("val", "test"))
   return Splits(
       train=train,
       validation=evaluation("val"),
@@ -316,8 +318,8 @@ def load(config: RunConfig, layout: BatchLayout, first_epoch: int = 0) -> Splits
       input_shape=info.input_shape,
       num_outputs=info.num_params,
       summary_extras={
-          "mean_predictor_val_loss": mean_predictor_loss(info.path, "val"),
-          "mean_predictor_test_loss": mean_predictor_loss(info.path, "test"),
+          "mean_predictor_val_loss": baselines["val"],
+          "mean_predictor_test_loss": baselines["test"],
           "par_names": list(info.par_names),
           "train_blocks": [list(block) for block in train.blocks],
           "input_meta": info.meta,
