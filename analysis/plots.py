@@ -266,6 +266,12 @@ def load_history(logdir: str) -> dict:
     for key in ("mean_predictor_val_loss", "best_val_epoch"):
       if summary.get(key) is not None:
         history[key] = summary[key]
+  path = os.path.join(logdir, "run_config.yaml")
+  if history and os.path.isfile(path):
+    with open(path) as f:
+      schedule = (yaml.safe_load(f) or {}).get("lr_schedule")
+    if schedule:
+      history["lr_schedule"] = schedule
   return history
 
 
@@ -275,6 +281,18 @@ def _plain_log_labels(ax) -> None:
   ax.yaxis.set_major_formatter(formatter)
   ax.yaxis.set_minor_formatter(formatter)
   ax.tick_params(axis="y", which="both", labelsize=10)
+
+
+def lr_axis_scale(history: dict) -> str:
+  """"log" for rates that span more than 3x in steps (reduce-on-plateau's factor-of-9 cuts), else "linear".
+
+  A cosine ends near 0 (2e-9 after the default job's last epoch), where a log axis would give that last
+  point most of the panel.
+  """
+  lrs = [v for v in history.get("lr") or [] if v and np.isfinite(v) and v > 0]
+  if lrs and max(lrs) / min(lrs) > 3 and history.get("lr_schedule") != "cosine":
+    return "log"
+  return "linear"
 
 
 def plot_training_curves(history: dict, outdir: str, title: str = "") -> str:
@@ -306,8 +324,7 @@ def plot_training_curves(history: dict, outdir: str, title: str = "") -> str:
                     fontsize=11)
   if history.get("lr"):
     ax_lr.plot(epochs, history["lr"], marker=marker, markersize=4, color="#1a9641")
-    lrs = [v for v in history["lr"] if v and np.isfinite(v) and v > 0]
-    if lrs and max(lrs) / min(lrs) > 3:
+    if lr_axis_scale(history) == "log":
       ax_lr.set_yscale("log")
     else:
       ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))

@@ -95,8 +95,8 @@ def select_backend(config: RunConfig) -> Backend:
   module.check_precision(config.precision)
   backend = module.create(config)
   policy = set_precision(config.precision, config.backend)
-  logging.info("Backend %s, %d replica(s) on %s (TensorFlow %s, Keras %s, precision %s)", backend.label,
-               backend.replicas, ", ".join(backend.devices), tf.__version__, keras_version(), policy)
+  logging.info("Backend %s, %d replica%s on %s (TensorFlow %s, Keras %s, precision %s)", backend.label,
+               backend.replicas, "" if backend.replicas == 1 else "s", ", ".join(backend.devices), tf.__version__, keras_version(), policy)
   if config.pipeline_stages > 1 and not backend.places_pipeline_stages:
     logging.info("Pipeline stages place the model on several IPUs; on %s the model runs whole, with the "
                  "same gradient accumulation (%d micro-batches per step)", backend.label,

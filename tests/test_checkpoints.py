@@ -144,7 +144,7 @@ def test_a_mid_epoch_resume_needs_the_same_batch_layout(tmp_path, monkeypatch):
   CheckpointCallback(checkpoints, LearningRateSchedule(1e-3, 0, 0.1, 1, 0), batch_layout=loop._batch_layout(  # pylint: disable=protected-access
       accumulating, dataclasses.replace(backend, gradient_accumulation=2))).save_interrupted(0, 40, {"loss": 0.5})
   ipu = ipu_backend.create(dataclasses.replace(accumulating, backend="ipu"))
-  with pytest.raises(UserError, match="on 1 replica.s.; this run has a global batch of 4 on 1 replica.s. in steps "
+  with pytest.raises(UserError, match="on 1 replica; this run has a global batch of 4 on 1 replica in steps "
                                       "of 2 rows .one micro-batch per replica."):
     loop._resume_state(accumulating, ipu)  # pylint: disable=protected-access
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import yaml
 
-from analysis import evaluation
+from analysis import evaluation, plots
 from run_config import RunConfig
 from tests.support.cellspike_files import PAR_NAMES
 
@@ -98,3 +98,24 @@ def test_export_computes_as_the_application_at_its_precision(tmp_path, precision
   info = yaml.safe_load(open(os.path.join(export_dir, "export_info.yaml")))
   assert info["batch_norm_statistics"] == statistics
   assert ("each call's batch" in info.get("note", "")) == (statistics == "batch")
+
+
+# --- Training curves ------------------------------------------------------------------------------------
+
+def _summary_only_run(tmp_path, lr, schedule):
+  (tmp_path / "summary.yaml").write_text(yaml.safe_dump({"history": {"loss": [0.3, 0.2, 0.1], "lr": lr}}))
+  if schedule:
+    (tmp_path / "run_config.yaml").write_text(yaml.safe_dump({"lr_schedule": schedule, "epochs": 3}))
+  return str(tmp_path)
+
+
+@pytest.mark.parametrize("lr, schedule, scale", [
+    ([7.5e-4, 2.5e-4, 2.35e-9], "cosine", "linear"),   # the default job: a log axis would be mostly 1e-9
+    ([1e-3, 1.1e-4, 1.2e-5], "plateau", "log"),        # reduce-on-plateau's cuts
+    ([1e-3, 1.1e-4, 1.2e-5], None, "log"),             # a run folder without run_config.yaml
+    ([1e-3, 1e-3, 5e-4], "plateau", "linear")])        # within 3x
+def test_learning_rate_axis_follows_the_schedule(tmp_path, lr, schedule, scale):
+  history = plots.load_history(_summary_only_run(tmp_path, lr, schedule))
+  assert history.get("lr_schedule") == schedule
+  assert plots.lr_axis_scale(history) == scale
+  assert os.path.isfile(plots.plot_training_curves(history, str(tmp_path)))

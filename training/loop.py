@@ -129,7 +129,8 @@ def _batch_layout(config: RunConfig, backend: Backend) -> dict:
 
 
 def _describe_layout(layout: dict) -> str:
-  text = "a global batch of %d on %d replica(s)" % (layout["global_batch"], layout["replicas"])
+  replicas = layout["replicas"]
+  text = "a global batch of %d on %d replica%s" % (layout["global_batch"], replicas, "" if replicas == 1 else "s")
   if layout.get("rows_per_step") not in (None, layout["global_batch"]):
     text += " in steps of %d rows (one micro-batch per replica)" % layout["rows_per_step"]
   return text
