@@ -1,9 +1,10 @@
 """Command-line flags: definitions, parse-time validation, and the one conversion to `RunConfig`.
 
 Only `main.py` (and `tools/` entry points) read `FLAGS`; they call `to_config(FLAGS)` once and pass the
-frozen result down. Flags whose default depends on the model (batch size, epochs, learning rate,
-optimizer) default to None here and take the model's registry defaults in `to_config`. This module must
-not import TensorFlow: start-up variables are set from the parsed flags before TensorFlow loads.
+frozen result down. Flags whose default depends on the model (`MODEL_DEFAULTED`: batch size, epochs,
+learning rate, optimizer, dropout, warm-up, schedule) default to None here and take the model's registry
+defaults in `to_config`. This module must not import TensorFlow: start-up variables are set from the
+parsed flags before TensorFlow loads.
 """
 
 import dataclasses
@@ -80,8 +81,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   _on.DEFINE_integer("epochs", None, "Training epochs (default: the model's).", lower_bound=1)
   _on.DEFINE_float("learning_rate", None, "Optimizer learning rate (default: the model's).")
   _on.DEFINE_enum("optimizer", None, OPTIMIZERS, "Optimizer (default: the model's).")
-  _on.DEFINE_float("dropout", None, "Dropout rate after each hidden dense layer, in [0, 1) (default: the "
-                   "model's; neuron_inverter's is 0 for its short default job, the reference's 0.05 is in "
+  _on.DEFINE_float("dropout", None, "Dropout rate in [0, 1): neuron_inverter's after each hidden dense "
+                   "layer, mnist's on the flattened convolution features (default: the model's; "
+                   "neuron_inverter's is 0 for its short default job, the reference's 0.05 is in "
                    "configs/neuron_inverter_reference.flags).", lower_bound=0.0, upper_bound=1.0)
   _on.DEFINE_string("data_path", None, "Dataset location. mnist: a folder with the four IDX files. "
                       "neuron_inverter: a cellSpike .h5 file, or a folder with the meta yaml (needs "
@@ -138,9 +140,9 @@ def _define_neuron_inverter_flags() -> None:
   _on.DEFINE_integer("lr_patience", _default("lr_patience"), "Reduce-on-plateau patience (epochs).", lower_bound=0)
   _on.DEFINE_integer("lr_cooldown", _default("lr_cooldown"), "Reduce-on-plateau cooldown (epochs).", lower_bound=0)
   _on.DEFINE_bool("resume", _default("resume"), "Continue the run in --logdir from its last checkpoint.")
-  _on.DEFINE_bool("predict", _default("predict"), "After training, evaluate the best checkpoint on the test split and "
-                    "write <logdir>/predict (sum_pred.yaml, truth-vs-prediction, residual and training-curve "
-                    "PNGs), as tools/predict.py does.")
+  _on.DEFINE_bool("predict", _default("predict"), "After training, evaluate the best checkpoint (else the "
+                    "last) on the test split and write <logdir>/predict (sum_pred.yaml, "
+                    "truth-vs-prediction, residual and training-curve PNGs), as tools/predict.py does.")
 
 
 def _define_placement_flags() -> None:
