@@ -286,8 +286,8 @@ def generate_dataset(out_dir: str, cell_name: str = "synth", num_train: int = 20
     logging.info("removed %s, the partial file of a generation on this host that was killed", stale)
   _check_free_space(out_dir, _file_bytes(counts, dtype), label)
   started = time.time()
-  logging.info("generating %s: %d train, %d val, %d test samples, seed %d, %s, %d worker(s)",
-               path, num_train, num_val, num_test, seed, "fp16" if fp16 else "fp32", workers)
+  logging.info("generating %s: %d train, %d val, %d test samples, seed %d, %s, %d worker%s", path,
+               num_train, num_val, num_test, seed, "fp16" if fp16 else "fp32", workers, "" if workers == 1 else "s")
   tmp = atomic_files.temporary_name(path)
   try:
     h5 = h5py.File(tmp, "w")

@@ -43,8 +43,9 @@ def create(config: RunConfig) -> Backend:
   replicas = config.replicas
   gpus = visible_gpus()
   if len(gpus) < replicas:
-    raise UserError("--replicas=%d needs %d GPU(s) but TensorFlow sees %d (check CUDA_VISIBLE_DEVICES "
-                    "and that a CUDA-enabled TensorFlow is installed)" % (replicas, replicas, len(gpus)))
+    raise UserError("--replicas=%d needs %d GPU%s but TensorFlow sees %d (check CUDA_VISIBLE_DEVICES "
+                    "and that a CUDA-enabled TensorFlow is installed)"
+                    % (replicas, replicas, "" if replicas == 1 else "s", len(gpus)))
   for gpu in gpus:
     # Allocate as needed so that several processes (e.g. one per GPU under Slurm) can coexist.
     tf.config.experimental.set_memory_growth(gpu, True)
