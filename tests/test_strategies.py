@@ -76,9 +76,10 @@ def test_replicas_on_as_many_cores_run_their_ops_side_by_side(replicas, cores, e
 
 def test_gpu_replicas_need_visible_gpus():
   visible = len(tf.config.list_physical_devices("GPU"))
-  with pytest.raises(UserError, match=r"--replicas=%d needs %d GPU\(s\) but TensorFlow sees %d"
-                     % (visible + 1, visible + 1, visible)):
-    select.select_backend(RunConfig(model="mnist", backend="gpu", replicas=visible + 1))
+  wanted = visible + 1
+  with pytest.raises(UserError, match=r"--replicas=%d needs %d %s but TensorFlow sees %d"
+                     % (wanted, wanted, "GPU" if wanted == 1 else "GPUs", visible)):
+    select.select_backend(RunConfig(model="mnist", backend="gpu", replicas=wanted))
 
 
 def test_ipu_without_graphcore_tensorflow_says_what_to_install():
