@@ -190,8 +190,13 @@ def parse_flags(argv):
   try:
     return flags.FLAGS(argv)
   except flags.Error as error:
-    sys.stderr.write("%s: error: %s\n" % (os.path.basename(argv[0]), " ".join(str(error).split())))
-    sys.exit(2)
+    # absl's CantOpenFlagFileError starts "ERROR:: "; after our "error: " once is enough.
+    message = " ".join(str(error).split())
+    message = message[len("ERROR:: "):] if message.startswith("ERROR:: ") else message
+    _flag_error(argv, message)
+  except UnicodeDecodeError as error:  # absl reads a --flagfile as UTF-8 text
+    _flag_error(argv, "a --flagfile is not a text file of flags (%s): %s" % (
+        error.reason, " ".join(arg for arg in argv[1:] if arg.split("=")[0].lstrip("-") == "flagfile")))
   except SystemExit as stop:  # absl's HelpFlag.parse: the usage, then sys.exit(1)
     if stop.code == 1 and any(arg.split("=")[0] in HELP_FLAGS for arg in argv[1:]):
       sys.exit(0)
@@ -199,6 +204,19 @@ def parse_flags(argv):
   except BrokenPipeError:  # `--help | head`: the reader has what it wanted (the Python docs' recipe)
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
     sys.exit(0)
+
+
+def _flag_error(argv, message: str) -> None:
+  sys.stderr.write("%s: error: %s\n" % (os.path.basename(argv[0]), message))
+  sys.exit(2)
+
+
+def refuse_arguments(argv) -> None:
+  """For programs that take flags only: words left after absl's parse (a forgotten `--`, a stray path)
+  are one `error:` line and exit status 2, where absl's UsageError would print the whole --help first."""
+  if len(argv) > 1:
+    _flag_error(argv, "unexpected argument%s %s: this program takes flags only, as --name=value (--help "
+                      "lists them)" % ("" if len(argv) == 2 else "s", " ".join(argv[1:])))
 
 
 def existing_file(path: str) -> str:

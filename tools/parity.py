@@ -102,9 +102,12 @@ def reference_command(args, data: str, seed: int) -> list:
 
 
 def ours_command(args, data: str, seed: int, precision: str, logdir: str, schedule: str = "plateau") -> list:
+  shared = shared_flags(args, data, seed)
+  if schedule != "plateau":  # main.py refuses reduce-on-plateau's settings with a schedule that ignores them
+    shared = [flag for flag in shared if not flag.startswith(("--lr_factor=", "--lr_patience=", "--lr_cooldown="))]
   return [sys.executable, os.path.join(REPO, "main.py"), "--model=neuron_inverter", "--replicas=1",
           "--in_memory", "--logdir=" + logdir, "--precision=" + precision, "--lr_schedule=" + schedule,
-          "--optimizer=adam", "--dropout=%g" % DESIGNS["ontra4"]["dropout"]] + shared_flags(args, data, seed)
+          "--optimizer=adam", "--dropout=%g" % DESIGNS["ontra4"]["dropout"]] + shared
 
 
 def run_reference(args, data: str, seed: int) -> dict:

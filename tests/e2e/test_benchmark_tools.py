@@ -198,7 +198,12 @@ def test_parity_runs_both_sides_on_the_references_schedule(tmp_path):
   config = flags.to_config(values)
   assert (config.lr_schedule, config.optimizer, config.replicas, config.in_memory) == ("plateau", "adam", 1, True)
   cosine = parity.ours_command(args, data, 4, "32.32", str(tmp_path / "run"), schedule="cosine")
-  assert cosine == [a.replace("--lr_schedule=plateau", "--lr_schedule=cosine") for a in ours]
+  assert cosine == [a.replace("--lr_schedule=plateau", "--lr_schedule=cosine") for a in ours
+                    if not a.startswith(("--lr_factor=", "--lr_patience=", "--lr_cooldown="))]
+  values = absl_flags.FlagValues()
+  flags.define_flags(values)
+  values(["main.py"] + cosine[2:])
+  assert flags.to_config(values).lr_schedule == "cosine"   # main.py takes the cosine run's flags
   with pytest.raises(SystemExit):
     parity.parse_args(["--schedules=plateau,linear"])
   assert (config.epochs, config.seed, config.batch_size, config.learning_rate, config.warmup_epochs) == (
