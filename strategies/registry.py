@@ -47,6 +47,13 @@ FLAG_RULES = {
     "ipu": pipeline_rules.ipu_flag_problem,
 }
 
+# Settings that only a backend's hardware reads: backend name -> RunConfig fields. On another backend a
+# value other than the default is without effect, and the log says so (select.py); not an error, as an
+# IPU user's flag file also serves runs on a CPU.
+BACKEND_ONLY_FIELDS = {
+    "ipu": ("ipu_connection", "ipu_model", "available_memory_proportion", "stochastic_rounding"),
+}
+
 # The backends that use CUDA: for the others, TensorFlow's failed CUDA probe is noise, dropped from
 # the log on machines without an NVIDIA device (strategies/environment.py).
 USES_CUDA = ("gpu",)

@@ -15,7 +15,7 @@ from absl import logging
 from errors import UserError
 from run_config import RunConfig
 from strategies.backend import Backend
-from strategies.registry import BACKENDS
+from strategies.registry import BACKEND_ONLY_FIELDS, BACKENDS
 
 
 def backend_module(kind: str):
@@ -87,6 +87,21 @@ def set_precision(precision: str, kind: str) -> str:
   return policy
 
 
+def other_backends_settings(config: RunConfig) -> dict:
+  """{backend: [flags]}: settings given for another backend's hardware, which this run ignores."""
+  defaults = {field.name: field.default for field in dataclasses.fields(RunConfig)}
+  given = {name: ["--%s=%s" % (field, getattr(config, field)) for field in fields
+                  if getattr(config, field) != defaults[field]]
+           for name, fields in BACKEND_ONLY_FIELDS.items() if name != config.backend}
+  return {name: flags for name, flags in given.items() if flags}
+
+
+def _warn_other_backends_settings(config: RunConfig, label: str) -> None:
+  for name, given in other_backends_settings(config).items():
+    logging.warning("%s: %s setting%s, without effect on %s", ", ".join(given), name.upper(),
+                    "" if len(given) == 1 else "s", label)
+
+
 def select_backend(config: RunConfig) -> Backend:
   """Returns the backend for `config.backend` with `config.replicas` data-parallel replicas."""
   check_keras_2()
@@ -96,7 +111,9 @@ def select_backend(config: RunConfig) -> Backend:
   backend = module.create(config)
   policy = set_precision(config.precision, config.backend)
   logging.info("Backend %s, %d replica%s on %s (TensorFlow %s, Keras %s, precision %s)", backend.label,
-               backend.replicas, "" if backend.replicas == 1 else "s", ", ".join(backend.devices), tf.__version__, keras_version(), policy)
+               backend.replicas, "" if backend.replicas == 1 else "s", ", ".join(backend.devices),
+               tf.__version__, keras_version(), policy)
+  _warn_other_backends_settings(config, backend.label)
   if config.pipeline_stages > 1 and not backend.places_pipeline_stages:
     logging.info("Pipeline stages place the model on several IPUs; on %s the model runs whole, with the "
                  "same gradient accumulation (%d micro-batches per step)", backend.label,

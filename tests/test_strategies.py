@@ -1,5 +1,6 @@
 """Backend selection: CPU replicas as logical devices, clear errors for missing GPUs and IPU software."""
 
+import dataclasses
 import inspect
 import json
 import os
@@ -375,3 +376,14 @@ def test_slurm_variables_that_are_not_numbers_are_one_user_error(monkeypatch, va
   with pytest.raises(UserError, match="%s=.* is not a whole number" % name):
     source = multiworker.cluster_source()
     multiworker.slurm_cluster.resolver("cpu") if source == "slurm" else None
+
+
+def test_settings_for_another_backends_hardware_are_named_in_the_log():
+  """--ipu_model and friends mean nothing on a CPU: not an error (an IPU user's flag file also serves CPU
+  runs), but the log names them."""
+  config = RunConfig(model="mnist", backend="cpu", precision="32.32", ipu_model=True,
+                     available_memory_proportion=0.3)
+  assert select.other_backends_settings(config) == {
+      "ipu": ["--ipu_model=True", "--available_memory_proportion=0.3"]}
+  assert select.other_backends_settings(dataclasses.replace(config, backend="ipu")) == {}
+  assert select.other_backends_settings(RunConfig(model="mnist", backend="cpu")) == {}
