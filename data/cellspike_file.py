@@ -124,6 +124,9 @@ def resolve(data_path: str, cell_name, probe_type: str):
                                                                     probe_type))
   info = _read_yaml(yaml_path)
   template = str(info["h5nameTemplate"])
+  if template.count("*") != 1:  # the * is where --cell_name goes: without it every cell is one file
+    raise UserError("%s: h5nameTemplate %r has no single * for --cell_name to fill, so it cannot pick a "
+                    "cell's file (pass the .h5 file itself as --data_path)" % (yaml_path, template))
   if not cell_name:
     raise UserError("--data_path=%s is a folder: --cell_name is needed to pick the file (%s)"
                     % (data_path, _cells_in(data_path, template)))

@@ -84,6 +84,15 @@ def test_folder_resolution_through_meta_yaml(tmp_path):
     cellspike_file.resolve(str(tmp_path), "cellA", "other")
 
 
+def test_a_template_without_a_star_cannot_pick_a_cell(tmp_path):
+  """Every --cell_name used to pick the template's one file, whatever the name."""
+  write_meta_yaml(str(tmp_path / "meta.cellSpike_excite_4prB8kHz.yaml"), template="c1_x.h5")
+  write_cellspike(str(tmp_path / "c1_x.h5"))
+  with pytest.raises(UserError, match=r"h5nameTemplate 'c1_x.h5' has no single \* for --cell_name"):
+    cellspike_file.resolve(str(tmp_path), "zzz", "excite_4prB8kHz")
+  assert cellspike_file.resolve(str(tmp_path / "c1_x.h5"), None, "excite_4prB8kHz")[0].endswith("c1_x.h5")
+
+
 def test_meta_yaml_problems(tmp_path):
   yaml_path = tmp_path / "meta.cellSpike_excite_4prB8kHz.yaml"
   write_cellspike(str(tmp_path / "cellA_excite.cellSpike_4prB8kHz.data.h5"))
