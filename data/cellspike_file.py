@@ -238,7 +238,9 @@ def _read_meta_json(f: h5py.File, path: str) -> dict:
   if isinstance(f["meta.JSON"], h5py.Dataset):
     _check_storage(f["meta.JSON"], path, "meta.JSON")
   try:
-    raw = f["meta.JSON"][0]
+    record = f["meta.JSON"]
+    # The format's 1-element string array, or the same string stored as a scalar (h5py's default).
+    raw = record[()] if isinstance(record, h5py.Dataset) and record.shape == () else record[0]
     meta = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
   except RecursionError:
     raise UserError("%s: 'meta.JSON' is nested too deeply to be a cellSpike meta record" % path) from None

@@ -1,5 +1,6 @@
 """Validation of cellSpike files on open: every malformation is one UserError naming file and key."""
 
+import json
 import os
 
 import h5py
@@ -200,4 +201,19 @@ def test_a_deeply_nested_meta_json_is_named(tmp_path):
     del f["meta.JSON"]
     f.create_dataset("meta.JSON", data=["[" * 100000 + "]" * 100000], dtype=h5py.special_dtype(vlen=str))
   with pytest.raises(UserError, match="'meta.JSON' is nested too deeply"):
+    cellspike_file.open_cellspike(path)
+
+
+def test_meta_json_as_a_scalar_string_is_read_and_a_list_is_named(tmp_path):
+  """h5py stores a plain Python string as a scalar dataset; reading it as the format's 1-element array
+  used to fail with "Illegal slicing argument for scalar dataspace"."""
+  path = write_cellspike(str(tmp_path / "a.h5"))
+  with h5py.File(path, "a") as f:
+    del f["meta.JSON"]
+    f["meta.JSON"] = json.dumps({"simu": {"cell": "scalar"}})
+  assert cellspike_file.open_cellspike(path).meta["simu"] == {"cell": "scalar"}
+  with h5py.File(path, "a") as f:
+    del f["meta.JSON"]
+    f["meta.JSON"] = "[1, 2, 3]"
+  with pytest.raises(UserError, match="'meta.JSON' holds a list, expected a JSON object"):
     cellspike_file.open_cellspike(path)
