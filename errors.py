@@ -219,6 +219,31 @@ def refuse_arguments(argv) -> None:
                       "lists them)" % ("" if len(argv) == 2 else "s", " ".join(argv[1:])))
 
 
+def check_output_path(flag: str, path: str, folder: bool = False) -> None:
+  """Before a tool's work: that `path`, given as `flag`, can be written -- a file in an existing folder,
+  or with `folder` a folder (created with its parents if missing). A mistyped or unwritable path is
+  then a UserError at once, not a traceback after the work is done. Nothing is created here."""
+  given = "%s=%s" % (flag, path)
+  if os.path.exists(path) and os.path.isdir(path) != folder:
+    raise UserError("%s is a %s; expected %s" % (given, "folder" if os.path.isdir(path) else "file",
+                                                 "a folder (created if missing)" if folder else "a file name"))
+  if folder:  # the nearest existing folder: os.makedirs creates the rest below it
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+      existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+      raise UserError("%s: %s is not a folder, so no folder can be created below it" % (given, existing))
+  else:  # open() creates no folder
+    existing = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(existing):
+      raise UserError("%s: %s; expected a file name in an existing folder" % (
+          given, ("%s is not a folder" if os.path.exists(existing) else "no folder %s exists") % existing))
+    if os.path.exists(path):
+      existing = path
+  if not os.access(existing, os.W_OK | (os.X_OK if os.path.isdir(existing) else 0)):
+    raise UserError("%s: %s cannot be written (permission denied)" % (given, existing))
+
+
 def existing_file(path: str) -> str:
   """An argparse `type` for a file that must exist (argparse then names the argument)."""
   if not os.path.isfile(path):

@@ -29,7 +29,7 @@ import model as model_registry
 from analysis import events
 from data import cellspike
 from data.splits import eval_layout
-from errors import UserError
+from errors import UserError, check_output_path
 from run_config import RunConfig
 from stderr_lines import DroppedLines
 from strategies.backend import Backend
@@ -214,8 +214,8 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
     raise UserError("unknown split %r; valid splits: test, validation, train" % split)
   outdir = outdir or os.path.join(config.logdir, PREDICT_DIR)
   for flag, folder in (("--outdir", outdir), ("--export_dir", export_dir)):
-    if folder and os.path.exists(folder) and not os.path.isdir(folder):
-      raise UserError("%s=%s is a file; expected a folder (created if missing)" % (flag, folder))
+    if folder:  # before the evaluation, not in os.makedirs after it
+      check_output_path(flag, folder, folder=True)
   checkpoint = checkpoints_lib.best_or_last(config.logdir)
   state = checkpoints_lib.peek_state(checkpoint, purpose="predict")
   info, data_split = _eval_split(config, backend, split, max_samples)

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from tests.support.helpers import REPO_ROOT
+from errors import UserError
+from tests.support.helpers import REPO_ROOT, assert_one_line_error
 from analysis.events import read_scalars
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
@@ -63,3 +64,31 @@ def test_the_command_line_runs_a_command_and_says_nothing_of_its_own(tmp_path):
   if not glob.glob("/dev/nvidia[0-9]*"):
     assert result.stderr == ""
   assert read_scalars(str(tmp_path / "monitor"))["host/cpu_percent"]
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("logdir_is_a_file", "--logdir={a_file} is a file; expected a folder (created if missing)"),
+    ("no_such_command", "/nonexistent/cmd: command not found (not an executable file)"),
+    ("not_on_the_path", "nonexistent-cmd: command not found (not an executable file on the PATH)"),
+])
+def test_what_would_fail_after_tensorflows_start_is_one_error_first(tmp_path, case, expected):
+  a_file = str(tmp_path / "a_file")
+  with open(a_file, "w") as f:
+    f.write("x")
+  logdir = a_file if case == "logdir_is_a_file" else str(tmp_path)
+  command = {"no_such_command": ["/nonexistent/cmd"], "not_on_the_path": ["nonexistent-cmd", "-x"]}.get(
+      case, [sys.executable, "-c", "pass"])
+  with pytest.raises(UserError) as error:
+    monitor.monitor(logdir, 0.1, 0, "host", [], command)
+  assert str(error.value) == expected.format(a_file=a_file)
+  assert not os.path.exists(os.path.join(str(tmp_path), "monitor"))
+
+
+@pytest.mark.parametrize("flag", ["--interval=inf", "--interval=nan", "--duration=inf", "--duration=nan"])
+def test_an_endless_or_undefined_time_is_a_flag_error(tmp_path, flag):
+  """time.sleep(inf) overflowed after TensorFlow's start, and a nan duration never ended."""
+  result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "monitor.py"),
+                           "--logdir=%s" % tmp_path, flag], capture_output=True, text=True, timeout=30)
+  assert result.returncode == 2
+  assert_one_line_error(result, "monitor.py: error: flag %s: --%s must be a finite number of seconds"
+                        % (flag, flag[2:].split("=")[0]))

@@ -1,10 +1,17 @@
-"""The closing report's next commands: the resume line repeats the run's own flags."""
+"""The closing report's next commands: the resume line repeats the run's own flags. The saved run
+configuration that tools/predict.py reloads, and the output paths the tools check before their work."""
 
 import os
 import shlex
 
-from training.summary import (RESUBMIT_VARIABLE, closing_report, interrupted_report, python_command,
-                              resume_command)
+import pytest
+import yaml
+
+from errors import UserError
+from run_config import RunConfig
+from training.summary import (RESUBMIT_VARIABLE, RUN_CONFIG_FILE, closing_report,
+                              interrupted_report, load_run_config, python_command, resume_command,
+                              write_run_config, write_yaml)
 
 
 def test_resume_command_keeps_the_runs_flags_and_replaces_logdir_epochs_and_resume():
@@ -105,3 +112,54 @@ def test_a_job_scripts_run_is_continued_by_submitting_the_job_again(monkeypatch)
   monkeypatch.delenv(RESUBMIT_VARIABLE)
   assert interrupted_report(argv, "logs/j", 2).splitlines()[1].split()[1:3] == ["main.py",
                                                                                "--model=neuron_inverter"]
+
+
+def _saved_run(tmp_path, drop=(), **edits):
+  """A run folder whose run_config.yaml is a real one, with the keys `drop` removed and `edits` set."""
+  logdir = str(tmp_path / "run")
+  os.makedirs(logdir)
+  path = write_run_config(logdir, RunConfig(model="neuron_inverter", design="dev", logdir=logdir))
+  with open(path) as f:
+    saved = yaml.safe_load(f)
+  saved.update(edits)
+  for key in drop:
+    del saved[key]
+  write_yaml(path, saved)
+  return logdir, path
+
+
+@pytest.mark.parametrize("text, found", [("42\n", "the single value 42"), ("", "nothing"),
+                                         ("- model\n", "a list")])
+def test_a_run_config_that_is_no_mapping_is_refused_not_skipped_for_summary_yaml(tmp_path, text, found):
+  logdir, path = _saved_run(tmp_path)
+  write_yaml(os.path.join(logdir, "summary.yaml"), {"params": {"model": "neuron_inverter"}})
+  with open(path, "w") as f:
+    f.write(text)
+  with pytest.raises(UserError) as error:
+    load_run_config(logdir)
+  assert str(error.value) == "%s: holds %s; expected a mapping of flag names to values, as main.py " \
+      "writes it" % (path, found)
+
+
+@pytest.mark.parametrize("edit, said", [({"model": None}, "null"), ({"drop": ["model"]}, "missing")])
+def test_a_run_config_without_its_model_is_refused(tmp_path, edit, said):
+  """Not the command line's default model (mnist), which the evaluation then blamed for not being one."""
+  logdir, path = _saved_run(tmp_path, **edit)
+  with pytest.raises(UserError, match="^%s: model is %s; expected the model the run trained "
+                                      r"\(mnist\|neuron_inverter\)$" % (path, said)):
+    load_run_config(logdir)
+
+
+def test_unknown_and_missing_keys_of_a_run_config_are_named_in_warnings(tmp_path, caplog):
+  """Kept working for older and newer runs, but a typo (`desgin:`) says what it did."""
+  logdir, path = _saved_run(tmp_path, drop=["design"], desgin="dev", seed=None)
+  caplog.set_level("WARNING", logger="absl")
+  config = load_run_config(logdir)
+  assert config.design == "ontra4" and config.seed == 42
+  assert [record.getMessage() for record in caplog.records] == [
+      "%s: ignoring desgin, not settings of this version of the application (a typo, or a run of "
+      "another version)" % path,
+      "%s: has no value for seed, design; using the defaults seed=42, design=ontra4" % path]
+  caplog.clear()
+  logdir, _ = _saved_run(tmp_path / "intact")
+  assert load_run_config(logdir).design == "dev" and not caplog.records  # a run's own file: no warning

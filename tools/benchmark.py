@@ -341,6 +341,9 @@ def _training_rounds(design: str, rows: dict, data_path: str) -> None:
 
 def main(argv):
   del argv
+  if FLAGS.json and not FLAGS.child:  # checked first: a mistyped path would fail after the benchmark
+    from errors import check_output_path  # pylint: disable=import-outside-toplevel
+    check_output_path("--json", FLAGS.json)
   config = _prepare()  # the parent too: it may generate the built-in dataset
   FLAGS.precisions = _resolved_precisions(FLAGS.precisions)
   if FLAGS.child:

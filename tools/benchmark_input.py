@@ -150,6 +150,9 @@ def main(argv):
   del argv
   from run_config import RunConfig  # pylint: disable=import-outside-toplevel
   from strategies import environment  # pylint: disable=import-outside-toplevel
+  from errors import check_output_path  # pylint: disable=import-outside-toplevel
+  if FLAGS.json:  # checked first: a mistyped path would fail after the benchmark
+    check_output_path("--json", FLAGS.json)
   config = RunConfig(model="neuron_inverter", data_path=FLAGS.data_path, batch_size=FLAGS.batch_size,
                      in_memory=FLAGS.in_memory, read_chunk=FLAGS.read_chunk,
                      shuffle_buffer=FLAGS.shuffle_buffer)

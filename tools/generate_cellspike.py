@@ -2,10 +2,12 @@
 
     python tools/generate_cellspike.py --out_dir=DIR [--cell_name=synth] [--num_train=20000]
         [--num_val=2000] [--num_test=2000] [--seed=0] [--fp16] [--probe_type=excite_4prB8kHz]
-        [--workers=0] [--batch_size=1024] [--sensitivity [--sensitivity_draws=8]]
+        [--workers=0] [--batch_size=1024] [--overwrite] [--sensitivity [--sensitivity_draws=8]]
 
 Writes DIR/<cell_name>_excite.cellSpike_4prB8kHz.data.h5 and DIR/meta.cellSpike_<probe_type>.yaml
-(see data/cellspike_generate.py). `--sensitivity` prints how much each of the 15 parameters changes the
+(see data/cellspike_generate.py). A cell's .h5 file already there is replaced only with --overwrite;
+the meta yaml, which the folder's cells share, is rewritten (the keys the loaders read are the same
+for every cell). `--sensitivity` prints how much each of the 15 parameters changes the
 traces (relative RMS change for u_k = -0.8 vs +0.8); without --out_dir it prints only that table.
 """
 
@@ -14,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from errors import UserError, parse_flags, report_missing_packages, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
+from errors import UserError, parse_flags, refuse_arguments, report_missing_packages, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
@@ -44,20 +46,30 @@ def define_flags():
   flags.DEFINE_integer("workers", 0, "Simulation processes; 0 = one per core this process may use (its "
                        "affinity, capped by a cgroup CPU quota). Same output for any value.",
                        lower_bound=0)
+  flags.DEFINE_bool("overwrite", False, "Replace the cell's dataset if --out_dir already holds one.")
   flags.DEFINE_bool("progress", True, "Progress line on stderr.")
   flags.DEFINE_bool("sensitivity", False, "Print the per-parameter sensitivity table.")
   flags.DEFINE_integer("sensitivity_draws", 8, "Random base cells behind the sensitivity table.",
                        lower_bound=1)
 
 
+def refuse_to_overwrite(out_dir: str, cell_name: str, overwrite: bool) -> None:
+  """A dataset that runs may have been trained on is replaced only when asked. (This tool's rule only:
+  main.py's built-in dataset calls data/cellspike_generate.py itself, when its file is missing.)"""
+  path = os.path.join(out_dir, cellspike_generate.h5_name(cell_name))
+  if os.path.exists(path) and not overwrite:
+    raise UserError("--out_dir=%s already holds %s: pass --overwrite to replace it, or choose another "
+                    "--out_dir or --cell_name" % (out_dir, os.path.basename(path)))
+
+
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError("unexpected arguments: %s" % " ".join(argv[1:]))
+  refuse_arguments(argv)
   logging.set_verbosity(logging.INFO)
   with reported_on_one_line():
     if FLAGS.out_dir is None and not FLAGS.sensitivity:
       raise UserError("--out_dir is required (or --sensitivity alone for the table)")
     if FLAGS.out_dir is not None:
+      refuse_to_overwrite(FLAGS.out_dir, FLAGS.cell_name, FLAGS.overwrite)
       path = cellspike_generate.generate_dataset(
           FLAGS.out_dir, cell_name=FLAGS.cell_name, num_train=FLAGS.num_train, num_val=FLAGS.num_val,
           num_test=FLAGS.num_test, seed=FLAGS.seed, fp16=FLAGS.fp16, probe_type=FLAGS.probe_type,

@@ -7,9 +7,11 @@ Every `--interval` seconds it samples the IPUs (`gc-info -d <id> --device-info`:
 temperature, board power, clock -- the attributes gc-monitor shows), the GPUs (`nvidia-smi`'s CSV query)
 or, always, the host (CPU and memory, psutil), and writes them as TensorBoard scalars under
 `<logdir>/monitor`, beside the run's own curves. With a command after `--` it runs that command and
-samples until it exits, returning its exit status.
+samples until it exits, returning its exit status; without one, it samples for `--duration` seconds,
+or with none given until Ctrl-C.
 """
 
+import math
 import os
 import re
 import shutil
@@ -19,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from errors import parse_flags, report_missing_packages, with_one_line_errors  # noqa: E402  pylint: disable=wrong-import-position
+from errors import UserError, parse_flags, report_missing_packages, with_one_line_errors  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
@@ -29,8 +31,11 @@ def define_flags() -> None:
   """Flags only when run as a program: tests import this module beside main.py's flags."""
   flags.DEFINE_string("logdir", None, "Run folder; samples go to <logdir>/monitor.", required=True)
   flags.DEFINE_float("interval", 5.0, "Seconds between samples.", lower_bound=0.1)
-  flags.DEFINE_float("duration", 0.0, "Stop after this many seconds (0: until the command exits).",
-                     lower_bound=0.0)
+  flags.DEFINE_float("duration", 0.0, "Stop after this many seconds (0: until the command exits; without "
+                     "a command, until Ctrl-C).", lower_bound=0.0)
+  # The bounds let inf and nan through: time.sleep(inf) overflows, and a nan duration never ends.
+  for name in ("interval", "duration"):
+    flags.register_validator(name, math.isfinite, message="--%s must be a finite number of seconds" % name)
   flags.DEFINE_enum("source", "auto", ["auto", "ipu", "gpu", "host"], "What to sample besides the host: "
                     "auto picks IPUs if gc-info exists, else GPUs if nvidia-smi exists.")
   flags.DEFINE_list("ipu_ids", ["0"], "IPU device ids for gc-info (see gc-info -l).")
@@ -110,8 +115,18 @@ def resolve_source(requested: str) -> str:
   return "gpu" if shutil.which("nvidia-smi") else "host"
 
 
+def check_arguments(logdir, command) -> None:
+  """What would fail only after TensorFlow's start (the summary writer, Popen): one line, at once."""
+  from errors import check_output_path  # pylint: disable=import-outside-toplevel
+  check_output_path("--logdir", logdir, folder=True)
+  if command and not shutil.which(command[0]):
+    raise UserError("%s: command not found (not an executable file%s)" % (
+        command[0], "" if os.sep in command[0] else " on the PATH"))
+
+
 def monitor(logdir, interval, duration, source, ipu_ids, command=None) -> int:
   """Samples until `command` exits (or for `duration` s); returns the command's exit status (or 0)."""
+  check_arguments(logdir, command)
   from run_config import RunConfig  # pylint: disable=import-outside-toplevel
   from strategies.environment import quiet_cuda_probe  # pylint: disable=import-outside-toplevel
   with quiet_cuda_probe(RunConfig(model="neuron_inverter", backend="cpu")):  # only the summary writer

@@ -18,7 +18,7 @@ import sys
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-from errors import UserError, parse_flags, report_missing_packages  # noqa: E402  pylint: disable=wrong-import-position
+from errors import UserError, check_output_path, parse_flags, report_missing_packages  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
@@ -49,7 +49,8 @@ def _xplane_module():
 
 
 def newest_trace(profile_dir: str) -> str:
-  traces = glob.glob(os.path.join(profile_dir, "**", "*.xplane.pb"), recursive=True)
+  traces = [path for path in glob.glob(os.path.join(profile_dir, "**", "*.xplane.pb"), recursive=True)
+            if os.path.isfile(path)]  # a folder of that name is no trace
   if not traces:
     raise UserError("--profile_dir=%s holds no profile (*.xplane.pb); run main.py with --profile_dir=%s "
                     "and at least 4 steps in the first epoch" % (profile_dir, profile_dir))
@@ -63,9 +64,16 @@ def _op_type(name: str) -> str:
 
 def op_times(path: str) -> dict:
   """{"steps": n, "ops": [{"name", "type", "ms_per_step", "calls_per_step"}...]} sorted by time."""
+  from google.protobuf.message import DecodeError  # pylint: disable=import-outside-toplevel
   space = _xplane_module().XSpace()
-  with open(path, "rb") as f:
-    space.ParseFromString(f.read())
+  try:
+    with open(path, "rb") as f:
+      space.ParseFromString(f.read())
+  except OSError as error:
+    raise UserError("%s: cannot read it (%s)" % (path, error.strerror or error)) from None
+  except DecodeError as error:
+    raise UserError("%s: not a profiler trace (an XSpace protobuf) or a damaged one (%s)"
+                    % (path, " ".join(str(error).split()))) from None
   seconds, calls, steps = collections.Counter(), collections.Counter(), collections.defaultdict(set)
   for plane in space.planes:
     metadata = plane.event_metadata
@@ -79,9 +87,11 @@ def op_times(path: str) -> dict:
         elif "train_function" in name:  # Keras' step, seen under one or two names (TF version)
           steps[name.split("_train_function")[0]].add(event.offset_ps)
   step_count = max((len(offsets) for offsets in steps.values()), default=0)
-  per_step = max(step_count, 1)
-  ops = [{"name": name, "type": _op_type(name), "ms_per_step": 1e3 * s / per_step,
-          "calls_per_step": calls[name] / per_step} for name, s in seconds.most_common()]
+  if not step_count:  # the table is per step: an empty trace, or one of no Keras training step
+    raise UserError("%s holds no profiled training step; profile a main.py run with --profile_dir and "
+                    "at least 4 steps in the first epoch" % path)
+  ops = [{"name": name, "type": _op_type(name), "ms_per_step": 1e3 * s / step_count,
+          "calls_per_step": calls[name] / step_count} for name, s in seconds.most_common()]
   return {"trace": path, "steps": step_count, "ops": ops}
 
 
@@ -95,6 +105,8 @@ def by_type(ops: list) -> list:
 def main(argv):
   del argv
   try:
+    if FLAGS.json:  # checked first: a mistyped path would otherwise fail after the table
+      check_output_path("--json", FLAGS.json)
     table = op_times(newest_trace(FLAGS.profile_dir))
   except UserError as error:
     print("error: %s" % error, file=sys.stderr)

@@ -57,7 +57,17 @@ def point_name(replicas: int, learning_rate: float) -> str:
   return "replicas%d_lr%g" % (replicas, learning_rate)
 
 
+# main.py flags that the scan sets for each point itself (point_command), and the scan's own flags
+# that choose them: given after `--`, they would be silently overridden.
+_SCAN_SETS = {"learning_rate": "--learning_rates", "replicas": "--replicas", "logdir": "--scan_dir"}
+
+
 def make_grid(learning_rates: list, replicas: list, main_args: list) -> dict:
+  for arg in main_args:
+    name = arg.lstrip("-").split("=", 1)[0] if arg.startswith("-") else None
+    if name in _SCAN_SETS:
+      raise ScanError("%s after `--`: the scan sets --%s of each point itself; use the scan's %s"
+                      % (arg, name, _SCAN_SETS[name]))
   try:
     rates = [float(value) for value in learning_rates]
     counts = [int(value) for value in replicas]
@@ -90,12 +100,29 @@ def save_grid(scan_dir: str, grid: dict) -> None:
 
 
 def load_grid(scan_dir: str) -> dict:
+  path = grid_path(scan_dir)
   try:
-    with open(grid_path(scan_dir)) as source:
-      return yaml.safe_load(source)
+    with open(path) as source:
+      grid = yaml.safe_load(source)
   except OSError as error:
     raise ScanError("cannot read %s (%s): start the scan with --learning_rates first"
-                    % (grid_path(scan_dir), error.strerror)) from None
+                    % (path, error.strerror)) from None
+  except (UnicodeDecodeError, yaml.YAMLError) as error:
+    raise ScanError("%s is not valid YAML (%s)" % (path, " ".join(str(error).split()))) from None
+  # A hand-edited or damaged grid: its points are indexed and formatted below.
+  if not (isinstance(grid, dict) and isinstance(grid.get("main_args"), list)
+          and isinstance(grid.get("points"), list) and grid["points"]
+          and all(_is_point(point) for point in grid["points"])):
+    raise ScanError("%s does not hold a scan grid (main_args: a list; points: a list of index, replicas, "
+                    "learning_rate, name), as tools/scan.py writes it; start the scan again in a fresh "
+                    "--scan_dir" % path)
+  return grid
+
+
+def _is_point(point) -> bool:
+  return (isinstance(point, dict) and isinstance(point.get("index"), int)
+          and isinstance(point.get("replicas"), int) and isinstance(point.get("name"), str)
+          and isinstance(point.get("learning_rate"), (int, float)))
 
 
 # --- one point ------------------------------------------------------------------------------------
@@ -108,8 +135,24 @@ def read_status(scan_dir: str, point: dict):
   path = _status_path(scan_dir, point)
   if not os.path.exists(path):
     return None
-  with open(path) as source:
-    return yaml.safe_load(source)
+  again = "; delete it to run the point again"
+  status = _read_mapping(path, again)
+  if not isinstance(status.get("returncode"), int):
+    raise ScanError("%s: returncode is %r, expected the exit status of the point's main.py%s"
+                    % (path, status.get("returncode"), again))
+  return status
+
+
+def _read_mapping(path: str, hint: str = "") -> dict:
+  """A YAML file that must hold a mapping (a point's status, its summary.yaml); `hint` ends a message."""
+  try:
+    with open(path) as source:
+      content = yaml.safe_load(source)
+  except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+    raise ScanError("%s is unreadable (%s)%s" % (path, " ".join(str(error).split()), hint)) from None
+  if not isinstance(content, dict):
+    raise ScanError("%s holds no mapping%s" % (path, hint))
+  return content
 
 
 def point_command(scan_dir: str, grid: dict, point: dict) -> list:
@@ -192,8 +235,7 @@ def point_result(scan_dir: str, point: dict) -> dict:
   if status["returncode"] != 0 or not os.path.exists(summary_path):
     return dict(row, status="failed", returncode=status["returncode"],
                 error=_last_error(os.path.join(scan_dir, point["name"] + ".log")))
-  with open(summary_path) as source:
-    summary = yaml.safe_load(source)
+  summary = _read_mapping(summary_path)
   return dict(row, status="finished", best_val_loss=summary.get("best_val_loss"),
               best_val_epoch=summary.get("best_val_epoch"), test_loss=summary.get("test_loss"),
               wall_seconds=round(summary.get("wall_seconds") or 0.0, 1))
@@ -293,7 +335,7 @@ def run(argv: list) -> int:
     return report(scan_dir)
   if FLAGS.mode == "point":
     grid = load_grid(scan_dir)
-    index = FLAGS.point if FLAGS.point is not None else int(os.environ.get("SLURM_ARRAY_TASK_ID", -1))
+    index = FLAGS.point if FLAGS.point is not None else _array_task_id()
     if not 0 <= index < len(grid["points"]):
       raise ScanError("--point=%d is not a point of %s (0 to %d)" % (index, grid_path(scan_dir),
                                                                     len(grid["points"]) - 1))
@@ -305,6 +347,18 @@ def run(argv: list) -> int:
   for point in grid["points"]:
     run_point(scan_dir, grid, point)  # a failed point is recorded and reported, the scan goes on
   return report(scan_dir)
+
+
+def _array_task_id() -> int:
+  """--mode=point without --point: the point of this Slurm array task."""
+  value = os.environ.get("SLURM_ARRAY_TASK_ID")
+  if value is None:
+    raise ScanError("--mode=point needs --point=<index> (or SLURM_ARRAY_TASK_ID, in a Slurm array task)")
+  try:
+    return int(value)
+  except ValueError:
+    raise ScanError("SLURM_ARRAY_TASK_ID=%s is not a point index (an integer); pass --point=<index>"
+                    % value) from None
 
 
 def main(argv):

@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import yaml
+from absl import logging
 
 import flags
 import model
@@ -304,8 +305,15 @@ def read_run_config(logdir: str) -> dict:
   """The saved run configuration of `logdir`: run_config.yaml, else summary.yaml's `params`.
 
   Returns a plain dict (possibly from an older or newer version of the application); None if neither
-  file holds one.
+  file holds one. A run_config.yaml that holds no mapping is a UserError: it is read first, and
+  falling back to summary.yaml past a damaged one would hide the damage.
   """
+  saved = _saved_run_config(logdir)
+  return saved[1] if saved else None
+
+
+def _saved_run_config(logdir: str):
+  """(the file it came from, as messages name it, the saved run configuration), or None."""
   for name, key in ((RUN_CONFIG_FILE, None), ("summary.yaml", "params")):
     path = os.path.join(logdir, name)
     if not os.path.isfile(path):
@@ -315,11 +323,24 @@ def read_run_config(logdir: str) -> dict:
         content = yaml.safe_load(f)  # python/... tags are refused (ConstructorError), never run
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
       raise UserError("%s: not a readable run configuration (%s)" % (path, " ".join(str(error).split())))
+    if key is None and not isinstance(content, dict):
+      raise UserError("%s: holds %s; expected a mapping of flag names to values, as main.py writes it"
+                      % (path, _described(content)))
     if isinstance(content, dict):
       content = content.get(key) if key else content
     if isinstance(content, dict):
-      return content
+      return (path if key is None else "%s (%s)" % (path, key)), content
   return None
+
+
+def _described(content) -> str:
+  """What a YAML file that should hold a mapping holds instead, for a message."""
+  if content is None:
+    return "nothing"
+  if isinstance(content, list):
+    return "a list"
+  text = repr(content)
+  return "the single value %s" % (text if len(text) <= 40 else text[:37] + "...")
 
 
 # Fields of a saved run configuration that evaluation resets: the model runs whole, once, unprofiled.
@@ -331,16 +352,35 @@ EVAL_OVERRIDES = {"resume": False, "predict": False, "compile_only": False, "pro
 def load_run_config(logdir: str, **overrides) -> RunConfig:
   """The RunConfig a run in `logdir` was trained with, reset for evaluation, updated by `overrides`.
 
-  Keys the current RunConfig does not know (a newer or older run) are ignored; missing ones take their
-  defaults. Overrides that are None are ignored. No TensorFlow: tools call this before it starts.
+  Keys the current RunConfig does not know (a newer or older run) are ignored, and missing (or null)
+  ones take their defaults, each with one warning line naming them: a hand-edited typo (`desgin:`)
+  would otherwise evaluate another network than the run trained. The model has no default: without
+  it the file is refused. Overrides that are None are ignored. No TensorFlow: tools call this before
+  it starts.
   """
   if not os.path.isdir(logdir):
     raise UserError("--logdir=%s does not exist or is not a folder" % logdir)
-  saved = read_run_config(logdir)
-  if saved is None:
+  found = _saved_run_config(logdir)
+  if found is None:
     raise UserError("--logdir=%s holds neither %s nor a summary.yaml with params: not a training run "
                     "folder" % (logdir, RUN_CONFIG_FILE))
+  source, saved = found
+  if saved.get("model") is None:
+    raise UserError("%s: model is %s; expected the model the run trained (%s)" % (
+        source, "missing" if "model" not in saved else "null", "|".join(sorted(model.MODELS))))
+  unknown = [str(key) for key in saved if key not in flags.RUN_CONFIG_FIELDS]
+  if unknown:
+    logging.warning("%s: ignoring %s, not settings of this version of the application (a typo, or a run "
+                    "of another version)", source, ", ".join(unknown))
   values = dict(saved, **EVAL_OVERRIDES, logdir=logdir)
   values.update({key: value for key, value in overrides.items() if value is not None})
+  # Unset: not in the file (nor reset or given here), or null where the setting is no optional one.
+  defaulted = [name for name, field in flags.RUN_CONFIG_FIELDS.items()
+               if values.get(name) is None and field.default is not None]
   # The command line's own definitions and validators check it (a hand-edited value, a moved file).
-  return flags.config_from_saved(values, os.path.join(logdir, RUN_CONFIG_FILE))
+  config = flags.config_from_saved(values, source)
+  if defaulted:
+    logging.warning("%s: has no value for %s; using the default%s %s", source, ", ".join(defaulted),
+                    "s" if len(defaulted) > 1 else "",
+                    ", ".join("%s=%s" % (name, getattr(config, name)) for name in defaulted))
+  return config

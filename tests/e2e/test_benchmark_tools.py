@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from errors import UserError
 from strategies import cpu
 from tests.support.cellspike_files import write_cellspike
 from tests.support.helpers import REPO_ROOT
@@ -234,6 +235,12 @@ def test_benchmark_names_an_unknown_value_before_measuring_anything(flag, expect
 
 @pytest.mark.parametrize("tool, args, expected", [
     ("benchmark_input.py", ["--data_path=/nonexistent.h5"], "error: --data_path=/nonexistent.h5 does not exist"),
+    # An output file that cannot be written: said first, not after the whole benchmark.
+    ("benchmark_input.py", ["--data_path=/nonexistent.h5", "--json=/nonexistent/x.json"],
+     "error: --json=/nonexistent/x.json: no folder /nonexistent exists; expected a file name in an existing "
+     "folder"),
+    ("benchmark.py", ["--data_path=/nonexistent.h5", "--skip=reference", "--json=" + REPO_ROOT],
+     "error: --json=%s is a folder; expected a file name" % REPO_ROOT),
     ("benchmark.py", ["--data_path=/nonexistent.h5", "--skip=reference"],
      "error: --data_path=/nonexistent.h5 does not exist"),
     ("benchmark_forms.py", ["--design=dev", "--precision=32.32", "--variant=bogus=1"],
@@ -261,3 +268,45 @@ def test_ctrl_c_during_parity_is_one_line(tmp_path):
   out, err = tool.communicate(timeout=60)
   assert tool.returncode == 130, out + err
   assert err.strip().splitlines() == ["interrupted by SIGINT (Ctrl-C)"], err
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b"\xff" * 64, "{trace}: not a profiler trace (an XSpace protobuf) or a damaged one ("),
+    (b"", "{trace} holds no profiled training step; "),   # an empty XSpace: it printed a table of nothing
+], ids=["garbage", "empty"])
+def test_op_profile_names_a_trace_it_cannot_use(tmp_path, content, expected):
+  from tools import op_profile  # pylint: disable=import-outside-toplevel
+  trace = tmp_path / "host.xplane.pb"
+  trace.write_bytes(content)
+  assert op_profile.newest_trace(str(tmp_path)) == str(trace)
+  with pytest.raises(UserError) as error:
+    op_profile.op_times(str(trace))
+  assert str(error.value).startswith(expected.format(trace=trace))
+
+
+def test_op_profile_checks_its_json_file_and_skips_folders_named_like_traces(tmp_path):
+  (tmp_path / "run.xplane.pb").mkdir()   # no trace: --profile_dir holds none
+  tool = [sys.executable, os.path.join(REPO_ROOT, "tools", "op_profile.py"), "--profile_dir=%s" % tmp_path]
+  result = subprocess.run(tool, capture_output=True, text=True, timeout=60)
+  assert result.returncode == 2 and result.stderr.startswith("error: --profile_dir=%s holds no profile" % tmp_path)
+  # The --json file is checked first: with a readable trace, the error came after the printed table.
+  result = subprocess.run(tool + ["--json=/nonexistent/ops.json"], capture_output=True, text=True, timeout=60)
+  assert result.returncode == 2 and result.stdout == ""
+  assert result.stderr.splitlines() == ["error: --json=/nonexistent/ops.json: no folder /nonexistent exists; "
+                                        "expected a file name in an existing folder"]
+
+
+def test_generate_cellspike_replaces_a_dataset_only_with_overwrite(tmp_path):
+  """The tool only: main.py's built-in dataset calls data/cellspike_generate.py itself."""
+  from tools import generate_cellspike  # pylint: disable=import-outside-toplevel
+  existing = tmp_path / "synth_excite.cellSpike_4prB8kHz.data.h5"
+  existing.write_text("a dataset runs were trained on")
+  result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "generate_cellspike.py"),
+                           "--out_dir=%s" % tmp_path, "--seed=1", "--num_train=4", "--num_val=1", "--num_test=1",
+                           "--workers=1", "--noprogress"], capture_output=True, text=True, timeout=60)
+  assert result.returncode == 1 and result.stderr.splitlines() == [
+      "error: --out_dir=%s already holds %s: pass --overwrite to replace it, or choose another --out_dir or "
+      "--cell_name" % (tmp_path, existing.name)]
+  assert existing.read_text() == "a dataset runs were trained on"
+  generate_cellspike.refuse_to_overwrite(str(tmp_path), "synth", overwrite=True)
+  generate_cellspike.refuse_to_overwrite(str(tmp_path), "another_cell", overwrite=False)

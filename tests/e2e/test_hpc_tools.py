@@ -175,6 +175,16 @@ def test_tensorboard_tunnel_prints_the_ssh_command(tmp_path):
   assert "http://localhost:9998/" in result.stdout
 
 
+@pytest.mark.parametrize("port", [["--port", "99999"], ["--port=-1"]])
+def test_serve_tensorboard_bounds_the_port_before_starting(tmp_path, port):
+  """TensorBoard's own --port: its range said in one line, before TensorFlow's start (TensorBoard's
+  own error came after it, in two lines)."""
+  result = subprocess.run([sys.executable, os.path.join(TOOLS, "serve_tensorboard.py"), "--logdir",
+                           str(tmp_path)] + port, capture_output=True, text=True, timeout=60)
+  assert_one_line_error(result, "error: --port=%s: expected a port number from 0 to 65535 (0: any free port)"
+                        % port[-1].split("=")[-1])
+
+
 def test_local_cluster_writes_a_slurm_conf_for_this_node(tmp_path):
   """The conf the one-node cluster runs on (tools/slurm/local_cluster.sh; `make test-slurm` starts it)."""
   script = os.path.join(TOOLS, "slurm", "local_cluster.sh")

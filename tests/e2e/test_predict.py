@@ -176,6 +176,12 @@ def test_training_history_from_events_and_from_summary(trained_run, tmp_path):
   assert plots.load_history(str(partial))["loss"] == summary["history"]["loss"]
 
 
+def test_a_stray_argument_is_one_line_error_not_the_help(tmp_path):
+  result = run_predict("--logdir=" + str(tmp_path), "extra")
+  assert_one_line_error(result, "unexpected argument extra", "flags only")
+  assert "--max_samples" not in result.stdout + result.stderr   # absl used to print the whole --help
+
+
 def test_missing_logdir_is_one_line_error(tmp_path):
   assert_one_line_error(run_predict("--logdir=" + str(tmp_path / "nowhere")), "nowhere", "does not exist")
 
@@ -202,6 +208,22 @@ def test_data_of_another_shape_is_a_user_error(trained_run, tmp_path):
   with pytest.raises(UserError, match=r"does not fit .* \(800, 4\) -> 15 parameters"):
     evaluation.evaluate_run(config, _cpu_backend(), outdir=str(tmp_path / "out"))
   assert not os.path.exists(str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("flag", ["outdir", "export_dir"])
+@pytest.mark.parametrize("folder, blocker", [("/dev/null/x", "/dev/null"), ("{a_file}/sub", "{a_file}")])
+def test_an_output_folder_that_cannot_be_made_is_refused_before_evaluating(tmp_path, flag, folder, blocker):
+  """Checked first, not found by os.makedirs after the whole evaluation ran: this run folder has no
+  checkpoint, which evaluating would find first."""
+  a_file = str(tmp_path / "a_file")
+  with open(a_file, "w") as f:
+    f.write("not a folder")
+  folder, blocker = folder.format(a_file=a_file), blocker.format(a_file=a_file)
+  config = RunConfig(model="neuron_inverter", backend="cpu", logdir=str(tmp_path))
+  with pytest.raises(UserError) as error:
+    evaluation.evaluate_run(config, _cpu_backend(), **{flag: folder})
+  assert str(error.value) == "--%s=%s: %s is not a folder, so no folder can be created below it" % (
+      flag, folder, blocker)
 
 
 def _cpu_backend():

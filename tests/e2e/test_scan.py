@@ -1,6 +1,7 @@
 """tools/scan.py: a learning-rate scan run serially with real trainings; failed points are listed."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,7 +12,8 @@ import yaml
 
 from analysis.events import read_hparams
 from tests.support.cellspike_files import write_cellspike
-from tests.support.helpers import REPO_ROOT
+from tests.support.helpers import REPO_ROOT, assert_one_line_error
+from tools import scan
 
 SCAN = os.path.join(REPO_ROOT, "tools", "scan.py")
 
@@ -96,3 +98,62 @@ def test_ctrl_c_stops_the_point_with_a_checkpoint_and_the_scan_continues_it(tmp_
   assert again.returncode == 0, again.stdout + again.stderr
   assert "--resume" in again.stdout.splitlines()[0]             # the stopped point continued
   assert "Resumed from" in open(log).read()
+
+
+@pytest.mark.parametrize("main_arg, flag, own", [("--learning_rate=5", "learning_rate", "--learning_rates"),
+                                                ("-replicas", "replicas", "--replicas"),
+                                                ("--logdir=logs/mine", "logdir", "--scan_dir")])
+def test_main_py_flags_that_the_scan_sets_itself_are_refused(main_arg, flag, own):
+  """After `--` they were silently overridden by each point's own."""
+  with pytest.raises(scan.ScanError) as error:
+    scan.make_grid(["1e-3"], ["1"], ["--model=neuron_inverter", main_arg, "3"])
+  assert str(error.value) == "%s after `--`: the scan sets --%s of each point itself; use the scan's %s" % (
+      main_arg, flag, own)
+
+
+def _scan_dir(tmp_path):
+  scan_dir = str(tmp_path / "scan")
+  scan.save_grid(scan_dir, scan.make_grid(["1e-3"], ["1"], ["--epochs=1"]))
+  return scan_dir
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("points: [\n", "grid.yaml is not valid YAML (while parsing"),
+    ("[1, 2]\n", "grid.yaml does not hold a scan grid"),
+    ("main_args: []\npoints: [{index: 0}]\n", "grid.yaml does not hold a scan grid"),
+])
+def test_a_damaged_grid_is_one_error(tmp_path, text, expected):
+  scan_dir = _scan_dir(tmp_path)
+  with open(scan.grid_path(scan_dir), "w") as f:
+    f.write(text)
+  for mode in ("report", "point"):
+    result = _scan("--scan_dir=" + scan_dir, "--mode=" + mode, "--point=0")
+    assert_one_line_error(result, os.path.join(scan_dir, expected))
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("returncode: [\n", "is unreadable (while parsing"), ("hello\n", "holds no mapping"),
+    ("returncode: x\n", "returncode is 'x', expected the exit status of the point's main.py"),
+])
+def test_a_damaged_status_file_is_one_error(tmp_path, text, expected):
+  scan_dir = _scan_dir(tmp_path)
+  point = scan.load_grid(scan_dir)["points"][0]
+  with open(os.path.join(scan_dir, point["name"] + ".status.yaml"), "w") as f:
+    f.write(text)
+  with pytest.raises(scan.ScanError) as error:
+    scan.report(scan_dir)
+  assert str(error.value).startswith(os.path.join(scan_dir, point["name"] + ".status.yaml"))
+  assert expected in str(error.value) and str(error.value).endswith("; delete it to run the point again")
+
+
+@pytest.mark.parametrize("task, expected", [
+    ("abc", "SLURM_ARRAY_TASK_ID=abc is not a point index (an integer); pass --point=<index>"),
+    (None, "--mode=point needs --point=<index> (or SLURM_ARRAY_TASK_ID, in a Slurm array task)"),
+])
+def test_a_point_without_its_index_is_one_error(monkeypatch, task, expected):
+  if task is None:
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
+  else:
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", task)
+  with pytest.raises(scan.ScanError, match="^%s$" % re.escape(expected)):
+    scan._array_task_id()  # pylint: disable=protected-access

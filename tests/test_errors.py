@@ -1,0 +1,34 @@
+"""errors.py's checks of user-given paths, which tools run before their work: a mistyped or unwritable
+output path is one line at once, not a traceback after minutes of work."""
+
+import os
+
+import pytest
+
+from errors import UserError, check_output_path
+
+
+@pytest.mark.parametrize("flag, path, folder, message", [
+    ("--outdir", "/dev/null/x", True, "--outdir=/dev/null/x: /dev/null is not a folder, so no folder can "
+                                      "be created below it"),
+    ("--outdir", "{a_file}/sub", True, "--outdir={a_file}/sub: {a_file} is not a folder, so no folder can "
+                                       "be created below it"),
+    ("--export_dir", "{a_file}", True, "--export_dir={a_file} is a file; expected a folder (created if "
+                                       "missing)"),
+    ("--json", "/nonexistent/x.json", False, "--json=/nonexistent/x.json: no folder /nonexistent exists; "
+                                             "expected a file name in an existing folder"),
+    ("--json", "{tmp}", False, "--json={tmp} is a folder; expected a file name"),
+])
+def test_output_paths_are_checked_before_the_work(tmp_path, flag, path, folder, message):
+  names = {"a_file": str(tmp_path / "a_file"), "tmp": str(tmp_path)}
+  (tmp_path / "a_file").write_text("x")
+  with pytest.raises(UserError) as error:
+    check_output_path(flag, path.format(**names), folder=folder)
+  assert str(error.value) == message.format(**names)
+
+
+def test_output_paths_that_can_be_written_pass_and_nothing_is_created(tmp_path):
+  check_output_path("--outdir", str(tmp_path / "new" / "deeper"), folder=True)
+  check_output_path("--json", str(tmp_path / "x.json"))
+  check_output_path("--json", os.devnull)
+  assert os.listdir(str(tmp_path)) == []
