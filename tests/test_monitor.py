@@ -52,6 +52,19 @@ def test_auto_source_follows_the_installed_tool(tmp_path, monkeypatch, tool, sou
   assert monitor.resolve_source("auto") == source
 
 
+def test_a_source_named_without_its_tool_is_refused(tmp_path, monkeypatch):
+  """--source=gpu without nvidia-smi used to sample the host alone, and say nothing."""
+  monkeypatch.setenv("PATH", str(tmp_path))
+  with pytest.raises(UserError, match="--source=gpu needs nvidia-smi on the PATH"):
+    monitor.resolve_source("gpu")
+  (tmp_path / "gc-info").write_text("#!/bin/sh\n")
+  (tmp_path / "gc-info").chmod(0o755)
+  with pytest.raises(UserError, match="--source=ipu needs --ipu_ids"):
+    monitor.resolve_source("ipu", [])
+  assert monitor.resolve_source("ipu", ["0", "1"]) == "ipu"
+  assert monitor.resolve_source("host") == "host"
+
+
 def test_the_command_line_runs_a_command_and_says_nothing_of_its_own(tmp_path):
   """The program as a user starts it: the command's output and exit status come through, and nothing
   else reaches the terminal (TensorFlow's start-up lines about CUDA and oneDNN on a machine without

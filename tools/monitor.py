@@ -107,7 +107,17 @@ def sample(source: str, ipu_ids) -> dict:
   return scalars
 
 
-def resolve_source(requested: str) -> str:
+_SOURCE_TOOLS = {"ipu": "gc-info", "gpu": "nvidia-smi"}
+
+
+def resolve_source(requested: str, ipu_ids=("0",)) -> str:
+  """The source to sample; one asked for by name must have its tool (else only the host would be
+  sampled, in silence)."""
+  if requested in _SOURCE_TOOLS and not shutil.which(_SOURCE_TOOLS[requested]):
+    raise UserError("--source=%s needs %s on the PATH, and there is none (--source=host samples only "
+                    "the host)" % (requested, _SOURCE_TOOLS[requested]))
+  if requested == "ipu" and not [ipu_id for ipu_id in ipu_ids if ipu_id.strip()]:
+    raise UserError("--source=ipu needs --ipu_ids (gc-info -l lists them)")
   if requested != "auto":
     return requested
   if shutil.which("gc-info"):
@@ -154,7 +164,7 @@ def monitor(logdir, interval, duration, source, ipu_ids, command=None) -> int:
 
 def main(argv):
   command = argv[1:]
-  sys.exit(monitor(FLAGS.logdir, FLAGS.interval, FLAGS.duration, resolve_source(FLAGS.source),
+  sys.exit(monitor(FLAGS.logdir, FLAGS.interval, FLAGS.duration, resolve_source(FLAGS.source, FLAGS.ipu_ids),
                    FLAGS.ipu_ids, command or None))
 
 
