@@ -14,6 +14,7 @@ loss of every point against the learning rate, one curve per replica count; poin
 not run are listed with their exit status and last error line, and make the exit status 1.
 """
 
+import math
 import os
 import signal
 import subprocess
@@ -75,6 +76,12 @@ def make_grid(learning_rates: list, replicas: list, main_args: list) -> dict:
     raise ScanError("--learning_rates and --replicas must be numbers (%s)" % error) from None
   if not rates or not counts:
     raise ScanError("a scan needs at least one --learning_rates value and one --replicas value")
+  # Each point would fail in main.py's flag check, one failed point after another.
+  bad = ["--learning_rates value %s" % rate for rate in rates if not (math.isfinite(rate) and rate > 0)]
+  bad += ["--replicas value %d" % count for count in counts if count < 1]
+  if bad:
+    raise ScanError("%s: learning rates must be positive finite numbers, replica counts at least 1"
+                    % ", ".join(bad))
   points = [{"index": i, "replicas": r, "learning_rate": lr, "name": point_name(r, lr)}
             for i, (r, lr) in enumerate((r, lr) for r in counts for lr in rates)]
   return {"main_args": list(main_args), "points": points}

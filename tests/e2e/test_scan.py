@@ -100,6 +100,15 @@ def test_ctrl_c_stops_the_point_with_a_checkpoint_and_the_scan_continues_it(tmp_
   assert "Resumed from" in open(log).read()
 
 
+@pytest.mark.parametrize("rates, replicas, named", [(["nan"], ["1"], "--learning_rates value nan"),
+                                                 (["1e-3", "-1e-3"], ["1"], "--learning_rates value -0.001"),
+                                                 (["1e-3"], ["4", "0"], "--replicas value 0")])
+def test_grid_values_main_py_would_refuse_are_refused_at_once(rates, replicas, named):
+  """They used to become one failed point each, after a main.py start per point."""
+  with pytest.raises(scan.ScanError, match=named + ": learning rates must be positive"):
+    scan.make_grid(rates, replicas, ["--model=neuron_inverter"])
+
+
 @pytest.mark.parametrize("main_arg, flag, own", [("--learning_rate=5", "learning_rate", "--learning_rates"),
                                                 ("-replicas", "replicas", "--replicas"),
                                                 ("--logdir=logs/mine", "logdir", "--scan_dir")])
