@@ -101,11 +101,11 @@ def test_ctrl_c_stops_the_point_with_a_checkpoint_and_the_scan_continues_it(tmp_
 
 
 @pytest.mark.parametrize("rates, replicas, named", [(["nan"], ["1"], "--learning_rates value nan"),
-                                                 (["1e-3", "-1e-3"], ["1"], "--learning_rates value -0.001"),
+                                                 (["1e-3", "inf"], ["1"], "--learning_rates value inf"),
                                                  (["1e-3"], ["4", "0"], "--replicas value 0")])
-def test_grid_values_main_py_would_refuse_are_refused_at_once(rates, replicas, named):
-  """They used to become one failed point each, after a main.py start per point."""
-  with pytest.raises(scan.ScanError, match=named + ": learning rates must be positive"):
+def test_grid_values_no_point_could_run_with_are_refused_at_once(rates, replicas, named):
+  """They used to become one failed point each (in folders such as replicas0_lrnan)."""
+  with pytest.raises(scan.ScanError, match=named + ": learning rates must be finite"):
     scan.make_grid(rates, replicas, ["--model=neuron_inverter"])
 
 
