@@ -181,6 +181,11 @@ def test_evaluation_takes_the_best_checkpoint_else_the_last(tmp_path):
     os.remove(os.path.join(os.path.dirname(best), name))
   assert checkpoints_lib.best_or_last(str(tmp_path)) == os.path.join(str(tmp_path), "checkpoints", "last",
                                                                      "ckpt-2")
+  # A damaged run is named as damaged, not as one that never finished an epoch.
+  os.remove(os.path.join(str(tmp_path), "checkpoints", "last", "ckpt-2.index"))
+  with pytest.raises(UserError, match=r"no usable checkpoint: no checkpoint in .*best; checkpoint .*ckpt-2 is "
+                                      r"missing \(no ckpt-2.index in"):
+    checkpoints_lib.best_or_last(str(tmp_path))
 
 
 def _enospc(*args, **kwargs):

@@ -349,33 +349,44 @@ def _first_line(error: Exception) -> str:
   return lines[0] if lines else type(error).__name__
 
 
-def latest_for_restore(folder: str) -> str:
-  """The checkpoint the index of `folder` names; a one-line UserError if there is none or it is gone."""
+def _newest(folder: str):
+  """(path of the checkpoint the index of `folder` names, None) or (None, what is wrong)."""
   if not tf.io.gfile.exists(os.path.join(folder, INDEX_FILE)):
-    raise UserError("--resume: no checkpoint in %s" % folder)
+    return None, "no checkpoint in %s" % folder
   try:
     names = read_index(folder)
   except Exception as error:  # pylint: disable=broad-except
-    raise UserError("--resume: the checkpoint index %s is unreadable (%s)"
-                    % (os.path.join(folder, INDEX_FILE), _first_line(error))) from None
+    return None, "the checkpoint index %s is unreadable (%s)" % (os.path.join(folder, INDEX_FILE),
+                                                                _first_line(error))
   if not names:
-    raise UserError("--resume: no checkpoint in %s (its index file %s is empty or damaged)"
-                    % (folder, INDEX_FILE))
+    return None, "no checkpoint in %s (its index file %s is empty or damaged)" % (folder, INDEX_FILE)
   path = os.path.join(folder, names[-1])
   if not tf.io.gfile.exists(path + ".index"):
-    raise UserError("--resume: checkpoint %s is missing (no %s.index in %s)" % (path, names[-1], folder))
+    return None, "checkpoint %s is missing (no %s.index in %s)" % (path, names[-1], folder)
+  return path, None
+
+
+def latest_for_restore(folder: str) -> str:
+  """The checkpoint the index of `folder` names; a one-line UserError if there is none or it is gone."""
+  path, problem = _newest(folder)
+  if problem:
+    raise UserError("--resume: " + problem)
   return path
 
 
 def best_or_last(logdir: str) -> str:
   """The checkpoint to evaluate a run with: the best-validation one, else the last one."""
-  for which in (BEST, LAST):
-    folder = os.path.join(logdir, "checkpoints", which)
-    names = read_index(folder)
-    if names and tf.io.gfile.exists(os.path.join(folder, names[-1]) + ".index"):
-      return os.path.join(folder, names[-1])
-  raise UserError("%s has no checkpoint (looked in checkpoints/best and checkpoints/last): has the run "
-                  "finished an epoch?" % logdir)
+  folders = [os.path.join(logdir, "checkpoints", which) for which in (BEST, LAST)]
+  problems = []
+  for folder in folders:
+    path, problem = _newest(folder)
+    if path:
+      return path
+    problems.append(problem)
+  if not any(tf.io.gfile.exists(os.path.join(folder, INDEX_FILE)) for folder in folders):
+    raise UserError("%s has no checkpoint (looked in checkpoints/best and checkpoints/last): has the run "
+                    "finished an epoch?" % logdir)
+  raise UserError("%s: no usable checkpoint: %s" % (logdir, "; ".join(problems)))
 
 
 def written_optimizer_format(path: str):
