@@ -264,3 +264,26 @@ def test_last_is_written_where_best_cannot_be_linked_and_outlives_it(tmp_path, m
   assert checkpoints.restore_last()["epoch"] == 3
   for restored, saved in zip(net.weights, weights):
     np.testing.assert_array_equal(restored.numpy(), saved)
+
+
+@pytest.mark.parametrize("trained, resumed, accepted", [
+    ({}, {}, True),                                                       # the built-in data both times
+    ({"data_path": "/data/w2c.h5"}, {"data_path": "/moved/w2c.h5"}, True),  # the same file, moved
+    ({"data_path": "/data/w2c.h5"}, {}, False),                           # --data_path forgotten
+    ({}, {"data_path": "/data/w2c.h5"}, False),
+    ({"data_path": "/data/w2c.h5"}, {"data_path": "/data/other.h5"}, False),
+    ({"data_path": "/data", "cell_name": "a"}, {"data_path": "/data", "cell_name": "b"}, False)])
+def test_a_resume_trains_on_the_data_its_run_started_with(tmp_path, trained, resumed, accepted):
+  """The checkpoints hold no data identity: a forgotten --data_path used to move the run to the built-in
+  dataset in silence (and rewrite run_config.yaml with it)."""
+  from run_config import RunConfig  # pylint: disable=import-outside-toplevel
+  from training import loop  # pylint: disable=import-outside-toplevel
+  from training.summary import write_run_config  # pylint: disable=import-outside-toplevel
+  write_run_config(str(tmp_path), RunConfig(model="neuron_inverter", logdir=str(tmp_path), **trained))
+  resuming = RunConfig(model="neuron_inverter", logdir=str(tmp_path), resume=True, **resumed)
+  if accepted:
+    loop.check_same_data(resuming)
+  else:
+    with pytest.raises(UserError, match="--resume: the run in .* trained on .*, this run would train on .*: "
+                                        "resume with (--data_path=/data|the built-in dataset)"):
+      loop.check_same_data(resuming)

@@ -39,7 +39,7 @@ from training.hparams import write_hparams
 from training.lr_schedule import LearningRateSchedule, optimizer_rate, warmup_problem
 from training.optimizers import create_slots, make_optimizer
 from training import summary as summary_lib
-from training.summary import write_run_config
+from training.summary import read_run_config, write_run_config
 
 
 def set_seeds(seed: int) -> None:
@@ -136,10 +136,33 @@ def _describe_layout(layout: dict) -> str:
   return text
 
 
+def _data_named(data_path, cell_name) -> str:
+  if not data_path:
+    return "the built-in dataset (no --data_path)"
+  return "--data_path=%s%s" % (data_path, " --cell_name=%s" % cell_name if cell_name else "")
+
+
+def check_same_data(config: RunConfig) -> None:
+  """A resume trains on the data its run started with. The checkpoints hold no data identity, so a
+  forgotten --data_path would otherwise move the run to the built-in dataset without a word. The
+  file's name must match (it may have moved: a staged or copied dataset keeps its name)."""
+  saved = read_run_config(config.logdir) or {}
+  if "data_path" not in saved:
+    return  # a run folder without its configuration (older versions): nothing to compare with
+  before, now = saved.get("data_path"), config.data_path
+  same_file = (not before and not now) or (
+      before and now and os.path.basename(os.path.normpath(before)) == os.path.basename(os.path.normpath(now)))
+  if not same_file or (before and saved.get("cell_name") != config.cell_name):
+    raise UserError("--resume: the run in %s trained on %s, this run would train on %s: resume with %s"
+                    % (config.logdir, _data_named(before, saved.get("cell_name")),
+                       _data_named(now, config.cell_name), _data_named(before, saved.get("cell_name"))))
+
+
 def _resume_state(config: RunConfig, backend: Backend) -> dict:
   if not config.resume:
     return {"epoch": 0}
   state = checkpoints_lib.peek_last_state(config.logdir, _identity(config))
+  check_same_data(config)
   layout = _batch_layout(config, backend)
   saved = state.get("batch_layout")
   # Checkpoints written before rows_per_step was recorded hold the other two keys.
