@@ -343,6 +343,8 @@ def run(config: RunConfig, backend: Backend) -> dict:
       # The other processes save with the chief (saving is collective) but nothing reads their copies,
       # and a resume restores from the chief's: kept, they would fill /tmp run after run.
       shutil.rmtree(outdir, ignore_errors=True)
+  if config.compile_only and new_folder and not scratch:
+    run_folder.remove_if_unused(config.logdir)  # the executables are in the cache, not here
   if scratch and "weights_sha256" in summary:
     logging.info("Process %d done, its weights' sha256 %s (the chief's summary.yaml: weights_sha256)",
                  backend.rank, summary["weights_sha256"])
@@ -385,8 +387,10 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
                                           global_batch_size, outdir, flag, splits.train.steps)
   # Only now, with the flags, data and any checkpoint to resume found good: a bad command leaves the
   # outputs of the run already in the logdir untouched.
-  write_run_config(outdir, config)  # backend and precision resolved (strategies.select.resolve)
+  # --compile_only trains nothing: no run to continue or evaluate, and so no run marker in the folder
+  # (run_folder.RUN_MARKERS), which would refuse the training run that the compilation prepares.
   if not config.compile_only:
+    write_run_config(outdir, config)  # backend and precision resolved (strategies.select.resolve)
     write_hparams(outdir, config, global_batch_size)
 
   # --- Training ---------------------------------------------------------------------------------------

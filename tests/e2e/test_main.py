@@ -136,6 +136,11 @@ def test_compile_only_compiles_and_exits(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   assert "--compile_only: compiled in" in result.stderr
   assert "Epoch 2/" not in result.stdout and not os.path.exists(os.path.join(logdir, "summary.yaml"))
+  # No run is left in the folder: the training run that the compilation prepares may use it (it used to
+  # be refused as "already holds a run", and --resume found no checkpoint).
+  assert not os.path.exists(logdir)
+  trained = run_main("--model=mnist", "--logdir=" + logdir, "--epochs=1", "--steps_per_epoch=2")
+  assert trained.returncode == 0, trained.stderr[-3000:]
 
 
 def test_profile_dir_gets_a_tensorboard_profile(tmp_path):
