@@ -142,20 +142,22 @@ CUDA_PROBE_LINES = ("All log messages before absl::InitializeLog() is called are
                     "oneDNN custom operations are on")
 
 
-def _cuda_probe_is_noise(config: RunConfig) -> bool:
-  """No NVIDIA device node: no GPU can be used, so the probe's failure says nothing to the user."""
-  return config.backend not in registry.USES_CUDA and not glob.glob("/dev/nvidia[0-9]*")
+def nvidia_device_nodes() -> list:
+  """The NVIDIA device nodes of this machine (/dev/nvidia0, ...); none means no GPU can be used."""
+  return glob.glob("/dev/nvidia[0-9]*")
 
 
 @contextlib.contextmanager
-def quiet_cuda_probe(config: RunConfig):
+def quiet_cuda_probe():
   """Runs the block (TensorFlow's import and device discovery) with the CUDA probe's lines dropped.
 
   File descriptor 2 goes to a temporary file for the block; every other line is written back to
   stderr afterwards, in order, also when the block raises. On a machine with an NVIDIA device node the
-  block runs untouched: there a failed cuInit is the message a user needs.
+  block runs untouched, whatever the backend: there a failed cuInit is the message a user needs.
+  Without one no GPU can be used, and the probe's failure says nothing (with --backend=gpu, the
+  backend's own error says that there is no device).
   """
-  if not _cuda_probe_is_noise(config):
+  if nvidia_device_nodes():
     yield
     return
   with DroppedLines(CUDA_PROBE_LINES):
@@ -176,7 +178,7 @@ def start_backend(config: RunConfig):
   """Imports TensorFlow (its CUDA probe quiet) and returns `(config, backend)`: the config with
   --backend and --precision resolved (what run_config.yaml and summary.yaml record) and its Backend.
   `prepare(config)` must have run: the one way in for main.py and the tools."""
-  with quiet_cuda_probe(config):
+  with quiet_cuda_probe():
     from strategies.select import resolve, select_backend  # pylint: disable=import-outside-toplevel
     config = resolve(config)
     return config, select_backend(config)
@@ -186,7 +188,7 @@ def import_tensorflow(config: RunConfig):
   """TensorFlow, imported and its devices found with the CUDA probe's lines dropped, for the tools
   that run TensorFlow without a backend (`start_backend` does the same for a run). `prepare(config)`
   must have run."""
-  with quiet_cuda_probe(config):
+  with quiet_cuda_probe():
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     tf.config.list_physical_devices()
   return tf

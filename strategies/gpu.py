@@ -4,7 +4,7 @@ import tensorflow as tf
 
 from errors import UserError
 from run_config import RunConfig
-from strategies import collective_threads, device_pipelines, multiworker
+from strategies import collective_threads, device_pipelines, environment, multiworker
 from strategies.backend import Backend, options_from_config
 
 POLICIES = {"32.32": "float32", "16.32": "mixed_float16", "16.16": "float16"}
@@ -43,9 +43,11 @@ def create(config: RunConfig) -> Backend:
   replicas = config.replicas
   gpus = visible_gpus()
   if len(gpus) < replicas:
-    raise UserError("--replicas=%d needs %d GPU%s but TensorFlow sees %d (check CUDA_VISIBLE_DEVICES "
-                    "and that a CUDA-enabled TensorFlow is installed)"
-                    % (replicas, replicas, "" if replicas == 1 else "s", len(gpus)))
+    hint = ("this machine has no NVIDIA device, no /dev/nvidia0: run on a GPU node, or use --backend=cpu"
+            if not environment.nvidia_device_nodes() else
+            "check CUDA_VISIBLE_DEVICES and that a CUDA-enabled TensorFlow is installed")
+    raise UserError("--replicas=%d needs %d GPU%s but TensorFlow sees %d (%s)"
+                    % (replicas, replicas, "" if replicas == 1 else "s", len(gpus), hint))
   for gpu in gpus:
     # Allocate as needed so that several processes (e.g. one per GPU under Slurm) can coexist.
     tf.config.experimental.set_memory_growth(gpu, True)

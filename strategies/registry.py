@@ -54,10 +54,6 @@ BACKEND_ONLY_FIELDS = {
     "ipu": ("ipu_connection", "ipu_model", "available_memory_proportion", "stochastic_rounding"),
 }
 
-# The backends that use CUDA: for the others, TensorFlow's failed CUDA probe is noise, dropped from
-# the log on machines without an NVIDIA device (strategies/environment.py).
-USES_CUDA = ("gpu",)
-
 CHOICES = ("auto",) + tuple(BACKENDS)
 
 

@@ -17,7 +17,7 @@ environment.prepare(_CONFIG)
 
 # Quiet as in main.py: pytest-xdist's workers print TensorFlow's start-up lines otherwise.
 TEST_CPU_DEVICES = 2
-with environment.quiet_cuda_probe(_CONFIG):
+with environment.quiet_cuda_probe():
   import tensorflow as tf  # noqa: E402  pylint: disable=wrong-import-position
   tf.config.set_logical_device_configuration(
       tf.config.list_physical_devices("CPU")[0],

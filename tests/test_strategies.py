@@ -79,8 +79,9 @@ def test_replicas_on_as_many_cores_run_their_ops_side_by_side(replicas, cores, e
 def test_gpu_replicas_need_visible_gpus():
   visible = len(tf.config.list_physical_devices("GPU"))
   wanted = visible + 1
-  with pytest.raises(UserError, match=r"--replicas=%d needs %d %s but TensorFlow sees %d"
-                     % (wanted, wanted, "GPU" if wanted == 1 else "GPUs", visible)):
+  hint = "this machine has no NVIDIA device" if not environment.nvidia_device_nodes() else "CUDA_VISIBLE_DEVICES"
+  with pytest.raises(UserError, match=r"--replicas=%d needs %d %s but TensorFlow sees %d \(%s"
+                     % (wanted, wanted, "GPU" if wanted == 1 else "GPUs", visible, hint)):
     select.select_backend(RunConfig(model="mnist", backend="gpu", replicas=wanted))
 
 

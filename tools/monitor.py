@@ -137,9 +137,8 @@ def check_arguments(logdir, command) -> None:
 def monitor(logdir, interval, duration, source, ipu_ids, command=None) -> int:
   """Samples until `command` exits (or for `duration` s); returns the command's exit status (or 0)."""
   check_arguments(logdir, command)
-  from run_config import RunConfig  # pylint: disable=import-outside-toplevel
   from strategies.environment import quiet_cuda_probe  # pylint: disable=import-outside-toplevel
-  with quiet_cuda_probe(RunConfig(model="neuron_inverter", backend="cpu")):  # only the summary writer
+  with quiet_cuda_probe():  # only the summary writer
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
   writer = tf.summary.create_file_writer(os.path.join(logdir, "monitor"))
   child = subprocess.Popen(command) if command else None

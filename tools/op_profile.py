@@ -38,9 +38,8 @@ def define_flags():
 
 def _xplane_module():
   """The profiler's protobuf module; importing it imports TensorFlow, whose CUDA probe stays quiet."""
-  from run_config import RunConfig  # pylint: disable=import-outside-toplevel
   from strategies.environment import quiet_cuda_probe  # pylint: disable=import-outside-toplevel
-  with quiet_cuda_probe(RunConfig(model="neuron_inverter", backend="cpu")):
+  with quiet_cuda_probe():
     try:  # TF >= 2.12
       from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=import-outside-toplevel
     except ImportError:  # TF 2.6
