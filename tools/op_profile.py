@@ -126,5 +126,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # TensorFlow's CPU-feature banner is no part of the table
   define_flags()
   app.run(main, flags_parser=parse_flags)  # a bad flag: one `error:` line, exit status 2

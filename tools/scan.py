@@ -31,7 +31,7 @@ import yaml  # noqa: E402  pylint: disable=wrong-import-position
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
 
-from training.summary import tool_command, write_yaml  # noqa: E402  pylint: disable=wrong-import-position
+from training.summary import python_command, tool_command, write_yaml  # noqa: E402  pylint: disable=wrong-import-position
 MODES = ("serial", "slurm", "point", "report")
 FLAGS = flags.FLAGS
 
@@ -180,8 +180,9 @@ def run_point(scan_dir: str, grid: dict, point: dict) -> int:
     return 0
   command = point_command(scan_dir, grid, point)
   log_path = os.path.join(scan_dir, point["name"] + ".log")
-  print("point %d (%s): %s > %s" % (point["index"], point["name"], " ".join(command[1:]), log_path),
-        flush=True)
+  # The interpreter as a user would type it, so that the line can be pasted to run the point alone.
+  shown = " ".join([python_command()] + command[1:])
+  print("point %d (%s): %s > %s" % (point["index"], point["name"], shown, log_path), flush=True)
   started = time.time()
   with open(log_path, "a") as log:
     returncode, stop = _run_passing_on_stops(command, log)
