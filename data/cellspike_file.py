@@ -54,7 +54,7 @@ class CellSpikeFile:
   num_probes: int
   num_params: int
   par_names: tuple
-  meta: dict                   # meta.JSON (if present) updated with the meta yaml's dataInfo
+  meta: dict                   # meta.JSON (if present), its dataInfo completed from the meta yaml's
 
   @property
   def input_shape(self):
@@ -288,7 +288,10 @@ def open_cellspike(path: str, yaml_info=None) -> CellSpikeFile:
   (time_bins, num_probes), num_params = frame_shapes.pop(), param_counts.pop()
   par_names = _check_meta_agrees(path, yaml_info, time_bins, num_probes, num_params)
   if yaml_info:
-    meta = dict(meta, dataInfo=yaml_info)
+    # The folder's meta yaml is shared by its cells, so what the file says of itself wins (its cell
+    # name, seed and sample counts); the yaml fills in what the file does not say.
+    own = meta.get("dataInfo") if isinstance(meta.get("dataInfo"), dict) else {}
+    meta = dict(meta, dataInfo=dict(yaml_info, **own))
   return CellSpikeFile(
       path=path, time_bins=time_bins, num_probes=num_probes, num_params=num_params,
       par_names=par_names, meta=meta,

@@ -6,6 +6,7 @@ import os
 import h5py
 import numpy as np
 import pytest
+import yaml
 
 from data import cellspike_file
 from errors import UserError
@@ -217,3 +218,22 @@ def test_meta_json_as_a_scalar_string_is_read_and_a_list_is_named(tmp_path):
     f["meta.JSON"] = "[1, 2, 3]"
   with pytest.raises(UserError, match="'meta.JSON' holds a list, expected a JSON object"):
     cellspike_file.open_cellspike(path)
+
+
+def test_the_files_own_data_info_wins_over_the_folders_shared_meta_yaml(tmp_path):
+  """A folder's meta yaml is shared by its cells (the generator rewrites it for the last cell it made):
+  a run's input_meta must describe the file it trained on, not that last cell."""
+  write_meta_yaml(str(tmp_path / "meta.cellSpike_excite_4prB8kHz.yaml"))
+  with open(str(tmp_path / "meta.cellSpike_excite_4prB8kHz.yaml")) as f:
+    shared = yaml.safe_load(f)
+  shared["dataInfo"]["generator"] = {"cellName": "other", "seed": 1}
+  with open(str(tmp_path / "meta.cellSpike_excite_4prB8kHz.yaml"), "w") as f:
+    yaml.safe_dump(shared, f)
+  path = write_cellspike(str(tmp_path / "cellA_excite.cellSpike_4prB8kHz.data.h5"))
+  with h5py.File(path, "a") as f:
+    del f["meta.JSON"]
+    f["meta.JSON"] = json.dumps({"dataInfo": {"generator": {"cellName": "cellA", "seed": 0}}})
+  h5_path, info = cellspike_file.resolve(str(tmp_path), "cellA", "excite_4prB8kHz")
+  meta = cellspike_file.open_cellspike(h5_path, info).meta["dataInfo"]
+  assert meta["generator"] == {"cellName": "cellA", "seed": 0}
+  assert meta["numPar"] == 15 and meta["h5nameTemplate"].startswith("*")   # filled in from the yaml
