@@ -162,7 +162,6 @@ def _resume_state(config: RunConfig, backend: Backend) -> dict:
   if not config.resume:
     return {"epoch": 0}
   state = checkpoints_lib.peek_last_state(config.logdir, _identity(config))
-  check_same_data(config)
   layout = _batch_layout(config, backend)
   saved = state.get("batch_layout")
   # Checkpoints written before rows_per_step was recorded hold the other two keys.
@@ -359,6 +358,8 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
   resume_state = _resume_state(config, backend)
   global_batch_size = backend.effective_batch(config.batch_size)
   splits = data.load(info.dataset, config, backend.layout(config.batch_size), resume_state["epoch"])
+  if config.resume:  # after the data's own checks, whose errors say more of a file than that it differs
+    check_same_data(config)
   module = model.get_model_module(config.model)
   backend = autotuned(config, backend, module, splits,
                       splits.train.steps * max(config.epochs - resume_state["epoch"], 0))

@@ -243,7 +243,9 @@ def test_fewer_samples_than_one_global_batch(good_file, logdir):
 
 
 def test_frames_too_short_for_the_design(tmp_path, logdir):
-  path = write_cellspike(str(tmp_path / "short.h5"), sizes=SIZES, time_bins=20)
+  # Named as the run's file (a resume takes a moved copy by its name), so the design's check speaks.
+  os.makedirs(str(tmp_path / "moved"))
+  path = write_cellspike(str(tmp_path / "moved" / "good.h5"), sizes=SIZES, time_bins=20)
   check_bad_resume(logdir, ["--design=dev", "20 time bins"], "--data_path=" + path)
 
 
