@@ -22,6 +22,8 @@ import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=wrong-import-posi
 import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
 import yaml  # noqa: E402  pylint: disable=wrong-import-position
 
+from training.summary import read_run_config  # noqa: E402  pylint: disable=wrong-import-position
+
 # Colour-blind-safe verdict colours (green / orange / red from ColorBrewer RdYlGn, darkened for text).
 VERDICT_COLORS = {"learned": "#1a9641", "weak": "#e66101", "not learned": "#c51b1b"}
 TRUTH_VS_PRED_PNG = "truth_vs_pred.png"
@@ -266,10 +268,8 @@ def load_history(logdir: str) -> dict:
     for key in ("mean_predictor_val_loss", "best_val_epoch"):
       if summary.get(key) is not None:
         history[key] = summary[key]
-  path = os.path.join(logdir, "run_config.yaml")
-  if history and os.path.isfile(path):
-    with open(path) as f:
-      schedule = (yaml.safe_load(f) or {}).get("lr_schedule")
+  if history:
+    schedule = (read_run_config(logdir) or {}).get("lr_schedule")
     if schedule:
       history["lr_schedule"] = schedule
   return history
