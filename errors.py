@@ -101,6 +101,17 @@ def reported_on_one_line(status: int = 1):
           signal.signal(signum, handler)
 
 
+def ignore_stops_while_exiting() -> None:
+  """For an entry point whose work is done and written (its last line printed): SIGINT and SIGTERM are
+  ignored for the rest of the exit, which tears TensorFlow down for about a second. A signal then
+  would end a finished run with the status of a killed one, which a requeue script reads as
+  "interrupted". Ignored, not handled: Python resets the handlers it installed to the default action
+  early in its shutdown, and keeps SIG_IGN (SIGKILL still ends the process)."""
+  if threading.current_thread() is threading.main_thread():
+    for signum in _STOP_SIGNALS:
+      signal.signal(signum, signal.SIG_IGN)
+
+
 def with_one_line_errors(main):
   """An absl `main` whose UserErrors, Ctrl-C and SIGTERM are reported as `reported_on_one_line` does."""
   def main_reporting_on_one_line(argv):
@@ -162,13 +173,17 @@ def report_missing_packages(environment: str = "application") -> None:
   """Called by main.py and every tool before their first third-party import: from then on, a
   third-party module missing at the top level is one `error:` line (the interpreter still exits with
   status 1); anything else, our own modules included, keeps its traceback. `environment` names the
-  one `make` builds for the program (_ENVIRONMENTS)."""
+  one `make` builds for the program (_ENVIRONMENTS). A Ctrl-C before `reported_on_one_line` takes
+  over (in the imports, which take a second or two) is one line too; Python then ends the process by
+  SIGINT, which a shell reports as status 130."""
   previous = sys.excepthook
 
   def report(kind, value, trace):
     name = getattr(value, "name", None) if isinstance(value, ModuleNotFoundError) else None
     if name and not _is_own_module(name.split(".")[0]):
       sys.stderr.write("error: %s\n" % missing_package_message(name, environment))
+    elif issubclass(kind, KeyboardInterrupt):
+      sys.stderr.write("\ninterrupted by SIGINT (Ctrl-C)\n")
     else:
       previous(kind, value, trace)
 

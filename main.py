@@ -13,7 +13,8 @@ The application's flags are listed below (`--helpfull` adds absl's); README.md h
 
 import sys
 
-from errors import parse_flags, refuse_arguments, report_missing_packages, reported_on_one_line
+from errors import (ignore_stops_while_exiting, parse_flags, refuse_arguments, report_missing_packages,
+                    reported_on_one_line)
 report_missing_packages()  # before the first third-party import: run by a Python without them, one line
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
@@ -55,6 +56,7 @@ def main(argv):
     config = flags.to_config(FLAGS)
     environment.prepare(config)
     train_and_evaluate(config)
+    ignore_stops_while_exiting()  # finished and reported: a signal must not make it look killed
 
 
 if __name__ == "__main__":

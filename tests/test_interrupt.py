@@ -72,6 +72,32 @@ def test_sigterm_outside_training_unwinds_and_exits_143_on_one_line(tmp_path):
   assert marker.exists()
 
 
+def test_the_flags_line_says_what_a_signal_does_in_each_phase(capfd):
+  flag = interrupt_lib.InterruptFlag()
+  flag.phase = "test"
+  with flag:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.01)
+  stop = interrupt_lib.StopTestOnSignal(flag, "/x/ckpt-2")
+  with pytest.raises(interrupt_lib.TrainingInterrupted) as error:
+    stop.on_test_batch_end(2)
+  assert (error.value.code, error.value.checkpoint) == (130, "/x/ckpt-2")
+  assert error.value.where == "during the test evaluation (after batch 3)"
+  line = capfd.readouterr().err.strip()
+  assert line.startswith("SIGINT received: stopping the test evaluation; the checkpoints are saved, and "
+                         "--resume evaluates the test split"), line
+  interrupt_lib.StopTestOnSignal(interrupt_lib.InterruptFlag(), "/x/ckpt-2").on_test_batch_end(0)  # none
+
+
+def test_ctrl_c_while_a_program_imports_is_one_line():
+  """Before reported_on_one_line takes over (main.py's and the tools' imports take a second or two)."""
+  code = ("import sys; sys.path.insert(0, %r); import errors; errors.report_missing_packages()\n"
+          "raise KeyboardInterrupt\n" % REPO_ROOT)
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert result.stderr == "\ninterrupted by SIGINT (Ctrl-C)\n"
+  assert result.returncode in (-signal.SIGINT, 128 + signal.SIGINT)  # Python ends itself by SIGINT
+
+
 def test_reported_on_one_line_restores_the_sigterm_handler():
   previous = signal.getsignal(signal.SIGTERM)
   with errors.reported_on_one_line():

@@ -29,9 +29,10 @@ def test_a_second_job_is_refused_with_the_holders_pid_until_the_holder_dies(tmp_
   run_folder.release(str(tmp_path))
 
 
-@pytest.mark.parametrize("marker", ["run_config.yaml", "summary.yaml", os.path.join("checkpoints", "last",
-                                                                                  "ckpt-1.index")])
+@pytest.mark.parametrize("marker", ["summary.yaml", os.path.join("checkpoints", "last", "ckpt-1.index"),
+                                    os.path.join("checkpoints", "best", "checkpoint")])
 def test_a_new_run_never_replaces_an_earlier_one(tmp_path, marker):
+  (tmp_path / "run_config.yaml").write_text("model: neuron_inverter\n")
   os.makedirs(os.path.dirname(str(tmp_path / marker)), exist_ok=True)
   (tmp_path / marker).write_text("kept")
   with pytest.raises(UserError, match="already holds a run.*--resume.*fresh --logdir"):
@@ -39,6 +40,30 @@ def test_a_new_run_never_replaces_an_earlier_one(tmp_path, marker):
   assert (tmp_path / marker).read_text() == "kept"
   run_folder.claim(str(tmp_path), resume=True)  # continuing it is what --resume is for
   run_folder.release(str(tmp_path))
+
+
+@pytest.mark.parametrize("leftover", [None, os.path.join("checkpoints", "last", ".saving-ckpt-1.x", "ckpt-1.index"),
+                                      os.path.join("checkpoints", "last", "checkpoint.tmp123")])
+def test_a_run_that_saved_nothing_is_started_again_not_resumed(tmp_path, leftover, caplog):
+  """Killed in its first epoch (or failed there): its run_config.yaml and events, perhaps a checkpoint
+  save cut short, and nothing to continue. The same command starts it again; --resume says so."""
+  (tmp_path / "run_config.yaml").write_text("model: neuron_inverter\n")
+  if leftover:
+    os.makedirs(os.path.dirname(str(tmp_path / leftover)), exist_ok=True)
+    (tmp_path / leftover).write_text("half written")
+  assert run_folder.started_without_saving(str(tmp_path)) and not run_folder.holds_run(str(tmp_path))
+  with pytest.raises(UserError, match=r"--resume: the run in %s stopped before its first checkpoint.*"
+                                      r"without --resume" % tmp_path):
+    run_folder.claim(str(tmp_path), resume=True)
+  with caplog.at_level("INFO"):
+    run_folder.claim(str(tmp_path), resume=False)
+  run_folder.release(str(tmp_path))
+  assert "stopped before its first checkpoint: starting it again" in caplog.text
+
+
+def test_resume_of_a_folder_without_a_run_is_refused(tmp_path):
+  with pytest.raises(UserError, match=r"--resume: %s holds no run to continue" % tmp_path):
+    run_folder.claim(str(tmp_path), resume=True)
 
 
 def test_an_empty_or_new_folder_is_claimed(tmp_path):

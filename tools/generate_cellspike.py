@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from errors import UserError, parse_flags, refuse_arguments, report_missing_packages, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
+from errors import UserError, ignore_stops_while_exiting, parse_flags, refuse_arguments, report_missing_packages, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
@@ -80,6 +80,7 @@ def main(argv):
       print("Relative RMS change of the traces, u_k = -0.8 vs +0.8, %d random base cells (seed %d):"
             % (FLAGS.sensitivity_draws, FLAGS.seed))
       print(neuron_sim.format_sensitivity(result))
+    ignore_stops_while_exiting()  # the dataset is written: a signal must not make the job look killed
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from errors import UserError, parse_flags, refuse_arguments, report_missing_packages, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
+from errors import UserError, ignore_stops_while_exiting, parse_flags, refuse_arguments, report_missing_packages, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
@@ -81,6 +81,7 @@ def main(argv):
     result = evaluation.evaluate_run(config, backend, split=FLAGS.split,
                                      max_samples=FLAGS.max_samples, outdir=FLAGS.outdir,
                                      plots=FLAGS.plots, export_dir=FLAGS.export_dir)
+    ignore_stops_while_exiting()  # everything is written: only the lines below and the exit are left
   print(evaluation.format_table(result.results))
   print("Wrote " + ", ".join(result.files), flush=True)
   print("In TensorBoard (Images, Text and Scalars of the run %s): %s" % _tensorboard_hint(result.files),

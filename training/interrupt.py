@@ -18,7 +18,13 @@ Design:
   order with the consumed batches skipped (`Split.epochs_from`), then the remaining epochs, so an
   interrupted-and-resumed run trains exactly the batches of an uninterrupted one. When the signal
   comes after the epoch's last step (during validation or saving), the epoch finishes, its normal
-  checkpoint is written, and the run stops at the epoch end.
+  checkpoint is written, and the run stops at the epoch end; after the last epoch too, before the
+  test evaluation.
+- The flag stays installed through the test evaluation (`StopTestOnSignal` ends it at the next test
+  batch) and the writing of summary.yaml. A run stopped after its last epoch or during its test holds
+  every epoch's checkpoint: `--resume` then only evaluates the test split and writes the summary. A
+  signal while the summary is written is noted and the run finishes normally (exit status 0): it has
+  nothing left to resume.
 - `TrainingInterrupted` is a `SystemExit` with status 128 + signal number (143 for SIGTERM, 130 for
   SIGINT), the status a shell reports for a process the signal stopped: a requeue script can tell
   "interrupted, resumable" (143/130) from "finished" (0) and "failed" (1). It is not a UserError, so
@@ -49,7 +55,7 @@ class TrainingInterrupted(SystemExit):
   def __init__(self, signum: int, checkpoint: str, where: str, mid_epoch: bool = False):
     super().__init__(128 + signum)
     self.signum, self.checkpoint, self.where = signum, checkpoint, where
-    self.mid_epoch = mid_epoch  # Keras' progress bar has not ended its line
+    self.mid_epoch = mid_epoch  # Keras' progress bar (of the fit or the test) has not ended its line
 
   @property
   def signal_name(self) -> str:
@@ -59,8 +65,19 @@ class TrainingInterrupted(SystemExit):
 class InterruptFlag:
   """Records SIGTERM/SIGINT while installed (a context manager); the handler does nothing else."""
 
+  # What a signal does in each phase of the run, as the handler's line says it.
+  MESSAGES = {
+      "training": "stopping after the current training step and saving a checkpoint "
+                  "(more signals are ignored until it is saved)",
+      "test": "stopping the test evaluation; the checkpoints are saved, and --resume evaluates the test "
+              "split (more signals are ignored)",
+      "finishing": "the run has finished training and testing; it writes its summary and exits normally "
+                   "(more signals are ignored)",
+  }
+
   def __init__(self):
     self.signum = None
+    self.phase = "training"  # set by the loop as it moves on (MESSAGES)
     self._previous = {}
 
   def __enter__(self):
@@ -86,10 +103,11 @@ class InterruptFlag:
     name = signal.Signals(signum).name
     if self.signum is None:
       self.signum = signum
-      message = ("%s received: stopping after the current training step and saving a checkpoint "
-                 "(more signals are ignored until it is saved)\n" % name)
-    else:
+      message = "%s received: %s\n" % (name, self.MESSAGES[self.phase])
+    elif self.phase == "training":
       message = "%s received again: still stopping and saving the checkpoint; please wait\n" % name
+    else:
+      message = "%s received again: ignored; please wait\n" % name
     try:
       # On a line of its own: Keras' progress bar rewrites its line with "\r" and ends it only at the
       # epoch's end.
@@ -175,18 +193,36 @@ class GracefulStop(tf.keras.callbacks.Callback):
                               mid_epoch=True)
 
   def on_epoch_end(self, epoch, logs=None):
-    if epoch + 1 >= self.total_epochs:
-      return  # the last epoch: nothing left to resume; the run finishes normally
     if self._agreed_stop():
+      last = epoch + 1 >= self.total_epochs  # the test is left: --resume runs it
       raise TrainingInterrupted(self.flag.signum or signal.SIGTERM, self.checkpointing.checkpoints.latest(),
-                                "at the end of epoch %d" % (epoch + 1))
+                                "at the end of epoch %d%s" % (epoch + 1, ", the last, before the test "
+                                                              "evaluation" if last else ""))
 
   def _agreed_stop(self) -> bool:
-    """Whether to stop now; with several processes, whether any of them was signalled (one collective,
-    `backend.any_process`)."""
-    if self.any_process is None:
-      return self.flag.requested
-    return self.any_process(self.flag.requested)
+    return agreed_stop(self.flag, self.any_process)
+
+
+class StopTestOnSignal(tf.keras.callbacks.Callback):
+  """Ends the test evaluation at the next batch after a signal, with TrainingInterrupted: the run's
+  checkpoints are all written by then, and `--resume` evaluates the test split again."""
+
+  def __init__(self, flag: InterruptFlag, checkpoint: str, any_process=None):
+    super().__init__()
+    self.flag, self.checkpoint, self.any_process = flag, checkpoint, any_process
+
+  def on_test_batch_end(self, batch, logs=None):
+    if agreed_stop(self.flag, self.any_process):
+      raise TrainingInterrupted(self.flag.signum or signal.SIGTERM, self.checkpoint,
+                                "during the test evaluation (after batch %d)" % (batch + 1), mid_epoch=True)
+
+
+def agreed_stop(flag: InterruptFlag, any_process=None) -> bool:
+  """Whether to stop now; with several processes, whether any of them was signalled (one collective,
+  `backend.any_process`, which every process must call at the same point)."""
+  if any_process is None:
+    return flag.requested
+  return any_process(flag.requested)
 
 
 def _is_number(value) -> bool:

@@ -170,10 +170,29 @@ def _resume_state(config: RunConfig, backend: Backend) -> dict:
                     "steps to skip would be other samples: resume with the same --batch_size, "
                     "--gradient_accumulation, --replicas and kind of backend"
                     % (state["step"], state["epoch"] + 1, _describe_layout(saved), _describe_layout(layout)))
-  if state["epoch"] >= config.epochs:
+  if state["epoch"] > config.epochs or (state["epoch"] == config.epochs and _tested(config.logdir, state)):
     raise UserError("--resume: the run in %s already finished %d epochs; raise --epochs to train more"
                     % (config.logdir, state["epoch"]))
-  return state
+  return state  # at config.epochs: stopped before or during its test, which this run evaluates
+
+
+def _tested(logdir: str, state: dict) -> bool:
+  """Whether the run's summary.yaml is that of its last checkpoint's epoch count (a run stopped after
+  its last epoch, before its test, has none, or an earlier invocation's with fewer epochs)."""
+  try:
+    return summary_lib.read_summary(logdir).get("epochs") == state["epoch"]
+  except Exception:  # pylint: disable=broad-except  (a damaged summary: the test's rerun replaces it)
+    return False
+
+
+def _check_resumed_step(config: RunConfig, state: dict, steps_per_epoch: int) -> None:
+  """A run stopped mid-epoch continues after its steps done; the epochs of this run must be longer."""
+  if state.get("step") and state["step"] >= steps_per_epoch:
+    why = ("--steps_per_epoch=%d" % config.steps_per_epoch if config.steps_per_epoch
+           else "the data's training split")
+    raise UserError("--resume: the run stopped after step %d of epoch %d, and this run's epochs have only %d "
+                    "steps (%s): resume with the --steps_per_epoch it ran with"
+                    % (state["step"], state["epoch"] + 1, steps_per_epoch, why))
 
 
 def _make_checkpointing(config, backend, net, outdir):
@@ -194,9 +213,13 @@ def _restore(config, schedule, checkpointing, steps_per_epoch) -> dict:
     return {}
   checkpoints = checkpointing.checkpoints
   state = checkpoints.restore_last()
-  logging.info("Resumed from %s: continuing with epoch %d of %d%s", checkpoints.directory,
-               state["epoch"] + 1, config.epochs,
-               " at step %d of %d" % (state["step"] + 1, steps_per_epoch) if state.get("step") else "")
+  if state["epoch"] >= config.epochs:
+    logging.info("Resumed from %s: all %d epochs were trained; the test evaluation is left",
+                 checkpoints.directory, config.epochs)
+  else:
+    logging.info("Resumed from %s: continuing with epoch %d of %d%s", checkpoints.directory,
+                 state["epoch"] + 1, config.epochs,
+                 " at step %d of %d" % (state["step"] + 1, steps_per_epoch) if state.get("step") else "")
   schedule.plateau.load(state["schedule"])
   checkpointing.restore_into(state)
   return state
@@ -215,7 +238,7 @@ def _make_callbacks(config, backend, schedule, checkpointing, state, global_batc
   resumed = interrupt_lib.ResumedEpochLogs(state.get("step", 0), state.get("partial_logs"))
   # Several processes agree at every batch end whether any of them was signalled (one collective).
   graceful = interrupt_lib.GracefulStop(flag, checkpointing, steps_per_epoch, config.epochs, resumed,
-                                        any_process=backend.any_process if backend.world_size > 1 else None)
+                                        any_process=_any_process(backend))
   # Order matters: each callback may add to the epoch logs that the later ones record; `resumed`
   # completes a resumed epoch's metrics before anything records them, `graceful` acts after the
   # epoch's checkpoint and TensorBoard scalars are written.
@@ -325,12 +348,12 @@ def run(config: RunConfig, backend: Backend) -> dict:
   # The writer locks the folder and refuses to start over an earlier run before it reads data or
   # builds anything: the first run's data generation alone takes minutes on a slow CPU. The lock file
   # is no output of the run: a command that fails later still leaves an earlier run untouched.
-  if not scratch:
-    run_folder.claim(config.logdir, config.resume)
-  else:
+  if scratch:
     logging.info("Process %d writes its events and checkpoints to %s, removed at its end (the chief "
                  "writes %s)", backend.rank, outdir, config.logdir)
   try:
+    if not scratch:
+      run_folder.claim(config.logdir, config.resume)
     summary = _train_and_test(config, backend, info, outdir, started)
   except BaseException:
     if new_folder and not scratch:
@@ -360,6 +383,7 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
   splits = data.load(info.dataset, config, backend.layout(config.batch_size), resume_state["epoch"])
   if config.resume:  # after the data's own checks, whose errors say more of a file than that it differs
     check_same_data(config)
+    _check_resumed_step(config, resume_state, splits.train.steps)
   module = model.get_model_module(config.model)
   backend = autotuned(config, backend, module, splits,
                       splits.train.steps * max(config.epochs - resume_state["epoch"], 0))
@@ -382,7 +406,8 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
   # --- Checkpoints, resume, callbacks -----------------------------------------------------------------
   schedule, checkpointing = _make_checkpointing(config, backend, net, outdir)
   state = _restore(config, schedule, checkpointing, splits.train.steps)
-  # SIGTERM/SIGINT during training: checkpoint at the next safe point, then exit 128 + signal number.
+  # SIGTERM/SIGINT from the first step to the summary: a stop at the next safe point with every
+  # checkpoint saved, then exit 128 + signal number (training/interrupt.py).
   flag = interrupt_lib.InterruptFlag()
   callbacks, throughput = _make_callbacks(config, backend, schedule, checkpointing, state,
                                           global_batch_size, outdir, flag, splits.train.steps)
@@ -394,64 +419,76 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
     write_run_config(outdir, config)  # backend and precision resolved (strategies.select.resolve)
     write_hparams(outdir, config, global_batch_size)
 
-  # --- Training ---------------------------------------------------------------------------------------
-  history, fit_seconds = _train(net, config, backend, splits, resume_state, callbacks, flag)
-  if config.compile_only:
-    _compile_test(net, backend, splits)
-    logging.info("--compile_only: compiled in %.1f s; exiting before training",
-                 throughput.compile_seconds or 0.0)
-    return {"compile_seconds": throughput.compile_seconds}
-  if any(not np.isfinite(v) for v in history.get("loss", [])):
-    kept = checkpointing.last_saved or checkpointing.checkpoints.latest() or "none"
-    raise UserError("training stopped: the loss became NaN/Inf in epoch %d (lower --learning_rate); "
-                    "last good checkpoint: %s" % (len(history["loss"]) + resume_state["epoch"], kept))
+  with flag:
+    # --- Training -------------------------------------------------------------------------------------
+    history, fit_seconds = _train(net, config, backend, splits, resume_state, callbacks)
+    if config.compile_only:
+      _compile_test(net, backend, splits)
+      logging.info("--compile_only: compiled in %.1f s; exiting before training",
+                   throughput.compile_seconds or 0.0)
+      return {"compile_seconds": throughput.compile_seconds}
+    if any(not np.isfinite(v) for v in history.get("loss", [])):
+      kept = checkpointing.last_saved or checkpointing.checkpoints.latest() or "none"
+      raise UserError("training stopped: the loss became NaN/Inf in epoch %d (lower --learning_rate); "
+                      "last good checkpoint: %s" % (len(history["loss"]) + resume_state["epoch"], kept))
 
-  # --- Test (the best-validation weights) -------------------------------------------------------------
-  test_results, test_epoch = _test(net, config, backend, splits, checkpointing, outdir,
-                                   len(history.get("loss", [])) + resume_state["epoch"])
+    # --- Test (the best-validation weights) -----------------------------------------------------------
+    flag.phase = "test"
+    stop_test = interrupt_lib.StopTestOnSignal(flag, checkpointing.checkpoints.latest(),
+                                                any_process=_any_process(backend))
+    test_results, test_epoch = _test(net, config, backend, splits, checkpointing, outdir,
+                                     len(history.get("loss", [])) + resume_state["epoch"], stop_test)
 
-  # --- summary.yaml -----------------------------------------------------------------------------------
-  summary = summary_lib.build_summary(
-      config, backend, info, splits, history, test_results, test_epoch, throughput, checkpointing,
-      global_batch_size=global_batch_size, first_epoch=resume_state["epoch"] + 1,
-      wall_seconds=time.perf_counter() - started, fit_seconds=fit_seconds,
-      weights_sha256=weights_digest(net), tensorflow_version=tf.__version__)
-  if backend.is_chief:  # the others' folders are scratch (run)
-    logging.info("Wrote %s", summary_lib.write_summary(outdir, summary))
+    # --- summary.yaml ---------------------------------------------------------------------------------
+    flag.phase = "finishing"  # nothing is left to resume: a signal now is noted, and the run ends normally
+    summary = summary_lib.build_summary(
+        config, backend, info, splits, history, test_results, test_epoch, throughput, checkpointing,
+        global_batch_size=global_batch_size,
+        first_epoch=resume_state["epoch"] + 1 if history else None,
+        wall_seconds=time.perf_counter() - started, fit_seconds=fit_seconds,
+        weights_sha256=weights_digest(net), tensorflow_version=tf.__version__)
+    if backend.is_chief:  # the others' folders are scratch (run)
+      logging.info("Wrote %s", summary_lib.write_summary(outdir, summary))
   return summary
 
 
-def _train(net, config, backend, splits, resume_state, callbacks, flag):
-  """The fit, under the signal flag; returns its history and its seconds. A signal ends it with a
-  checkpoint and TrainingInterrupted (training/interrupt.py)."""
+def _any_process(backend: Backend):
+  """The collective by which several processes agree on a stop (None for one process)."""
+  return backend.any_process if backend.world_size > 1 else None
+
+
+def _train(net, config, backend, splits, resume_state, callbacks):
+  """The fit, under the caller's signal flag (its callbacks read it); returns its history and its
+  seconds. A signal ends it with a checkpoint and TrainingInterrupted (training/interrupt.py)."""
+  if resume_state["epoch"] >= config.epochs:
+    return {}, 0.0  # a run stopped after its last epoch: only its test is left (_restore said so)
   print("\nTraining", flush=True)
   interrupted = None
-  with flag:
-    fit_started = time.perf_counter()
-    try:
-      history = _fit(net, config, backend, splits, resume_state["epoch"], resume_state.get("step", 0),
-                     callbacks)
-    except interrupt_lib.TrainingInterrupted as stop:
-      interrupted = stop.with_traceback(None)  # frees fit's frames (and its data iterators) below
-    finally:
-      _end_quiet_windows(callbacks)  # a fit that raised in its first step shows all of its stderr
-    if interrupted is not None:
-      # Still inside `with flag`: a further signal is only noted while the run winds down, and the
-      # flag ignores signals (instead of restoring the default action) once this raise leaves it.
-      end_interrupted_fit(callbacks)
-      interrupt_lib.log_interrupted(interrupted, config.logdir)
-      raise interrupted
+  fit_started = time.perf_counter()
+  try:
+    history = _fit(net, config, backend, splits, resume_state["epoch"], resume_state.get("step", 0),
+                   callbacks)
+  except interrupt_lib.TrainingInterrupted as stop:
+    interrupted = stop.with_traceback(None)  # frees fit's frames (and its data iterators) below
+  finally:
+    _end_quiet_windows(callbacks)  # a fit that raised in its first step shows all of its stderr
+  if interrupted is not None:
+    # Still inside the caller's `with flag`: a further signal is only noted while the run winds down,
+    # and the flag ignores signals (instead of restoring the default action) once this raise leaves it.
+    end_interrupted_fit(callbacks)
+    interrupt_lib.log_interrupted(interrupted, config.logdir)
+    raise interrupted
   # Training alone, from the first step to the return of the last fit (its input torn down): beside
   # the epochs' own wall times it shows any wait that no epoch accounts for.
   return history, time.perf_counter() - fit_started
 
 
-def _evaluate_test(net, backend, splits, verbose: int) -> dict:
+def _evaluate_test(net, backend, splits, verbose: int, callbacks=()) -> dict:
   """The test split's metrics with `net`'s current weights (the application's one evaluation of it)."""
   test_x, test_steps = backend.fit_input(splits.test.dataset, splits.test.steps)
   replica_statistics.share(net)  # the statistics the checkpoints hold, in every replica
   with DroppedLines(logs.ONE_OFF_NATIVE_LINES):
-    return net.evaluate(test_x, steps=test_steps, return_dict=True, verbose=verbose)
+    return net.evaluate(test_x, steps=test_steps, return_dict=True, verbose=verbose, callbacks=list(callbacks))
 
 
 def _compile_test(net, backend, splits) -> None:
@@ -464,13 +501,20 @@ def _compile_test(net, backend, splits) -> None:
     _evaluate_test(net, backend, splits, verbose=0)
 
 
-def _test(net, config, backend, splits, checkpointing, outdir, last_epoch):
-  """Evaluates the test split with the best-validation weights; returns (metrics, their epoch)."""
+def _test(net, config, backend, splits, checkpointing, outdir, last_epoch, stop_test):
+  """Evaluates the test split with the best-validation weights; returns (metrics, their epoch). A
+  signal ends it at the next batch (`stop_test`) with TrainingInterrupted; --resume tests again."""
   if not splits.test:
     return {}, None
   test_epoch = _use_best_weights(checkpointing, last_epoch)
   print("\nEvaluation", flush=True)
-  test_results = _evaluate_test(net, backend, splits,
-                                verbose=logs.evaluate_verbosity(config.progress, backend.is_chief))
+  try:
+    test_results = _evaluate_test(net, backend, splits,
+                                  verbose=logs.evaluate_verbosity(config.progress, backend.is_chief),
+                                  callbacks=[stop_test])
+  except interrupt_lib.TrainingInterrupted as stop:
+    stop = stop.with_traceback(None)
+    interrupt_lib.log_interrupted(stop, config.logdir)
+    raise stop from None
   write_test_scalars(outdir, test_results, step=config.epochs)
   return test_results, test_epoch

@@ -5,29 +5,44 @@
   drops the lock when the process dies, however it dies, so a killed job never leaves it stuck. A
   second job into the same folder gets one line naming the holder's pid and host. flock is reliable
   on local file systems; on NFS it depends on the server's lock support.
-- **No run over another.** A folder that already holds a run (its `run_config.yaml`, `summary.yaml` or
-  checkpoints) is continued with `--resume` or left alone: a new run there would replace its
-  checkpoints and summary. Start over in a fresh `--logdir`, or delete the old folder yourself.
+- **No run over another.** A folder that already holds a run (its `summary.yaml` or checkpoints) is
+  continued with `--resume` or left alone: a new run there would replace its checkpoints and summary.
+  Start over in a fresh `--logdir`, or delete the old folder yourself. A run that stopped before its
+  first checkpoint (killed in epoch 1, or failed there) left only its `run_config.yaml` and event files:
+  nothing to continue and nothing to lose, so the same command starts it again there.
 """
 
 import fcntl
 import os
 import socket
 
+from absl import logging
+
 from errors import UserError
 
 LOCK_FILE = ".lock"
-RUN_MARKERS = ("run_config.yaml", "summary.yaml")
+RUN_MARKERS = ("run_config.yaml", "summary.yaml")  # what makes a folder a run's: predict reads it
+SAVED_MARKERS = ("summary.yaml",)  # with the checkpoints, what a new run there would replace
+# What a checkpoint save leaves while it writes (training/checkpoints.py): no checkpoint yet.
+STAGING_NAMES = (".saving-", "checkpoint.tmp")
 
 _held = {}  # logdir -> open lock file, kept open (and so locked) until the process exits
 
 
 def holds_run(logdir: str) -> bool:
-  """Whether `logdir` already holds a run's outputs."""
-  if any(os.path.exists(os.path.join(logdir, name)) for name in RUN_MARKERS):
+  """Whether `logdir` holds a run's results (its summary, or any checkpoint file, damaged ones too)."""
+  if any(os.path.exists(os.path.join(logdir, name)) for name in SAVED_MARKERS):
     return True
-  checkpoints = os.path.join(logdir, "checkpoints")
-  return os.path.isdir(checkpoints) and any(files for _, _, files in os.walk(checkpoints))
+  for folder, subfolders, files in os.walk(os.path.join(logdir, "checkpoints")):
+    subfolders[:] = [name for name in subfolders if not name.startswith(STAGING_NAMES)]
+    if any(not name.startswith(STAGING_NAMES) for name in files):
+      return True
+  return False
+
+
+def started_without_saving(logdir: str) -> bool:
+  """Whether `logdir` holds the start of a run that stopped before saving anything."""
+  return not holds_run(logdir) and any(os.path.exists(os.path.join(logdir, name)) for name in RUN_MARKERS)
 
 
 def lock(logdir: str) -> None:
@@ -59,12 +74,23 @@ def release(logdir: str) -> None:
 
 
 def claim(logdir: str, resume: bool) -> None:
-  """Locks `logdir` for this run and refuses to start a new run over an earlier one."""
+  """Locks `logdir` for this run and refuses to start a new run over an earlier one, or to resume a
+  run that saved nothing."""
   lock(logdir)
+  if resume and not holds_run(logdir):
+    release(logdir)
+    if started_without_saving(logdir):
+      raise UserError("--resume: the run in %s stopped before its first checkpoint, so there is nothing "
+                      "to continue: start it again with the same command without --resume" % logdir)
+    raise UserError("--resume: %s holds no run to continue (no checkpoint): start one there without "
+                    "--resume" % logdir)
   if not resume and holds_run(logdir):
     release(logdir)
     raise UserError("--logdir=%s already holds a run (its checkpoints and summary would be replaced): "
                     "continue it with --resume, or choose a fresh --logdir" % logdir)
+  if not resume and started_without_saving(logdir):
+    logging.info("%s holds the start of a run that stopped before its first checkpoint: starting it "
+                 "again there (its event files stay beside this run's)", logdir)
 
 
 def remove_if_unused(logdir: str) -> None:

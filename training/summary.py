@@ -30,7 +30,11 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
                   throughput, checkpointing, *, global_batch_size: int, first_epoch: int,
                   wall_seconds: float, fit_seconds: float, weights_sha256: str,
                   tensorflow_version: str) -> dict:
-  """The summary of a finished run, from its parts: what summary.yaml holds (REQUIRED_KEYS and more)."""
+  """The summary of a finished run, from its parts: what summary.yaml holds (REQUIRED_KEYS and more).
+  `history` is this invocation's epochs; a resume that only tested (its run stopped after the last
+  epoch) has none, and the last losses and rate are then the last epoch's from the checkpoint."""
+  full_history = _full_history(checkpointing.epoch_logs)
+  last = history if history.get("loss") else full_history
   summary = {
       "model": config.model,
       "backend": backend.kind,
@@ -44,8 +48,8 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
       "first_epoch": first_epoch,
       "steps_per_epoch": splits.train.steps,
       "train_samples_per_epoch": backend.optimizer_steps(splits.train.steps) * global_batch_size,  # all processes'
-      "train_loss": _last(history, "loss"),
-      "val_loss": _last(history, "val_loss"),
+      "train_loss": _last(last, "loss"),
+      "val_loss": _last(last, "val_loss"),
       "test_loss": float(test_results["loss"]) if "loss" in test_results else None,
       "test_weights_epoch": test_epoch,
       # Every sample on CPUs and GPUs (a short last batch); whole batches on IPUs, which need static
@@ -60,7 +64,7 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
       "fit_seconds": fit_seconds,
       "best_val_loss": None if math.isinf(checkpointing.best_val_loss) else checkpointing.best_val_loss,
       "best_val_epoch": checkpointing.best_epoch,
-      "final_lr": _last(history, "lr"),
+      "final_lr": _last(last, "lr"),
       "data_source": splits.source,
       "devices": list(backend.devices),
       "machine": backend.machine_signature or None,  # the CPU behind the figures above (CPU backend)
@@ -70,7 +74,7 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
       "tensorflow_version": tensorflow_version,
       "params": config.as_dict(),
       "history": {key: [float(v) for v in values] for key, values in history.items()},
-      "full_history": _full_history(checkpointing.epoch_logs),
+      "full_history": full_history,
   }
   summary.update(splits.summary_extras)
   if info.task == "classification":
@@ -81,7 +85,7 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
 
 def _last(history: dict, key: str):
   values = history.get(key)
-  return float(values[-1]) if values else None
+  return float(values[-1]) if values and values[-1] is not None else None
 
 
 def _epoch_time_stats(history: dict, key: str = "epoch_seconds"):

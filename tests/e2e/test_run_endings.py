@@ -1,0 +1,206 @@
+"""How a run ends when a signal comes after its training steps, and how `--resume` finishes it.
+
+In-process runs of training/loop.py (dev design, 8 steps per epoch) signalled at chosen points: the
+last epoch's end, the test evaluation, the writing of summary.yaml; a run stopped mid-epoch and resumed
+with shorter epochs; a run that failed before its first checkpoint, started again in its folder. One
+real process is signalled after its closing report. The signal flag's own tests are in
+tests/test_interrupt.py, mid-training stops through real processes in tests/e2e/test_loop_faults.py.
+"""
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from errors import UserError
+from run_config import RunConfig
+from tests.support.cellspike_files import write_cellspike
+from tests.support.helpers import REPO_ROOT
+from training import loop
+from training import summary as summary_lib
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+  return write_cellspike(str(tmp_path_factory.mktemp("data") / "endings.h5"),
+                         sizes={"train": 128, "val": 32, "test": 32})
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers():
+  """A stop leaves SIGTERM and SIGINT ignored for the exit it expects; pytest carries on instead."""
+  saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+  yield
+  for signum, handler in saved.items():
+    signal.signal(signum, handler)
+
+
+def _config(data_file, logdir, **changes):
+  return dataclasses.replace(
+      RunConfig(model="neuron_inverter", design="dev", backend="cpu", batch_size=8, learning_rate=1e-3,
+                optimizer="adam", data_path=data_file, logdir=logdir, epochs=2, warmup_epochs=1,
+                steps_per_epoch=8, eval_steps=2, dropout=0.0, seed=5),
+      **changes)
+
+
+def _run(config):
+  from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
+  return loop.run(config, select_backend(config))
+
+
+class _SignalAt(tf.keras.callbacks.Callback):
+  """Sends this process SIGTERM at the end of training batch `batch` of epoch `epoch` (0-based), or at
+  that epoch's end (batch None), as a time limit would."""
+
+  def __init__(self, epoch, batch=None):
+    super().__init__()
+    self.epoch, self.batch, self._current = epoch, batch, None
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self._current = epoch
+
+  def on_train_batch_end(self, batch, logs=None):
+    if self._current == self.epoch and batch == self.batch:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  def on_epoch_end(self, epoch, logs=None):
+    if epoch == self.epoch and self.batch is None:
+      os.kill(os.getpid(), signal.SIGTERM)  # first: the epoch's checkpoint is written after it
+
+
+def _signalled_at(monkeypatch, epoch, batch=None):
+  make_callbacks = loop._make_callbacks  # pylint: disable=protected-access
+
+  def with_signal(*args, **kwargs):
+    callbacks, throughput = make_callbacks(*args, **kwargs)
+    return [_SignalAt(epoch, batch)] + callbacks, throughput
+  monkeypatch.setattr(loop, "_make_callbacks", with_signal)
+
+
+def _signal_before(monkeypatch, owner, name):
+  """SIGTERM just before `owner.name` runs."""
+  original = getattr(owner, name)
+
+  def signalled(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return original(*args, **kwargs)
+  monkeypatch.setattr(owner, name, signalled)
+
+
+def test_a_signal_at_the_last_epochs_end_stops_before_the_test_and_resume_only_tests(
+    tmp_path, data_file, monkeypatch, caplog):
+  reference = _run(_config(data_file, str(tmp_path / "reference")))
+  logdir = str(tmp_path / "run")
+  with monkeypatch.context() as patch:
+    _signalled_at(patch, epoch=1)
+    with pytest.raises(SystemExit) as stop:
+      _run(_config(data_file, logdir))
+  assert stop.value.code == 143
+  assert stop.value.where == "at the end of epoch 2, the last, before the test evaluation"
+  assert stop.value.checkpoint == os.path.join(logdir, "checkpoints", "last", "ckpt-2")
+  assert not os.path.exists(os.path.join(logdir, "summary.yaml"))
+  caplog.clear()
+
+  with caplog.at_level("INFO"):
+    summary = _run(_config(data_file, logdir, resume=True))
+  assert "all 2 epochs were trained; the test evaluation is left" in caplog.text
+  assert "Epoch 1/" not in caplog.text and "Epoch 2/" not in caplog.text
+  assert summary_lib.read_summary(logdir)["test_loss"] == summary["test_loss"]
+  # The same weights tested as by the uninterrupted run, and its last epoch's losses reported.
+  assert summary["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-5)
+  assert summary["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
+  assert summary["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-5)
+  assert summary["best_val_epoch"] == reference["best_val_epoch"]
+  assert summary["first_epoch"] is None and summary["history"] == {}
+  assert summary["full_history"]["epoch"] == [1, 2]
+
+  with pytest.raises(UserError, match="already finished 2 epochs; raise --epochs"):
+    _run(_config(data_file, logdir, resume=True))
+
+
+def test_a_signal_during_the_test_stops_it_and_resume_tests_again(tmp_path, data_file, monkeypatch):
+  logdir = str(tmp_path / "run")
+  with monkeypatch.context() as patch:
+    _signal_before(patch, loop, "_evaluate_test")
+    with pytest.raises(SystemExit) as stop:
+      _run(_config(data_file, logdir))
+  assert stop.value.code == 143 and stop.value.where == "during the test evaluation (after batch 1)"
+  assert not os.path.exists(os.path.join(logdir, "summary.yaml"))
+  assert not os.path.exists(os.path.join(logdir, "test"))  # no test scalars of a partial evaluation
+  summary = _run(_config(data_file, logdir, resume=True))
+  assert np.isfinite(summary["test_loss"]) and summary["test_samples"] == 16  # --eval_steps=2
+
+
+def test_a_signal_while_the_summary_is_written_lets_the_run_finish(tmp_path, data_file, monkeypatch, capfd):
+  logdir = str(tmp_path / "run")
+  _signal_before(monkeypatch, summary_lib, "write_summary")
+  summary = _run(_config(data_file, logdir, epochs=1))
+  assert np.isfinite(summary["test_loss"])
+  assert summary_lib.read_summary(logdir)["epochs"] == 1
+  assert "SIGTERM received: the run has finished training and testing" in capfd.readouterr().err
+
+
+def test_a_mid_epoch_resume_with_shorter_epochs_is_refused_before_writing(tmp_path, data_file, monkeypatch):
+  logdir = str(tmp_path / "run")
+  with monkeypatch.context() as patch:
+    _signalled_at(patch, epoch=0, batch=4)
+    with pytest.raises(SystemExit) as stop:
+      _run(_config(data_file, logdir))
+  assert stop.value.where == "in epoch 1 after step 5 of 8"
+  with open(os.path.join(logdir, "run_config.yaml")) as f:
+    before = f.read()
+  with pytest.raises(UserError, match=r"--resume: the run stopped after step 5 of epoch 1, and this run's "
+                                      r"epochs have only 4 steps \(--steps_per_epoch=4\): resume with the "
+                                      r"--steps_per_epoch it ran with"):
+    _run(_config(data_file, logdir, resume=True, steps_per_epoch=4))
+  with open(os.path.join(logdir, "run_config.yaml")) as f:
+    assert f.read() == before
+  assert _run(_config(data_file, logdir, resume=True))["full_history"]["epoch"] == [1, 2]
+
+
+def test_a_run_that_failed_before_its_first_checkpoint_starts_again_in_its_folder(tmp_path, data_file):
+  logdir = str(tmp_path / "run")
+  diverging = _config(data_file, logdir, optimizer="sgd", learning_rate=1e5, warmup_epochs=0)
+  with pytest.raises(UserError, match="loss became NaN/Inf in epoch 1.*last good checkpoint: none"):
+    _run(diverging)
+  assert os.path.exists(os.path.join(logdir, "run_config.yaml"))
+  with pytest.raises(UserError, match="stopped before its first checkpoint.*without --resume"):
+    _run(dataclasses.replace(diverging, learning_rate=1e-3, resume=True))
+  summary = _run(dataclasses.replace(diverging, learning_rate=1e-3))
+  assert np.isfinite(summary["test_loss"]) and summary["params"]["learning_rate"] == 1e-3
+  with pytest.raises(UserError, match="already holds a run"):  # now it has one to keep
+    _run(diverging)
+
+
+def test_a_signal_after_the_closing_report_keeps_exit_status_0(tmp_path, data_file):
+  """Python and TensorFlow take about a second to exit after the last line: a time limit or Ctrl-C
+  then must not make a finished run look killed (a requeue script would run it again)."""
+  logdir, log_path = str(tmp_path / "run"), str(tmp_path / "run.log")
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  env.pop("TF_USE_LEGACY_KERAS", None)
+  with open(log_path, "w") as log:
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(REPO_ROOT, "main.py"), "--model=neuron_inverter", "--design=dev",
+         "--backend=cpu", "--batch_size=8", "--epochs=1", "--steps_per_epoch=4", "--eval_steps=2",
+         "--data_path=" + data_file, "--logdir=" + logdir], cwd=REPO_ROOT, env=env, stdout=log,
+        stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+      deadline = time.monotonic() + 120
+      while "--resume --epochs=6" not in open(log_path).read():  # the closing report's last line
+        assert process.poll() is None and time.monotonic() < deadline, open(log_path).read()[-3000:]
+        time.sleep(0.01)
+      process.send_signal(signal.SIGTERM)
+      status = process.wait(timeout=60)
+    finally:
+      if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+  output = open(log_path).read()
+  assert status == 0, output[-3000:]
+  assert "interrupted" not in output.split("Run finished")[-1], output[-3000:]
