@@ -98,6 +98,18 @@ def test_ctrl_c_while_a_program_imports_is_one_line():
   assert result.returncode in (-signal.SIGINT, 128 + signal.SIGINT)  # Python ends itself by SIGINT
 
 
+def test_a_finished_program_ignores_signals_while_it_exits():
+  """main.py, tools/predict.py and tools/generate_cellspike.py after their last output: Python's own
+  handler would be reset to the default action in its shutdown, SIG_IGN is kept."""
+  code = ("import os, signal, sys; sys.path.insert(0, %r); import errors\n"
+          "with errors.reported_on_one_line():\n"
+          "  errors.ignore_stops_while_exiting()\n"
+          "import atexit; atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM))\n"
+          "os.kill(os.getpid(), signal.SIGINT); print('finished')\n" % REPO_ROOT)
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert (result.returncode, result.stdout, result.stderr) == (0, "finished\n", "")
+
+
 def test_reported_on_one_line_restores_the_sigterm_handler():
   previous = signal.getsignal(signal.SIGTERM)
   with errors.reported_on_one_line():
