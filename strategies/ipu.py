@@ -439,8 +439,9 @@ def create(config: RunConfig) -> IPUBackend:
   cfg = make_ipu_config(ipu, config, popdist)
   configure_system(ipu, cfg, config)
   strategy = make_strategy(ipu, popdist)
-  logging.info("IPU system configured: %d replica(s) x %d IPU(s), %s connection%s", replicas,
-               config.ipus_per_replica, config.ipu_connection,
+  logging.info("IPU system configured: %d replica%s x %d IPU%s, %s connection%s", replicas,
+               "" if replicas == 1 else "s", config.ipus_per_replica,
+               "" if config.ipus_per_replica == 1 else "s", config.ipu_connection,
                ", poprun instance %d of %d" % (popdist.getInstanceIndex(), popdist.getNumInstances())
                if popdist else "")
   return IPUBackend(

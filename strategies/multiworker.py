@@ -141,8 +141,8 @@ def create(config: RunConfig, kind: str, source: str, **fields) -> MultiWorkerBa
     raise UserError("--replicas=%d disagrees with the cluster: %d worker(s) x %d local replica(s) = %d "
                     "(leave --replicas unset in multi-worker runs)"
                     % (config.replicas, world, total // world, total))
-  logging.info("Multi-worker run (%s): rank %d of %d%s, %d replica(s) here, %d in total", source, rank,
-               world, " (chief)" if rank == 0 else "", total // world, total)
+  logging.info("Multi-worker run (%s): rank %d of %d%s, %d replica%s here, %d in total", source, rank,
+               world, " (chief)" if rank == 0 else "", total // world, "" if total == world else "s", total)
   fields = dict(fields, replicas=total)
   return MultiWorkerBackend(kind=kind, strategy=strategy, devices=tuple(
       d.name for d in tf.config.list_logical_devices("GPU" if kind == "gpu" else "CPU")[:total // world]),

@@ -146,7 +146,8 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
     new = _cache_entries(self.cache_dir) - self._cached_before
     self.from_cache = not new and bool(self._cached_before)
     if new:
-      return "; %d new executable(s) written to the cache %s" % (len(new), self.cache_dir)
+      return "; %d new executable%s written to the cache %s" % (len(new), "" if len(new) == 1 else "s",
+                                                                self.cache_dir)
     return "; executable loaded from the cache %s" % self.cache_dir if self.from_cache else ""
 
   @property

@@ -171,8 +171,8 @@ def _resume_state(config: RunConfig, backend: Backend) -> dict:
                     "--gradient_accumulation, --replicas and kind of backend"
                     % (state["step"], state["epoch"] + 1, _describe_layout(saved), _describe_layout(layout)))
   if state["epoch"] > config.epochs or (state["epoch"] == config.epochs and _tested(config.logdir, state)):
-    raise UserError("--resume: the run in %s already finished %d epochs; raise --epochs to train more"
-                    % (config.logdir, state["epoch"]))
+    raise UserError("--resume: the run in %s already finished %d epoch%s; raise --epochs to train more"
+                    % (config.logdir, state["epoch"], "" if state["epoch"] == 1 else "s"))
   return state  # at config.epochs: stopped before or during its test, which this run evaluates
 
 
@@ -214,8 +214,8 @@ def _restore(config, schedule, checkpointing, steps_per_epoch) -> dict:
   checkpoints = checkpointing.checkpoints
   state = checkpoints.restore_last()
   if state["epoch"] >= config.epochs:
-    logging.info("Resumed from %s: all %d epochs were trained; the test evaluation is left",
-                 checkpoints.directory, config.epochs)
+    logging.info("Resumed from %s: training finished (epoch %d of %d); the test evaluation is left",
+                 checkpoints.directory, state["epoch"], config.epochs)
   else:
     logging.info("Resumed from %s: continuing with epoch %d of %d%s", checkpoints.directory,
                  state["epoch"] + 1, config.epochs,

@@ -109,7 +109,7 @@ def test_a_signal_at_the_last_epochs_end_stops_before_the_test_and_resume_only_t
 
   with caplog.at_level("INFO"):
     summary = _run(_config(data_file, logdir, resume=True))
-  assert "all 2 epochs were trained; the test evaluation is left" in caplog.text
+  assert "training finished (epoch 2 of 2); the test evaluation is left" in caplog.text
   assert "Epoch 1/" not in caplog.text and "Epoch 2/" not in caplog.text
   assert summary_lib.read_summary(logdir)["test_loss"] == summary["test_loss"]
   # The same weights tested as by the uninterrupted run, and its last epoch's losses reported.
