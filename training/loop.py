@@ -15,6 +15,7 @@ Backend specifics stay behind `backend`.
 import hashlib
 import os
 import random
+import re
 import shutil
 import time
 
@@ -354,7 +355,12 @@ def run(config: RunConfig, backend: Backend) -> dict:
   try:
     if not scratch:
       run_folder.claim(config.logdir, config.resume)
-    summary = _train_and_test(config, backend, info, outdir, started)
+    try:
+      summary = _train_and_test(config, backend, info, outdir, started)
+    except tf.errors.UnavailableError as error:
+      if backend.world_size == 1:
+        raise
+      raise UserError(_lost_process(error, backend.world_size)) from None
   except BaseException:
     if new_folder and not scratch:
       run_folder.remove_if_unused(config.logdir)
@@ -371,6 +377,14 @@ def run(config: RunConfig, backend: Backend) -> dict:
     logging.info("Process %d done, its weights' sha256 %s (the chief's summary.yaml: weights_sha256)",
                  backend.rank, summary["weights_sha256"])
   return summary
+
+
+def _lost_process(error, processes: int) -> str:
+  """The one line for a collective that failed because another process of the run is gone (stopped by
+  a signal or killed, or its host unreachable): TensorFlow's message without its op prefix."""
+  lines = [line.strip() for line in re.sub(r"\{\{[^}]*\}\}\s*", "", error.message).splitlines() if line.strip()]
+  return ("another process of this %d-process run stopped or cannot be reached (%s): relaunch all %d, with "
+          "--resume once the run has a checkpoint" % (processes, " ".join(lines[:2]), processes))
 
 
 def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, started: float) -> dict:

@@ -392,6 +392,45 @@ def test_sigterm_to_one_worker_stops_all_workers_at_the_same_point(tmp_path):
     assert (state["epoch"] + 1, state["step"]) == (int(stops[0].group(2)), int(stops[0].group(3)))
 
 
+@pytest.mark.parametrize("signalled", [(0, 1), (1,)], ids=["all", "one"])
+def test_sigterm_to_the_workers_before_training_stops_them_on_one_line(tmp_path, signalled):
+  """srun delivers a time limit's SIGTERM to every task; before training it stops each worker as it
+  stops one process, although the strategy's coordination service installs a SIGTERM handler of its
+  own (which only logged "SIGTERM caught", and the workers trained on). A worker left alone finds its
+  partner gone at its next collective and says so on one line."""
+  from tests.support.training_parts import free_ports  # pylint: disable=import-outside-toplevel
+  data_path = write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 256, "val": 64, "test": 64})
+  logdir = str(tmp_path / "run")
+  cluster = {"worker": ["127.0.0.1:%d" % port for port in free_ports(2)]}
+  jobs = []
+  try:
+    for index in range(2):
+      os.environ["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+      try:
+        jobs.append(Job(logdir, data_path, "--epochs=2", "--steps_per_epoch=3", "--eval_steps=1"))
+      finally:
+        del os.environ["TF_CONFIG"]
+    for index in signalled:  # the strategy exists: the backend's line comes after it
+      jobs[index].wait_for(lambda job=jobs[index]: "running on CPU" in job.output(), what="the backend")
+    for index in signalled:
+      jobs[index].process.send_signal(signal.SIGTERM)
+    statuses = [job.wait(120) for job in jobs]
+    outputs = [job.output() for job in jobs]
+  finally:
+    for job in jobs:
+      job.close()
+  assert statuses == [143 if index in signalled else 1 for index in range(2)], [o[-2000:] for o in outputs]
+  for index, output in enumerate(outputs):
+    last = output.rstrip().splitlines()[-1]
+    assert "Traceback" not in output, output[-2000:]
+    if index in signalled:
+      assert last == "interrupted by SIGTERM", output[-2000:]
+    else:
+      assert last.startswith("error: another process of this 2-process run stopped or cannot be reached ("), last
+      assert last.endswith("relaunch all 2, with --resume once the run has a checkpoint"), last
+  assert not os.path.exists(os.path.join(logdir, "summary.yaml"))
+
+
 def test_sigterm_while_the_builtin_dataset_is_generated_leaves_nothing_behind(tmp_path):
   """scancel or a time limit before training: the generation stops (its worker processes too), its
   temporary file and the still empty run folder are removed, and the job says so on one line with
