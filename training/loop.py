@@ -171,10 +171,34 @@ def _resume_state(config: RunConfig, backend: Backend) -> dict:
                     "steps to skip would be other samples: resume with the same --batch_size, "
                     "--gradient_accumulation, --replicas and kind of backend"
                     % (state["step"], state["epoch"] + 1, _describe_layout(saved), _describe_layout(layout)))
-  if state["epoch"] > config.epochs or (state["epoch"] == config.epochs and _tested(config.logdir, state)):
-    raise UserError("--resume: the run in %s already finished %d epoch%s; raise --epochs to train more"
-                    % (config.logdir, state["epoch"], "" if state["epoch"] == 1 else "s"))
-  return state  # at config.epochs: stopped before or during its test, which this run evaluates
+  _check_epochs_left(config, state)
+  return state
+
+
+def _epochs(count: int) -> str:
+  return "%d epoch%s" % (count, "" if count == 1 else "s")
+
+
+def _check_epochs_left(config: RunConfig, state: dict) -> None:
+  """A resume trains on to --epochs, or, for a run stopped after its last epoch (before or during its
+  test), only tests it; anything else with --epochs at or below the epochs done is refused."""
+  done, step = state["epoch"], state.get("step", 0)
+  if done < config.epochs:
+    return
+  planned = (read_run_config(config.logdir) or {}).get("epochs", done)  # the run's own --epochs
+  tested = _tested(config.logdir, state)
+  if done == config.epochs == planned and not step and not tested:
+    return  # this run evaluates the test split and writes the summary
+  where = "the run in %s" % config.logdir
+  if step or planned > done:
+    trained = _epochs(done) + (" and %d steps of epoch %d" % (step, done + 1) if step else "")
+    raise UserError("--resume: %s has trained %s of the %s it was started with: resume with --epochs=%d "
+                    "or more" % (where, trained, _epochs(planned), max(planned, done + 1)))
+  if tested:
+    raise UserError("--resume: %s already finished %s and its test; raise --epochs to train more"
+                    % (where, _epochs(done)))
+  raise UserError("--resume: %s trained its %s and stopped before its test: resume with --epochs=%d to "
+                  "test it, or more to train on" % (where, _epochs(done), done))
 
 
 def _tested(logdir: str, state: dict) -> bool:

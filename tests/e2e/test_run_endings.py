@@ -105,6 +105,9 @@ def test_a_signal_at_the_last_epochs_end_stops_before_the_test_and_resume_only_t
   assert stop.value.where == "at the end of epoch 2, the last, before the test evaluation"
   assert stop.value.checkpoint == os.path.join(logdir, "checkpoints", "last", "ckpt-2")
   assert not os.path.exists(os.path.join(logdir, "summary.yaml"))
+  with pytest.raises(UserError, match=r"the run in %s trained its 2 epochs and stopped before its test: "
+                                      r"resume with --epochs=2 to test it, or more to train on" % logdir):
+    _run(_config(data_file, logdir, resume=True, epochs=1))
   caplog.clear()
 
   with caplog.at_level("INFO"):
@@ -120,7 +123,7 @@ def test_a_signal_at_the_last_epochs_end_stops_before_the_test_and_resume_only_t
   assert summary["first_epoch"] is None and summary["history"] == {}
   assert summary["full_history"]["epoch"] == [1, 2]
 
-  with pytest.raises(UserError, match="already finished 2 epochs; raise --epochs"):
+  with pytest.raises(UserError, match="already finished 2 epochs and its test; raise --epochs"):
     _run(_config(data_file, logdir, resume=True))
 
 
@@ -162,6 +165,19 @@ def test_a_mid_epoch_resume_with_shorter_epochs_is_refused_before_writing(tmp_pa
   with open(os.path.join(logdir, "run_config.yaml")) as f:
     assert f.read() == before
   assert _run(_config(data_file, logdir, resume=True))["full_history"]["epoch"] == [1, 2]
+
+
+def test_a_resume_with_fewer_epochs_than_the_run_started_with_is_refused(tmp_path, data_file, monkeypatch):
+  """Stopped in its last epoch, a run resumed with --epochs lowered to the epochs done would only be
+  tested, and the steps it trained in that epoch and its schedule's plan silently dropped."""
+  logdir = str(tmp_path / "run")
+  with monkeypatch.context() as patch:
+    _signalled_at(patch, epoch=1, batch=4)
+    with pytest.raises(SystemExit):
+      _run(_config(data_file, logdir))
+  with pytest.raises(UserError, match=r"the run in %s has trained 1 epoch and 5 steps of epoch 2 of the 2 "
+                                      r"epochs it was started with: resume with --epochs=2 or more" % logdir):
+    _run(_config(data_file, logdir, resume=True, epochs=1))
 
 
 def test_a_run_that_failed_before_its_first_checkpoint_starts_again_in_its_folder(tmp_path, data_file):
