@@ -36,14 +36,20 @@ def train_and_evaluate(config) -> dict:
   from training.loop import run  # pylint: disable=import-outside-toplevel
   from training.interrupt import TrainingInterrupted  # pylint: disable=import-outside-toplevel
   from training import summary as summary_lib  # pylint: disable=import-outside-toplevel
+  def print_how_to_continue(intro=""):
+    if backend.is_chief:
+      print(intro + summary_lib.interrupted_report(sys.argv, config.logdir, config.epochs, backend.world_size),
+            flush=True)
   try:
     summary = run(config, backend)
   except TrainingInterrupted:
-    if backend.is_chief:
-      print(summary_lib.interrupted_report(sys.argv, config.logdir, config.epochs, backend.world_size),
-            flush=True)
+    print_how_to_continue()
     raise
-  report(config, backend)  # --predict: sum_pred.yaml and figures into <logdir>/predict
+  try:
+    report(config, backend)  # --predict: sum_pred.yaml and figures into <logdir>/predict
+  except KeyboardInterrupt:  # Ctrl-C or SIGTERM (errors.Terminated): one line follows (reported_on_one_line)
+    print_how_to_continue("\nThe run is finished (summary.yaml), its --predict report is not. ")
+    raise
   if backend.is_chief and not config.compile_only:
     print(summary_lib.closing_report(summary, config.logdir, sys.argv, backend.world_size), flush=True)
   return summary

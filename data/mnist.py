@@ -112,7 +112,7 @@ def _normalise(images, labels):
 
 def load(config: RunConfig, layout: BatchLayout, first_epoch: int = 0) -> Splits:
   """MNIST train and test splits as batched tf.data pipelines (no validation split, as in the check)."""
-  del first_epoch  # tf.data's seeded reshuffle restarts with the process; MNIST runs do not resume.
+  del first_epoch  # the training split's passes are ordered by (seed, epoch): Split.epochs_from resumes
   if config.synthetic_data:
     element = synthetic.classification_element((28, 28, 1), 10, config.seed)
     return Splits(train=synthetic.synthetic_split(element, layout, 60000, config.steps_per_epoch, "train"),

@@ -153,7 +153,9 @@ def split_from_arrays(arrays: Arrays, layout: BatchLayout, transform: Callable, 
   Batching before the transform lets the per-sample work (cast, scale) run once per batch as one
   vectorised op. Unless the layout keeps the tail, the remainder is dropped: every batch then has the
   same static shape, which IPUs require and which keeps XLA from compiling a second program for a
-  short last batch.
+  short last batch. A shuffled split orders each pass by a permutation drawn from (seed, pass) alone,
+  so that a run resumed in epoch E reads exactly the batches an uninterrupted run reads there
+  (`Split.epochs_from`).
   """
   if layout.total_shards > layout.replicas:  # several processes: this one's contiguous part only
     per_shard = len(arrays.x) // layout.total_shards
@@ -163,16 +165,33 @@ def split_from_arrays(arrays: Arrays, layout: BatchLayout, transform: Callable, 
   rows = sum(len(part.x) for part in parts)
   steps = count_steps(rows, layout.step_rows, max_steps, name, layout.steps_multiple, layout.keeps_tail)
   batch_rows = layout.element_rows if len(parts) == 1 else layout.replica_rows
-  batched = []
-  for part in parts:
-    dataset = tf.data.Dataset.from_tensor_slices((part.x, part.y))
+  tensors = [(tf.constant(part.x), tf.constant(part.y)) for part in parts] if shuffle else []
+
+  def one_pass(epoch):
     if shuffle:
-      # A full-size buffer is a true shuffle; it reshuffles every epoch from the seeded start.
-      dataset = dataset.shuffle(len(part.x), seed=seed, reshuffle_each_iteration=True)
-    batched.append(dataset.batch(batch_rows, drop_remainder=not layout.keeps_tail))
-  dataset = combine_replicas(batched, layout.element_per_replica).map(transform, num_parallel_calls=2)
-  dataset = without_autotune(dataset.take(steps * layout.elements_per_step).prefetch(2))
-  return Split(dataset=dataset, steps=steps, samples=min(rows, steps * layout.step_rows))
+      batched = [_shuffled_batches(x, y, batch_rows, not layout.keeps_tail, (seed, index), epoch)
+                 for index, (x, y) in enumerate(tensors)]
+    else:
+      batched = [tf.data.Dataset.from_tensor_slices((part.x, part.y)).batch(
+          batch_rows, drop_remainder=not layout.keeps_tail) for part in parts]
+    dataset = combine_replicas(batched, layout.element_per_replica).map(transform, num_parallel_calls=2)
+    return dataset.take(steps * layout.elements_per_step)
+
+  def stream(first_epoch: int) -> tf.data.Dataset:
+    passes = tf.data.Dataset.range(first_epoch, 2**62).flat_map(one_pass)
+    return without_autotune(passes.prefetch(2))
+
+  return Split(dataset=without_autotune(one_pass(0).prefetch(2)), steps=steps,
+               samples=min(rows, steps * layout.step_rows), stream=stream if shuffle else None)
+
+
+def _shuffled_batches(x, y, batch_rows: int, drop_remainder: bool, seed: tuple, epoch) -> tf.data.Dataset:
+  """The batches of one pass over (x, y) in the order of pass `epoch`: a permutation drawn from (seed,
+  epoch) alone (a stateless draw), not from how many passes this process has read before."""
+  key = tf.stack([tf.constant(seed[0], tf.int64) * 1000003 + seed[1], tf.cast(epoch, tf.int64)])
+  order = tf.argsort(tf.random.stateless_uniform([int(x.shape[0])], seed=key))
+  batches = tf.data.Dataset.from_tensor_slices(order).batch(batch_rows, drop_remainder=drop_remainder)
+  return batches.map(lambda rows: (tf.gather(x, rows), tf.gather(y, rows)), num_parallel_calls=2)
 
 
 def combine_replicas(streams: list, element_per_replica: bool, parallel_calls: int = 2) -> tf.data.Dataset:

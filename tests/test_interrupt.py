@@ -152,3 +152,23 @@ def test_resumed_epoch_skips_exactly_the_trained_batches(tmp_path):
   uninterrupted = batches(0, 0)
   assert len(uninterrupted) == 3 * 16
   assert batches(1, 5) == uninterrupted[16 + 5:]
+
+
+def test_a_resumed_mnist_epoch_reads_exactly_the_batches_of_an_uninterrupted_run():
+  """MNIST's arrays (data.splits.split_from_arrays): each pass is ordered by (seed, pass), not by how
+  many passes the process has read, so a resume mid-epoch continues the same order (it restarted at
+  the first pass's order, and retrained its batches)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from data.splits import Arrays, BatchLayout, split_from_arrays  # pylint: disable=import-outside-toplevel
+  rows = np.arange(64, dtype=np.int32)
+  split = split_from_arrays(Arrays(rows, rows), BatchLayout(1, 4), lambda x, y: (x, y), True, 7, 0, "train")
+
+  def batches(first_epoch, skip, count):
+    return [x.tolist() for x, _ in split.epochs_from(first_epoch, skip).take(count).as_numpy_iterator()]
+
+  uninterrupted = batches(0, 0, 3 * 16)
+  assert batches(1, 5, 2 * 16 - 5) == uninterrupted[16 + 5:]
+  passes = [sorted(sum(uninterrupted[16 * k:16 * (k + 1)], [])) for k in range(3)]
+  assert passes == [rows.tolist()] * 3                                    # every pass is a permutation
+  assert uninterrupted[:16] != uninterrupted[16:32] != uninterrupted[32:]  # a new order every pass
+  assert [x.tolist() for x, _ in split.dataset.as_numpy_iterator()] == uninterrupted[:16]

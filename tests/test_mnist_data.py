@@ -74,12 +74,14 @@ def test_evaluation_keeps_its_short_last_batch_where_the_layout_allows(tmp_path)
 
 def test_shuffle_is_seeded_and_changes_every_epoch(tmp_path):
   folder = write_mnist_folder(str(tmp_path), _digits(64), _digits(16, seed=1))
-  def labels(seed):
-    dataset = mnist.load(RunConfig(model="mnist", data_path=folder, seed=seed), BatchLayout(1, 8)).train.dataset
-    return [np.concatenate([y.numpy() for _, y in dataset]) for _ in range(2)]
+  def labels(seed):  # the first two passes of the training stream
+    split = mnist.load(RunConfig(model="mnist", data_path=folder, seed=seed), BatchLayout(1, 8)).train
+    batches = [y.numpy() for _, y in split.epochs_from(0).take(2 * split.steps)]
+    return [np.concatenate(batches[:split.steps]), np.concatenate(batches[split.steps:])]
   first, again = labels(3), labels(3)
   np.testing.assert_array_equal(first[0], again[0])            # same seed, same order
   assert not np.array_equal(first[0], first[1])                 # a new order each epoch
+  assert not np.array_equal(first[0], labels(4)[0])             # another seed, another order
 
 
 def test_fewer_samples_than_one_global_batch(tmp_path):

@@ -29,7 +29,7 @@ def test_a_second_job_is_refused_with_the_holders_pid_until_the_holder_dies(tmp_
   run_folder.release(str(tmp_path))
 
 
-@pytest.mark.parametrize("marker", ["summary.yaml", os.path.join("checkpoints", "last", "ckpt-1.index"),
+@pytest.mark.parametrize("marker", ["summary.yaml", os.path.join("checkpoints", "last", "checkpoint"),
                                     os.path.join("checkpoints", "best", "checkpoint")])
 def test_a_new_run_never_replaces_an_earlier_one(tmp_path, marker):
   (tmp_path / "run_config.yaml").write_text("model: neuron_inverter\n")
@@ -43,7 +43,8 @@ def test_a_new_run_never_replaces_an_earlier_one(tmp_path, marker):
 
 
 @pytest.mark.parametrize("leftover", [None, os.path.join("checkpoints", "last", ".saving-ckpt-1.x", "ckpt-1.index"),
-                                      os.path.join("checkpoints", "last", "checkpoint.tmp123")])
+                                      os.path.join("checkpoints", "last", "checkpoint.tmp123"),
+                                      os.path.join("checkpoints", "last", "ckpt-1.index")])
 def test_a_run_that_saved_nothing_is_started_again_not_resumed(tmp_path, leftover, caplog):
   """Killed in its first epoch (or failed there): its run_config.yaml and events, perhaps a checkpoint
   save cut short, and nothing to continue. The same command starts it again; --resume says so."""

@@ -197,7 +197,8 @@ class RunCheckpoints:
     return self._restore(BEST)
 
   def _restore(self, which: str) -> dict:
-    path = latest_for_restore(os.path.join(self.restore_directory, which))
+    folder = resume_folder(self.restore_directory) if which == LAST else os.path.join(self.restore_directory, which)
+    path = latest_for_restore(folder)
     try:
       self._checkpoint.restore(path).expect_partial()
       state = json.loads(self._state.numpy().decode())
@@ -366,6 +367,18 @@ def _newest(folder: str):
   return path, None
 
 
+def resume_folder(checkpoints: str) -> str:
+  """The folder a resume restores from: `last`, or `best` while `last` holds no checkpoint yet. A job
+  killed between the first epoch's two saves leaves that: `best` is written first, with the same state
+  (the weights, optimizer and run state of that epoch's end), and `last` then links its files."""
+  last, best = os.path.join(checkpoints, LAST), os.path.join(checkpoints, BEST)
+  if not tf.io.gfile.exists(os.path.join(last, INDEX_FILE)) and tf.io.gfile.exists(os.path.join(best, INDEX_FILE)):
+    logging.info("%s holds no checkpoint (the first epoch's saves were cut short): resuming from %s, "
+                 "which holds the same state", last, best)
+    return best
+  return last
+
+
 def latest_for_restore(folder: str) -> str:
   """The checkpoint the index of `folder` names; a one-line UserError if there is none or it is gone."""
   path, problem = _newest(folder)
@@ -420,7 +433,7 @@ def peek_state(path: str, purpose: str = "--resume") -> dict:
 def peek_last_state(logdir: str, identity: dict) -> dict:
   """The run state of the last checkpoint, read without building the model (to position the data
   and build the optimizer family it was written with: state["optimizer_format"])."""
-  path = latest_for_restore(os.path.join(logdir, "checkpoints", LAST))
+  path = latest_for_restore(resume_folder(os.path.join(logdir, "checkpoints")))
   state = peek_state(path)
   check_identity(path, state, identity)
   best_folder = os.path.join(logdir, "checkpoints", BEST)

@@ -71,8 +71,10 @@ class InterruptFlag:
                   "(more signals are ignored until it is saved)",
       "test": "stopping the test evaluation; the checkpoints are saved, and --resume evaluates the test "
               "split (more signals are ignored)",
-      "finishing": "the run has finished training and testing; it writes its summary and exits normally "
-                   "(more signals are ignored)",
+      "finishing": "the run has finished training and testing, and ends normally (more signals are "
+                   "ignored)",
+      "finishing_before_report": "the run has finished training and testing; it stops before the --predict "
+                                 "report, which --resume makes (more signals are ignored)",
   }
 
   def __init__(self):
@@ -193,11 +195,13 @@ class GracefulStop(tf.keras.callbacks.Callback):
                               mid_epoch=True)
 
   def on_epoch_end(self, epoch, logs=None):
+    last = epoch + 1 >= self.total_epochs  # the test is left: --resume runs it
     if self._agreed_stop():
-      last = epoch + 1 >= self.total_epochs  # the test is left: --resume runs it
       raise TrainingInterrupted(self.flag.signum or signal.SIGTERM, self.checkpointing.checkpoints.latest(),
                                 "at the end of epoch %d%s" % (epoch + 1, ", the last, before the test "
                                                               "evaluation" if last else ""))
+    if last:
+      self.flag.phase = "test"  # a signal from now on stops the test (StopTestOnSignal)
 
   def _agreed_stop(self) -> bool:
     return agreed_stop(self.flag, self.any_process)
@@ -216,6 +220,12 @@ class StopTestOnSignal(tf.keras.callbacks.Callback):
       raise TrainingInterrupted(self.flag.signum or signal.SIGTERM, self.checkpoint,
                                 "during the test evaluation (after batch %d)" % (batch + 1), mid_epoch=True)
 
+  def on_test_end(self, logs=None):
+    # A signal after the last batch's check was told the test stops: so it does, unrecorded.
+    if agreed_stop(self.flag, self.any_process):
+      raise TrainingInterrupted(self.flag.signum or signal.SIGTERM, self.checkpoint,
+                                "at the end of the test evaluation (its results not recorded)", mid_epoch=True)
+
 
 def agreed_stop(flag: InterruptFlag, any_process=None) -> bool:
   """Whether to stop now; with several processes, whether any of them was signalled (one collective,
@@ -223,6 +233,14 @@ def agreed_stop(flag: InterruptFlag, any_process=None) -> bool:
   if any_process is None:
     return flag.requested
   return any_process(flag.requested)
+
+
+def stop_if_signalled(flag: InterruptFlag, checkpoint: str, where: str, logdir: str, any_process=None):
+  """Between two parts of a run: stops it with its log line if any process was signalled."""
+  if agreed_stop(flag, any_process):
+    stop = TrainingInterrupted(flag.signum or signal.SIGTERM, checkpoint, where)
+    log_interrupted(stop, logdir)
+    raise stop
 
 
 def _is_number(value) -> bool:

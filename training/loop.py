@@ -171,24 +171,31 @@ def _resume_state(config: RunConfig, backend: Backend) -> dict:
                     "steps to skip would be other samples: resume with the same --batch_size, "
                     "--gradient_accumulation, --replicas and kind of backend"
                     % (state["step"], state["epoch"] + 1, _describe_layout(saved), _describe_layout(layout)))
-  _check_epochs_left(config, state)
-  return state
+  left = _what_is_left(config, state)
+  if config.compile_only and left != "train":
+    raise UserError("--compile_only: the run in %s has trained its %s, so there is nothing to compile: "
+                    "resume it without --compile_only" % (config.logdir, _epochs(state["epoch"])))
+  return dict(state, left=left)
 
 
 def _epochs(count: int) -> str:
   return "%d epoch%s" % (count, "" if count == 1 else "s")
 
 
-def _check_epochs_left(config: RunConfig, state: dict) -> None:
-  """A resume trains on to --epochs, or, for a run stopped after its last epoch (before or during its
-  test), only tests it; anything else with --epochs at or below the epochs done is refused."""
+def _what_is_left(config: RunConfig, state: dict) -> str:
+  """What a resume does: "train" on to --epochs; "test" a run stopped after its last epoch (before or
+  during its test), then write its summary; "report": make the --predict report of a finished run (its
+  first was stopped). Anything else with --epochs at or below the epochs done is refused."""
   done, step = state["epoch"], state.get("step", 0)
   if done < config.epochs:
-    return
+    return "train"
   planned = (read_run_config(config.logdir) or {}).get("epochs", done)  # the run's own --epochs
   tested = _tested(config.logdir, state)
-  if done == config.epochs == planned and not step and not tested:
-    return  # this run evaluates the test split and writes the summary
+  if done == config.epochs == planned and not step:
+    if not tested:
+      return "test"
+    if config.predict:
+      return "report"
   where = "the run in %s" % config.logdir
   if step or planned > done:
     trained = _epochs(done) + (" and %d steps of epoch %d" % (step, done + 1) if step else "")
@@ -417,6 +424,10 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
 
   # --- Data and model (nothing is written before the flags, data and checkpoint are found good) -------
   resume_state = _resume_state(config, backend)
+  if resume_state.get("left") == "report":  # main.py makes it
+    logging.info("The run in %s finished its %s and its test (summary.yaml): --predict makes its report",
+                 config.logdir, _epochs(resume_state["epoch"]))
+    return summary_lib.read_summary(outdir)
   global_batch_size = backend.effective_batch(config.batch_size)
   splits = data.load(info.dataset, config, backend.layout(config.batch_size), resume_state["epoch"])
   if config.resume:  # after the data's own checks, whose errors say more of a file than that it differs
@@ -478,7 +489,9 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
                                      len(history.get("loss", [])) + resume_state["epoch"], stop_test)
 
     # --- summary.yaml ---------------------------------------------------------------------------------
-    flag.phase = "finishing"  # nothing is left to resume: a signal now is noted, and the run ends normally
+    # Nothing is left to resume: a signal now is noted, and the run ends normally, or before the --predict
+    # report (made by main.py after this returns), which a resume then makes.
+    flag.phase = "finishing_before_report" if config.predict else "finishing"
     summary = summary_lib.build_summary(
         config, backend, info, splits, history, test_results, test_epoch, throughput, checkpointing,
         global_batch_size=global_batch_size,
@@ -487,6 +500,9 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
         weights_sha256=weights_digest(net), tensorflow_version=tf.__version__)
     if backend.is_chief:  # the others' folders are scratch (run)
       logging.info("Wrote %s", summary_lib.write_summary(outdir, summary))
+    if config.predict:
+      interrupt_lib.stop_if_signalled(flag, checkpointing.checkpoints.latest(), "before the --predict report",
+                                      config.logdir, _any_process(backend))
   return summary
 
 

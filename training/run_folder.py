@@ -8,8 +8,9 @@
 - **No run over another.** A folder that already holds a run (its `summary.yaml` or checkpoints) is
   continued with `--resume` or left alone: a new run there would replace its checkpoints and summary.
   Start over in a fresh `--logdir`, or delete the old folder yourself. A run that stopped before its
-  first checkpoint (killed in epoch 1, or failed there) left only its `run_config.yaml` and event files:
-  nothing to continue and nothing to lose, so the same command starts it again there.
+  first checkpoint (killed in epoch 1, or failed there) left only its `run_config.yaml` and event files
+  (perhaps the files of a save cut short, which no index names): nothing to continue and nothing to
+  lose, so the same command starts it again there.
 """
 
 import fcntl
@@ -19,25 +20,23 @@ import socket
 from absl import logging
 
 from errors import UserError
+from training import checkpoints
 
 LOCK_FILE = ".lock"
 RUN_MARKERS = ("run_config.yaml", "summary.yaml")  # what makes a folder a run's: predict reads it
 SAVED_MARKERS = ("summary.yaml",)  # with the checkpoints, what a new run there would replace
-# What a checkpoint save leaves while it writes (training/checkpoints.py): no checkpoint yet.
-STAGING_NAMES = (".saving-", "checkpoint.tmp")
 
 _held = {}  # logdir -> open lock file, kept open (and so locked) until the process exits
 
 
 def holds_run(logdir: str) -> bool:
-  """Whether `logdir` holds a run's results (its summary, or any checkpoint file, damaged ones too)."""
+  """Whether `logdir` holds a run's results: its summary, or a checkpoint, which exists once a folder's
+  index names it (training/checkpoints.py writes the index last; files it does not name yet are a
+  save cut short)."""
   if any(os.path.exists(os.path.join(logdir, name)) for name in SAVED_MARKERS):
     return True
-  for folder, subfolders, files in os.walk(os.path.join(logdir, "checkpoints")):
-    subfolders[:] = [name for name in subfolders if not name.startswith(STAGING_NAMES)]
-    if any(not name.startswith(STAGING_NAMES) for name in files):
-      return True
-  return False
+  return any(os.path.exists(os.path.join(logdir, "checkpoints", which, checkpoints.INDEX_FILE))
+             for which in (checkpoints.LAST, checkpoints.BEST))
 
 
 def started_without_saving(logdir: str) -> bool:

@@ -9,6 +9,7 @@ tests/test_interrupt.py, mid-training stops through real processes in tests/e2e/
 
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -74,12 +75,29 @@ class _SignalAt(tf.keras.callbacks.Callback):
       os.kill(os.getpid(), signal.SIGTERM)  # first: the epoch's checkpoint is written after it
 
 
-def _signalled_at(monkeypatch, epoch, batch=None):
+class _SignalAtTrainEnd(tf.keras.callbacks.Callback):
+  """SIGTERM after the last epoch's end, before the fit returns (the stop flag's check is behind)."""
+
+  def on_train_end(self, logs=None):
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+class _SignalAtTestBatch(tf.keras.callbacks.Callback):
+  def __init__(self, batch):
+    super().__init__()
+    self.batch = batch
+
+  def on_test_batch_end(self, batch, logs=None):
+    if batch == self.batch:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _signalled_at(monkeypatch, epoch, batch=None, callback=None):
   make_callbacks = loop._make_callbacks  # pylint: disable=protected-access
 
   def with_signal(*args, **kwargs):
     callbacks, throughput = make_callbacks(*args, **kwargs)
-    return [_SignalAt(epoch, batch)] + callbacks, throughput
+    return [callback or _SignalAt(epoch, batch)] + callbacks, throughput
   monkeypatch.setattr(loop, "_make_callbacks", with_signal)
 
 
@@ -140,13 +158,83 @@ def test_a_signal_during_the_test_stops_it_and_resume_tests_again(tmp_path, data
   assert np.isfinite(summary["test_loss"]) and summary["test_samples"] == 16  # --eval_steps=2
 
 
+def test_a_signal_after_the_last_epoch_says_the_test_stops_and_stops_it(tmp_path, data_file, monkeypatch,
+                                                                        capfd):
+  with monkeypatch.context() as patch:
+    _signalled_at(patch, None, callback=_SignalAtTrainEnd())
+    with pytest.raises(SystemExit) as stop:
+      _run(_config(data_file, str(tmp_path / "run")))
+  assert stop.value.where == "during the test evaluation (after batch 1)"
+  assert "SIGTERM received: stopping the test evaluation" in capfd.readouterr().err
+
+
+def test_a_signal_after_the_last_test_batch_stops_as_its_line_said(tmp_path, data_file, monkeypatch):
+  """After the last batch's check, the handler's line has said the test stops: so it does."""
+  evaluate = loop._evaluate_test  # pylint: disable=protected-access
+
+  def signalled_at_the_last_batch(net, backend, splits, verbose, callbacks=()):
+    return evaluate(net, backend, splits, verbose, list(callbacks) + [_SignalAtTestBatch(1)])  # 2 steps
+  monkeypatch.setattr(loop, "_evaluate_test", signalled_at_the_last_batch)
+  logdir = str(tmp_path / "run")
+  with pytest.raises(SystemExit) as stop:
+    _run(_config(data_file, logdir))
+  assert stop.value.where == "at the end of the test evaluation (its results not recorded)"
+  assert not os.path.exists(os.path.join(logdir, "summary.yaml"))
+
+
+def _main_config(data_file, logdir, *more):
+  from absl import flags as absl_flags  # pylint: disable=import-outside-toplevel
+  from absl.testing import flagsaver  # pylint: disable=import-outside-toplevel
+  import flags  # pylint: disable=import-outside-toplevel
+  from errors import parse_flags  # pylint: disable=import-outside-toplevel
+  flags.define_flags()  # idempotent
+  with flagsaver.flagsaver():
+    absl_flags.FLAGS.unparse_flags()
+    parse_flags(["main.py", "--model=neuron_inverter", "--design=dev", "--backend=cpu", "--batch_size=8",
+                 "--epochs=1", "--steps_per_epoch=8", "--eval_steps=2", "--data_path=" + data_file,
+                 "--logdir=" + logdir, "--predict", *more])
+    return flags.to_config(absl_flags.FLAGS)
+
+
+def test_a_signal_before_or_during_the_predict_report_is_resumed_by_making_the_report(
+    tmp_path, data_file, monkeypatch, capsys):
+  """--predict's report follows the summary: a signal there stops the job as resumable (143), and the
+  resume only makes the report (it used to be refused: 'already finished')."""
+  import main  # pylint: disable=import-outside-toplevel
+  from analysis import evaluation  # pylint: disable=import-outside-toplevel
+  logdir = str(tmp_path / "run")
+  predict_dir = os.path.join(logdir, "predict")
+  with monkeypatch.context() as patch:
+    _signal_before(patch, summary_lib, "write_summary")
+    with pytest.raises(SystemExit) as stop:
+      main.train_and_evaluate(_main_config(data_file, logdir))
+  assert stop.value.code == 143 and stop.value.where == "before the --predict report"
+  assert summary_lib.read_summary(logdir)["epochs"] == 1 and not os.path.exists(predict_dir)
+  assert "Continue with:" in capsys.readouterr().out
+
+  with monkeypatch.context() as patch:  # what reported_on_one_line's handler raises in the report
+    patch.setattr(evaluation, "evaluate_run", lambda *args, **kwargs: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+      main.train_and_evaluate(_main_config(data_file, logdir, "--resume"))
+  out = capsys.readouterr().out
+  assert "The run is finished (summary.yaml), its --predict report is not. Continue with:" in out
+  assert "--resume --epochs=1" in out
+
+  before = summary_lib.read_summary(logdir)
+  summary = main.train_and_evaluate(_main_config(data_file, logdir, "--resume"))
+  assert summary == before == summary_lib.read_summary(logdir)  # nothing trained or tested again
+  assert os.path.isfile(os.path.join(predict_dir, "sum_pred.yaml"))
+  assert "Run finished: %s" % logdir in capsys.readouterr().out
+
+
 def test_a_signal_while_the_summary_is_written_lets_the_run_finish(tmp_path, data_file, monkeypatch, capfd):
   logdir = str(tmp_path / "run")
   _signal_before(monkeypatch, summary_lib, "write_summary")
   summary = _run(_config(data_file, logdir, epochs=1))
   assert np.isfinite(summary["test_loss"])
   assert summary_lib.read_summary(logdir)["epochs"] == 1
-  assert "SIGTERM received: the run has finished training and testing" in capfd.readouterr().err
+  assert "SIGTERM received: the run has finished training and testing, and ends normally" in \
+      capfd.readouterr().err
 
 
 def test_a_mid_epoch_resume_with_shorter_epochs_is_refused_before_writing(tmp_path, data_file, monkeypatch):
@@ -178,6 +266,23 @@ def test_a_resume_with_fewer_epochs_than_the_run_started_with_is_refused(tmp_pat
   with pytest.raises(UserError, match=r"the run in %s has trained 1 epoch and 5 steps of epoch 2 of the 2 "
                                       r"epochs it was started with: resume with --epochs=2 or more" % logdir):
     _run(_config(data_file, logdir, resume=True, epochs=1))
+
+
+def test_a_run_killed_between_its_first_two_saves_resumes_from_best(tmp_path, data_file, monkeypatch,
+                                                                   caplog):
+  """Epoch 1 writes checkpoints/best, then links it as checkpoints/last: a kill in between used to leave a
+  folder that --resume ('no checkpoint') and a new run ('already holds a run') both refused."""
+  logdir = str(tmp_path / "run")
+  with monkeypatch.context() as patch:
+    _signalled_at(patch, epoch=0)
+    with pytest.raises(SystemExit):
+      _run(_config(data_file, logdir))
+  shutil.rmtree(os.path.join(logdir, "checkpoints", "last"))
+  with caplog.at_level("INFO"):
+    summary = _run(_config(data_file, logdir, resume=True))
+  assert "the first epoch's saves were cut short): resuming from %s" % os.path.join(
+      logdir, "checkpoints", "best") in caplog.text
+  assert summary["full_history"]["epoch"] == [1, 2] and np.isfinite(summary["test_loss"])
 
 
 def test_a_run_that_failed_before_its_first_checkpoint_starts_again_in_its_folder(tmp_path, data_file):
