@@ -126,6 +126,9 @@ def test_a_signal_at_the_last_epochs_end_stops_before_the_test_and_resume_only_t
   with pytest.raises(UserError, match=r"the run in %s trained its 2 epochs and stopped before its test: "
                                       r"resume with --epochs=2 to test it, or more to train on" % logdir):
     _run(_config(data_file, logdir, resume=True, epochs=1))
+  with pytest.raises(UserError, match="--compile_only: the run in %s has trained its 2 epochs, so there is "
+                                      "nothing to compile" % logdir):
+    _run(_config(data_file, logdir, resume=True, compile_only=True))
   caplog.clear()
 
   with caplog.at_level("INFO"):
