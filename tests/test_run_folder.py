@@ -56,7 +56,7 @@ def test_a_run_that_saved_nothing_is_started_again_not_resumed(tmp_path, leftove
   with pytest.raises(UserError, match=r"--resume: the run in %s stopped before its first checkpoint.*"
                                       r"without --resume" % tmp_path):
     run_folder.claim(str(tmp_path), resume=True)
-  with caplog.at_level("INFO"):
+  with caplog.at_level("INFO", logger="absl"):
     run_folder.claim(str(tmp_path), resume=False)
   run_folder.release(str(tmp_path))
   assert "stopped before its first checkpoint: starting it again" in caplog.text

@@ -27,7 +27,7 @@ from errors import UserError
 from run_config import RunConfig
 from tests.support.cellspike_files import write_cellspike
 from tests.support.helpers import REPO_ROOT, WITH_DEFAULT_SIGINT, can_mount_tmpfs
-from tests.support.training_parts import readable_state
+from tests.support.training_parts import free_ports, readable_state, with_first_callback
 from training.checkpoints import read_index
 
 EPOCHS = 10
@@ -332,12 +332,7 @@ def test_nan_loss_keeps_the_last_good_checkpoint(tmp_path, data_file, monkeypatc
   config = RunConfig(model="neuron_inverter", design="dev", backend="cpu", batch_size=8,
                      learning_rate=1e-3, optimizer="adam", data_path=data_file, logdir=logdir, epochs=3,
                      warmup_epochs=1, steps_per_epoch=8, eval_steps=2)
-  make_callbacks = loop._make_callbacks  # pylint: disable=protected-access
-
-  def poisoned(*args, **kwargs):
-    callbacks, throughput = make_callbacks(*args, **kwargs)
-    return [_PoisonAtEpoch(1)] + callbacks, throughput
-  monkeypatch.setattr(loop, "_make_callbacks", poisoned)
+  with_first_callback(monkeypatch, _PoisonAtEpoch(1))
   with pytest.raises(UserError) as error:
     loop.run(config, select_backend(config))
   good = os.path.join(logdir, "checkpoints", "last", "ckpt-1")
@@ -355,20 +350,26 @@ def test_nan_loss_keeps_the_last_good_checkpoint(tmp_path, data_file, monkeypatc
 # Multi-worker: a signal to one worker stops all of them at the same point, however many epochs in
 # (tests/e2e/test_multiworker.py stops them mid-epoch and resumes).
 
-def test_sigterm_to_one_worker_stops_all_workers_at_the_same_point(tmp_path):
-  from tests.support.training_parts import free_ports  # pylint: disable=import-outside-toplevel
+def _two_workers(tmp_path, jobs, *args):
+  """Starts two TF_CONFIG workers on 127.0.0.1 into `jobs` (the caller closes them), training on a small
+  file into tmp_path/run; returns that folder."""
   data_path = write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 256, "val": 64, "test": 64})
   logdir = str(tmp_path / "run")
   cluster = {"worker": ["127.0.0.1:%d" % port for port in free_ports(2)]}
+  for index in range(2):
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+    try:
+      jobs.append(Job(logdir, data_path, *args))
+    finally:
+      del os.environ["TF_CONFIG"]
+  return logdir
+
+
+def test_sigterm_to_one_worker_stops_all_workers_at_the_same_point(tmp_path):
   jobs = []
   try:
-    for index in range(2):
-      os.environ["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
-      try:
-        jobs.append(Job(logdir if index == 0 else logdir + "-w1", data_path, "--epochs=40",
-                        "--steps_per_epoch=3", "--eval_steps=1", "--batch_size=16"))
-      finally:
-        del os.environ["TF_CONFIG"]
+    logdir = _two_workers(tmp_path, jobs, "--epochs=40", "--steps_per_epoch=3", "--eval_steps=1",
+                          "--batch_size=16")
     jobs[0].wait_for(lambda: index_epoch(logdir) is not None, what="the chief's first checkpoint")
     jobs[1].process.send_signal(signal.SIGTERM)   # only the non-chief worker is signalled
     statuses = [job.wait(120) for job in jobs]
@@ -398,18 +399,9 @@ def test_sigterm_to_the_workers_before_training_stops_them_on_one_line(tmp_path,
   stops one process, although the strategy's coordination service installs a SIGTERM handler of its
   own (which only logged "SIGTERM caught", and the workers trained on). A worker left alone finds its
   partner gone at its next collective and says so on one line."""
-  from tests.support.training_parts import free_ports  # pylint: disable=import-outside-toplevel
-  data_path = write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 256, "val": 64, "test": 64})
-  logdir = str(tmp_path / "run")
-  cluster = {"worker": ["127.0.0.1:%d" % port for port in free_ports(2)]}
   jobs = []
   try:
-    for index in range(2):
-      os.environ["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
-      try:
-        jobs.append(Job(logdir, data_path, "--epochs=2", "--steps_per_epoch=3", "--eval_steps=1"))
-      finally:
-        del os.environ["TF_CONFIG"]
+    logdir = _two_workers(tmp_path, jobs, "--epochs=2", "--steps_per_epoch=3", "--eval_steps=1")
     for index in signalled:  # the strategy exists: the backend's line comes after it
       jobs[index].wait_for(lambda job=jobs[index]: "running on CPU" in job.output(), what="the backend")
     for index in signalled:

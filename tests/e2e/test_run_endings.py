@@ -23,6 +23,7 @@ from errors import UserError
 from run_config import RunConfig
 from tests.support.cellspike_files import write_cellspike
 from tests.support.helpers import REPO_ROOT
+from tests.support.training_parts import with_first_callback
 from training import loop
 from training import summary as summary_lib
 
@@ -93,12 +94,7 @@ class _SignalAtTestBatch(tf.keras.callbacks.Callback):
 
 
 def _signalled_at(monkeypatch, epoch, batch=None, callback=None):
-  make_callbacks = loop._make_callbacks  # pylint: disable=protected-access
-
-  def with_signal(*args, **kwargs):
-    callbacks, throughput = make_callbacks(*args, **kwargs)
-    return [callback or _SignalAt(epoch, batch)] + callbacks, throughput
-  monkeypatch.setattr(loop, "_make_callbacks", with_signal)
+  with_first_callback(monkeypatch, callback or _SignalAt(epoch, batch))
 
 
 def _signal_before(monkeypatch, owner, name):
@@ -131,7 +127,7 @@ def test_a_signal_at_the_last_epochs_end_stops_before_the_test_and_resume_only_t
     _run(_config(data_file, logdir, resume=True, compile_only=True))
   caplog.clear()
 
-  with caplog.at_level("INFO"):
+  with caplog.at_level("INFO", logger="absl"):
     summary = _run(_config(data_file, logdir, resume=True))
   assert "training finished (epoch 2 of 2); the test evaluation is left" in caplog.text
   assert "Epoch 1/" not in caplog.text and "Epoch 2/" not in caplog.text
@@ -281,7 +277,7 @@ def test_a_run_killed_between_its_first_two_saves_resumes_from_best(tmp_path, da
     with pytest.raises(SystemExit):
       _run(_config(data_file, logdir))
   shutil.rmtree(os.path.join(logdir, "checkpoints", "last"))
-  with caplog.at_level("INFO"):
+  with caplog.at_level("INFO", logger="absl"):
     summary = _run(_config(data_file, logdir, resume=True))
   assert "the first epoch's saves were cut short): resuming from %s" % os.path.join(
       logdir, "checkpoints", "best") in caplog.text

@@ -21,6 +21,18 @@ def toy_checkpoints(tmp_path, optimizer="adam"):
   return net, checkpoints, callback
 
 
+def with_first_callback(monkeypatch, callback):
+  """Makes training/loop.py run `callback` first among the fit's callbacks (to act on a run in
+  process: poison its weights, signal it at a chosen point)."""
+  from training import loop  # pylint: disable=import-outside-toplevel
+  make_callbacks = loop._make_callbacks  # pylint: disable=protected-access
+
+  def with_callback(*args, **kwargs):
+    callbacks, throughput = make_callbacks(*args, **kwargs)
+    return [callback] + callbacks, throughput
+  monkeypatch.setattr(loop, "_make_callbacks", with_callback)
+
+
 def free_ports(count):
   """`count` TCP ports free on 127.0.0.1 right now (for multi-worker clusters on this machine)."""
   sockets = [socket.socket() for _ in range(count)]
