@@ -200,7 +200,7 @@ def _what_is_left(config: RunConfig, state: dict) -> str:
   if step or planned > done:
     trained = _epochs(done) + (" and %d steps of epoch %d" % (step, done + 1) if step else "")
     raise UserError("--resume: %s has trained %s of the %s it was started with: resume with --epochs=%d "
-                    "or more" % (where, trained, _epochs(planned), max(planned, done + 1)))
+                    "(its plan) or at least %d" % (where, trained, _epochs(planned), planned, done + 1))
   if tested:
     raise UserError("--resume: %s already finished %s and its test; raise --epochs to train more"
                     % (where, _epochs(done)))
@@ -391,7 +391,7 @@ def run(config: RunConfig, backend: Backend) -> dict:
     except tf.errors.UnavailableError as error:
       if backend.world_size == 1:
         raise
-      raise UserError(_lost_process(error, backend.world_size)) from None
+      raise UserError(_lost_process(error, backend.world_size, config.logdir)) from None
   except BaseException:
     if new_folder and not scratch:
       run_folder.remove_if_unused(config.logdir)
@@ -410,12 +410,21 @@ def run(config: RunConfig, backend: Backend) -> dict:
   return summary
 
 
-def _lost_process(error, processes: int) -> str:
+# TensorFlow's wrapping of a failed op's reason: the op, the Python trace of where it was defined.
+_OP_CONTEXT = re.compile(r"^(Graph execution error:|Detected at node |\[\[|\[Op:|The error could be from|"
+                         r"Restart your program|The tasks have crashed)")
+
+
+def _lost_process(error, processes: int, logdir: str) -> str:
   """The one line for a collective that failed because another process of the run is gone (stopped by
-  a signal or killed, or its host unreachable): TensorFlow's message without its op prefix."""
-  lines = [line.strip() for line in re.sub(r"\{\{[^}]*\}\}\s*", "", error.message).splitlines() if line.strip()]
-  return ("another process of this %d-process run stopped or cannot be reached (%s): relaunch all %d, with "
-          "--resume once the run has a checkpoint" % (processes, " ".join(lines[:2]), processes))
+  a signal or killed, or its host unreachable): TensorFlow's reason, without the op and its trace."""
+  text = re.sub(r"\{\{[^}]*\}\}\s*", "", error.message)
+  reason = [line.strip() for line in text.splitlines()
+            if line.strip() and not line[:1].isspace() and not _OP_CONTEXT.match(line.strip())]
+  saved = os.path.exists(os.path.join(logdir, "checkpoints", checkpoints_lib.LAST, checkpoints_lib.INDEX_FILE))
+  return ("another process of this %d-process run stopped or cannot be reached (%s): launch all %d again%s"
+          % (processes, " ".join(reason[:2]) or error.message.splitlines()[0], processes,
+             ", with --resume" if saved else " (the run has saved no checkpoint yet)"))
 
 
 def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, started: float) -> dict:

@@ -263,7 +263,8 @@ def test_a_resume_with_fewer_epochs_than_the_run_started_with_is_refused(tmp_pat
     with pytest.raises(SystemExit):
       _run(_config(data_file, logdir))
   with pytest.raises(UserError, match=r"the run in %s has trained 1 epoch and 5 steps of epoch 2 of the 2 "
-                                      r"epochs it was started with: resume with --epochs=2 or more" % logdir):
+                                      r"epochs it was started with: resume with --epochs=2 \(its plan\) or at "
+                                      r"least 2" % logdir):
     _run(_config(data_file, logdir, resume=True, epochs=1))
 
 
@@ -324,3 +325,17 @@ def test_a_signal_after_the_closing_report_keeps_exit_status_0(tmp_path, data_fi
   output = open(log_path).read()
   assert status == 0, output[-3000:]
   assert "interrupted" not in output.split("Run finished")[-1], output[-3000:]
+
+
+def test_a_lost_worker_is_named_by_tensorflows_reason_not_its_trace(tmp_path):
+  """The chief's one line when its partner was killed mid-training (TensorFlow 2.21's message)."""
+  message = ("Graph execution error:\n\nDetected at node CollectiveReduceV2 defined at (most recent call "
+             "last):\n  File \"main.py\", line 68, in <module>\n    app.run(main)\n\nrecvmsg:Connection reset "
+             "by peer\n\t [[{{node CollectiveReduceV2}}]] [Op:__inference_train_function_2411]")
+  error = tf.errors.UnavailableError(None, None, message)
+  line = loop._lost_process(error, 2, str(tmp_path))  # pylint: disable=protected-access
+  assert line == ("another process of this 2-process run stopped or cannot be reached (recvmsg:Connection "
+                  "reset by peer): launch all 2 again (the run has saved no checkpoint yet)")
+  os.makedirs(str(tmp_path / "checkpoints" / "last"))
+  (tmp_path / "checkpoints" / "last" / "checkpoint").write_text("")
+  assert loop._lost_process(error, 2, str(tmp_path)).endswith("launch all 2 again, with --resume")  # pylint: disable=protected-access
