@@ -172,3 +172,25 @@ def test_a_resumed_mnist_epoch_reads_exactly_the_batches_of_an_uninterrupted_run
   assert passes == [rows.tolist()] * 3                                    # every pass is a permutation
   assert uninterrupted[:16] != uninterrupted[16:32] != uninterrupted[32:]  # a new order every pass
   assert [x.tolist() for x, _ in split.dataset.as_numpy_iterator()] == uninterrupted[:16]
+
+
+def test_a_mid_epoch_stop_saves_the_metric_objects_not_the_batch_logs():
+  """Keras sums a multi-worker run's batch logs over its replicas (twice the loss with two workers);
+  the checkpoint keeps the metrics' own running values, as Keras reports them at an epoch's end."""
+  class Model:
+    def get_metrics_result(self):
+      return {"loss": tf.constant(0.25), "mae": tf.constant(0.5)}
+
+  saved = {}
+
+  class Checkpointing:
+    def save_interrupted(self, epoch, steps, metrics):
+      saved.update(metrics)
+      return "/x/ckpt-0-step3"
+  flag = interrupt_lib.InterruptFlag()
+  flag.signum = signal.SIGTERM
+  stop = interrupt_lib.GracefulStop(flag, Checkpointing(), steps_per_epoch=10, total_epochs=2)
+  stop.set_model(Model())
+  with pytest.raises(interrupt_lib.TrainingInterrupted):
+    stop.on_train_batch_end(2, {"loss": 0.5, "mae": 1.0})  # the summed logs of two workers
+  assert saved == {"loss": 0.25, "mae": 0.5}

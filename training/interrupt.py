@@ -180,7 +180,7 @@ class GracefulStop(tf.keras.callbacks.Callback):
     steps = offset + batch + 1
     if steps >= self.steps_per_epoch:
       return  # the epoch's training is complete: finish it (validation, checkpoint), stop at its end
-    metrics = {key: float(value) for key, value in (logs or {}).items()
+    metrics = {key: float(value) for key, value in _running_metrics(self.model, logs).items()
                if not key.startswith("val_") and _is_number(value)}
     if self.resumed is not None and offset:
       metrics = self.resumed.combine(metrics, batch + 1)
@@ -225,6 +225,16 @@ class StopTestOnSignal(tf.keras.callbacks.Callback):
     if agreed_stop(self.flag, self.any_process):
       raise TrainingInterrupted(self.flag.signum or signal.SIGTERM, self.checkpoint,
                                 "at the end of the test evaluation (its results not recorded)", mid_epoch=True)
+
+
+def _running_metrics(model, logs) -> dict:
+  """The epoch's running training metrics so far, as Keras reports them at an epoch's end: read from the
+  metric objects (aggregated over every replica and process; a collective, which every process reaches
+  at the same step here), not from the batch's logs, which Keras sums over the replicas of a
+  multi-worker run (`reduce_per_replica`, reduction "auto"): the saved figures were twice the real
+  ones with two workers. Keras before `get_metrics_result` (TensorFlow 2.6, the IPU SDK): the logs."""
+  get = getattr(model, "get_metrics_result", None) if model is not None else None
+  return dict(get()) if get is not None else dict(logs or {})
 
 
 def agreed_stop(flag: InterruptFlag, any_process=None) -> bool:
