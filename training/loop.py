@@ -418,7 +418,7 @@ _OP_CONTEXT = re.compile(r"^(Graph execution error:|Detected at node |\[\[|\[Op:
 def _lost_process(error, processes: int, logdir: str) -> str:
   """The one line for a collective that failed because another process of the run is gone (stopped by
   a signal or killed, or its host unreachable): TensorFlow's reason, without the op and its trace."""
-  text = re.sub(r"\{\{[^}]*\}\}\s*", "", error.message)
+  text = re.sub(r"\{\{[^}]*\}\}\s*|\[_Derived_\]", "", error.message)  # op names; TF 2.6's marker
   reason = [line.strip() for line in text.splitlines()
             if line.strip() and not line[:1].isspace() and not _OP_CONTEXT.match(line.strip())]
   saved = os.path.exists(os.path.join(logdir, "checkpoints", checkpoints_lib.LAST, checkpoints_lib.INDEX_FILE))

@@ -339,3 +339,7 @@ def test_a_lost_worker_is_named_by_tensorflows_reason_not_its_trace(tmp_path):
   os.makedirs(str(tmp_path / "checkpoints" / "last"))
   (tmp_path / "checkpoints" / "last" / "checkpoint").write_text("")
   assert loop._lost_process(error, 2, str(tmp_path)).endswith("launch all 2 again, with --resume")  # pylint: disable=protected-access
+  tf26 = tf.errors.UnavailableError(None, None, "[_Derived_]Collective ops is aborted by: cluster check alive "
+                                    "failed, /job:worker/replica:0/task:1 is down")
+  assert "(Collective ops is aborted by: cluster check alive failed, /job:worker/replica:0/task:1 is down)" \
+      in loop._lost_process(tf26, 2, str(tmp_path))  # pylint: disable=protected-access
