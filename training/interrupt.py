@@ -121,6 +121,12 @@ class InterruptFlag:
   def requested(self) -> bool:
     return self.signum is not None
 
+  @property
+  def stopping_signal(self) -> int:
+    """The signal a stop reports: this process's, or SIGTERM where another process of the run was
+    signalled (the processes agree on stops, `agreed_stop`)."""
+    return self.signum or signal.SIGTERM
+
 
 def _finite(logs: dict) -> bool:
   return all(math.isfinite(v) for v in logs.values())
@@ -189,7 +195,7 @@ class GracefulStop(tf.keras.callbacks.Callback):
     else:  # never replace a good checkpoint with diverged weights
       path = self.checkpointing.checkpoints.latest()
     # A process that saw no signal stops because another did: it reports (and exits with) SIGTERM.
-    raise TrainingInterrupted(self.flag.signum or signal.SIGTERM, path,
+    raise TrainingInterrupted(self.flag.stopping_signal, path,
                               "in epoch %d after step %d of %d" % (self._epoch + 1, steps,
                                                                     self.steps_per_epoch),
                               mid_epoch=True)
@@ -197,7 +203,7 @@ class GracefulStop(tf.keras.callbacks.Callback):
   def on_epoch_end(self, epoch, logs=None):
     last = epoch + 1 >= self.total_epochs  # the test is left: --resume runs it
     if self._agreed_stop():
-      raise TrainingInterrupted(self.flag.signum or signal.SIGTERM, self.checkpointing.checkpoints.latest(),
+      raise TrainingInterrupted(self.flag.stopping_signal, self.checkpointing.checkpoints.latest(),
                                 "at the end of epoch %d%s" % (epoch + 1, ", the last, before the test "
                                                               "evaluation" if last else ""))
     if last:
@@ -217,13 +223,13 @@ class StopTestOnSignal(tf.keras.callbacks.Callback):
 
   def on_test_batch_end(self, batch, logs=None):
     if agreed_stop(self.flag, self.any_process):
-      raise TrainingInterrupted(self.flag.signum or signal.SIGTERM, self.checkpoint,
+      raise TrainingInterrupted(self.flag.stopping_signal, self.checkpoint,
                                 "during the test evaluation (after batch %d)" % (batch + 1), mid_epoch=True)
 
   def on_test_end(self, logs=None):
     # A signal after the last batch's check was told the test stops: so it does, unrecorded.
     if agreed_stop(self.flag, self.any_process):
-      raise TrainingInterrupted(self.flag.signum or signal.SIGTERM, self.checkpoint,
+      raise TrainingInterrupted(self.flag.stopping_signal, self.checkpoint,
                                 "at the end of the test evaluation (its results not recorded)", mid_epoch=True)
 
 
@@ -248,7 +254,7 @@ def agreed_stop(flag: InterruptFlag, any_process=None) -> bool:
 def stop_if_signalled(flag: InterruptFlag, checkpoint: str, where: str, logdir: str, any_process=None):
   """Between two parts of a run: stops it with its log line if any process was signalled."""
   if agreed_stop(flag, any_process):
-    stop = TrainingInterrupted(flag.signum or signal.SIGTERM, checkpoint, where)
+    stop = TrainingInterrupted(flag.stopping_signal, checkpoint, where)
     log_interrupted(stop, logdir)
     raise stop
 
