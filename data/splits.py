@@ -5,6 +5,7 @@ import dataclasses
 from typing import Callable, Optional
 
 import tensorflow as tf
+from absl import logging
 
 from errors import UserError
 
@@ -136,6 +137,11 @@ def count_steps(num_samples: int, step_rows: int, max_steps: int, name: str, mul
   """Whole steps in a split, and the short last one if `keeps_tail` (optionally capped, and trimmed
   to a multiple); a UserError if none."""
   steps = -(-num_samples // step_rows) if keeps_tail else num_samples // step_rows
+  if max_steps > steps:
+    # A limit above the split is not an error (a limit), but the user asked for more steps than run.
+    logging.info("--%s=%d is more than the %s split's %d step%s of %d samples: %s pass over it",
+                 "steps_per_epoch" if name == "train" else "eval_steps", max_steps, name, steps,
+                 "" if steps == 1 else "s", num_samples, "each epoch is one" if name == "train" else "one")
   if max_steps:
     steps = min(steps, max_steps)
   steps = steps // multiple * multiple

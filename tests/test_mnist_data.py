@@ -84,6 +84,17 @@ def test_shuffle_is_seeded_and_changes_every_epoch(tmp_path):
   assert not np.array_equal(first[0], labels(4)[0])             # another seed, another order
 
 
+def test_a_step_limit_above_the_split_says_so(tmp_path, caplog):
+  folder = write_mnist_folder(str(tmp_path), _digits(100), _digits(30, seed=1))
+  with caplog.at_level("INFO", logger="absl"):
+    splits = mnist.load(RunConfig(model="mnist", data_path=folder, steps_per_epoch=50, eval_steps=1),
+                        BatchLayout(1, 16))
+  assert (splits.train.steps, splits.test.steps) == (6, 1)
+  said = [r.getMessage() for r in caplog.records if "is more than" in r.getMessage()]
+  assert said == ["--steps_per_epoch=50 is more than the train split's 6 steps of 100 samples: "
+                  "each epoch is one pass over it"]   # nothing about --eval_steps=1, which it honours
+
+
 def test_fewer_samples_than_one_global_batch(tmp_path):
   folder = write_mnist_folder(str(tmp_path), _digits(10), _digits(10, seed=1))
   with pytest.raises(UserError, match="train split has 10 samples, fewer than one global batch of 32"):
