@@ -54,6 +54,16 @@ def checkpoint_name(epoch: int, step: int = 0) -> str:
   return "ckpt-%d" % epoch if not step else "ckpt-%d-step%d" % (epoch, step)
 
 
+def in_run_folder(checkpoint, logdir: str):
+  """`checkpoint` (a path or None) as it is in `logdir`: the chief's are there already. Another
+  worker's are copies (saving is collective) in a scratch folder that it removes at its end, so a
+  line naming them would point at nothing."""
+  if not checkpoint:
+    return checkpoint
+  folder, name = os.path.split(checkpoint)
+  return os.path.join(logdir, "checkpoints", os.path.basename(folder), name)
+
+
 def _is_local(path: str) -> bool:
   return "://" not in path
 

@@ -46,6 +46,8 @@ import threading
 import tensorflow as tf
 from absl import logging
 
+from training.checkpoints import in_run_folder
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -274,4 +276,4 @@ def log_interrupted(stop: TrainingInterrupted, logdir: str) -> None:
     sys.stdout.flush()
   logging.warning("Training interrupted by %s %s; checkpoint: %s; continue with the same command and "
                   "--resume --logdir=%s (exit status %d)", stop.signal_name, stop.where,
-                  stop.checkpoint or "none (nothing was saved)", logdir, stop.code)
+                  in_run_folder(stop.checkpoint, logdir) or "none (nothing was saved)", logdir, stop.code)

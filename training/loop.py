@@ -486,7 +486,8 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
                    throughput.compile_seconds or 0.0)
       return {"compile_seconds": throughput.compile_seconds}
     if any(not np.isfinite(v) for v in history.get("loss", [])):
-      kept = checkpointing.last_saved or checkpointing.checkpoints.latest() or "none"
+      kept = checkpointing.last_saved or checkpointing.checkpoints.latest()
+      kept = checkpoints_lib.in_run_folder(kept, config.logdir) or "none"
       raise UserError("training stopped: the loss became NaN/Inf in epoch %d (lower --learning_rate); "
                       "last good checkpoint: %s" % (len(history["loss"]) + resume_state["epoch"], kept))
 

@@ -113,7 +113,11 @@ def test_a_signal_to_one_worker_stops_both_after_the_same_step_and_the_run_resum
   for index, process in enumerate(processes):
     log = open(os.path.join(logs, "worker%d.log" % index)).read()
     assert process.returncode == 128 + signal.SIGTERM, log[-3000:]
-    stops.append(re.search(r"Training interrupted by SIGTERM in epoch 1 after step (\d+) of 16", log).group(1))
+    stop = re.search(r"Training interrupted by SIGTERM in epoch 1 after step (\d+) of 16; checkpoint: (\S+);",
+                     log)
+    stops.append(stop.group(1))
+    # Both lines name the run's checkpoint, not worker 1's scratch copy, which is gone by now.
+    assert stop.group(2) == os.path.join(logdir, "checkpoints", "last", "ckpt-0-step" + stops[0])
   assert stops[0] == stops[1], stops  # the same step on both
   assert read_index(os.path.join(logdir, "checkpoints", "last"))[-1] == "ckpt-0-step" + stops[0]
   outputs = _finish(_start_workers(data_path, logdir, steps=16, more=["--resume"]))
