@@ -42,17 +42,18 @@ DEFAULT_DATA_VERSION = "v3"  # bump whenever the built-in dataset changes (simul
 
 
 def shard_blocks(num_samples: int, num_shards: int, batch_size: int, split: str,
-                 whole_batches: bool = True) -> list:
+                 whole_batches: bool = True, path: str = "") -> list:
   """Contiguous, equal, disjoint [start, stop) blocks, each a whole number of local batches unless
-  `whole_batches` is False."""
+  `whole_batches` is False (`path`: the file, for the error)."""
   per_shard = num_samples // num_shards
   if whole_batches:
     per_shard = per_shard // batch_size * batch_size
   if per_shard == 0:
-    least = "one batch of %d" % batch_size if whole_batches else "one sample"
-    raise UserError("the %s split has %d samples: too few for %d shard(s) of at least %s "
-                    "(lower --batch_size, --gradient_accumulation or --replicas)"
-                    % (split, num_samples, num_shards, least))
+    least, lower = (("one batch of %d" % batch_size, "--batch_size, --gradient_accumulation or --replicas")
+                    if whole_batches else ("one sample", "--replicas (one shard each)"))
+    raise UserError("%sthe %s split has %d samples: too few for %d shard%s of at least %s (lower %s)"
+                    % (path + ": " if path else "", split, num_samples, num_shards,
+                       "" if num_shards == 1 else "s", least, lower))
   return [(i * per_shard, (i + 1) * per_shard) for i in range(num_shards)]
 
 
@@ -152,7 +153,7 @@ def _contiguous_source(info, split: str, rows: tuple, stage_dir) -> ShardSource:
     staged = staging.stage_to(info.path, keys, rows[0], rows[1], stage_dir)
   else:
     with h5py.File(info.path, "r") as f:
-      if not any(hdf5_native.not_contiguous_reason(f[key]) for key in keys):
+      if not any(hdf5_native.not_contiguous_reason(f[key], info.path) for key in keys):
         return ShardSource(*(hdf5_native.row_layout(info.path, f[key]) for key in keys))
     staged = staging.stage_rows(info.path, keys, rows[0], rows[1])
   with h5py.File(staged, "r") as f:
@@ -172,7 +173,8 @@ def split_from_file(info, split: str, config, layout: BatchLayout, *, first_epoc
   if max_rows:
     num = min(num, max_rows)
   keeps_tail = layout.keeps_tail and not shuffle
-  blocks = shard_blocks(num, layout.total_shards, layout.replica_rows, split, whole_batches=not keeps_tail)
+  blocks = shard_blocks(num, layout.total_shards, layout.replica_rows, split, whole_batches=not keeps_tail,
+                        path=info.path)
   mine = [blocks[shard] for shard in layout.shards]
   block_rows = blocks[0][1] - blocks[0][0]
   steps = count_steps(block_rows * layout.replicas, layout.step_rows, max_steps, split,

@@ -106,7 +106,9 @@ def _read_yaml(path: str) -> dict:
 
 
 def _inside(path: str, folder: str) -> bool:
-  path, folder = os.path.realpath(path), os.path.realpath(folder)
+  """Whether `path`'s name lies in `folder`: no `..` or absolute part leads out. Symbolic links are
+  not followed: data folders on clusters often link each cell's file from where it is stored."""
+  path, folder = (os.path.normpath(os.path.abspath(p)) for p in (path, folder))
   return os.path.commonpath([path, folder]) == folder
 
 
@@ -152,6 +154,7 @@ def _cells_in(folder: str, template: str) -> str:
 
 
 def _dataset(f: h5py.File, path: str, key: str) -> h5py.Dataset:
+  _check_link(f, path, key)
   if key not in f:
     raise UserError("%s: missing key '%s' (a cellSpike file has %s)" % (
         path, key, ", ".join(FRAMES_KEY % d + "/" + TARGETS_KEY % d for d in SPLITS)))
@@ -162,6 +165,24 @@ def _dataset(f: h5py.File, path: str, key: str) -> h5py.Dataset:
   if dataset.dtype.newbyteorder("=") not in _FLOAT_DTYPES:  # either byte order
     raise UserError("%s: '%s' has dtype %s, expected float16 or float32" % (path, key, dataset.dtype))
   return dataset
+
+
+def _check_link(f: h5py.File, path: str, key: str) -> None:
+  """A key may be a link: to another object of the file, or to a dataset in a file beside it (the
+  rule for virtual sources below). A dangling one is named as such, not as a damaged file."""
+  link = f.get(key, getlink=True)
+  if isinstance(link, h5py.ExternalLink):
+    folder = os.path.dirname(os.path.abspath(path))
+    target = os.path.join(folder, link.filename)
+    if not _inside(target, folder) or not os.path.isfile(target):
+      raise UserError("%s: '%s' is an external link to %s, which is missing or outside %s"
+                      % (path, key, link.filename, folder))
+    with h5py.File(target, "r") as linked:
+      if link.path not in linked:
+        raise UserError("%s: '%s' is an external link to %s:%s, which that file does not hold"
+                        % (path, key, link.filename, link.path))
+  elif isinstance(link, h5py.SoftLink) and link.path not in f:
+    raise UserError("%s: '%s' is a link to %s, which the file does not hold" % (path, key, link.path))
 
 
 def _check_storage(dataset: h5py.Dataset, path: str, key: str) -> None:
@@ -225,6 +246,10 @@ def _check_split(path: str, f: h5py.File, dom: str) -> tuple:
       raise UserError("%s: '%s' has shape %s: %d bytes per sample, more than the %d a cellSpike sample "
                       "can plausibly have (a damaged file?)" % (path, dataset.name.lstrip("/"),
                                                                  dataset.shape, row_bytes, MAX_ROW_BYTES))
+    if not dataset.is_virtual and dataset.id.get_storage_size() == 0:
+      # Created but never written (a writer that stopped early): it would read as its fill value.
+      raise UserError("%s: '%s' holds no data (its %s values were never written)"
+                      % (path, dataset.name.lstrip("/"), "x".join(str(d) for d in dataset.shape)))
     row = _first_non_finite_row(dataset)
     if row is not None:
       raise UserError("%s: '%s' contains NaN or Inf values (row %d)"
@@ -251,10 +276,20 @@ def _read_meta_json(f: h5py.File, path: str) -> dict:
   return meta
 
 
+def _own_par_names(path: str, meta: dict, num_params: int) -> tuple:
+  """The parameter names in the file's own meta.JSON (dataInfo.parName, as the generator writes it),
+  for a file without a meta yaml beside it; par0, par1, ... when it names none."""
+  names = (meta.get("dataInfo") if isinstance(meta.get("dataInfo"), dict) else {}).get("parName")
+  if names is None:
+    return tuple("par%d" % i for i in range(num_params))
+  if not isinstance(names, list) or len(names) != num_params or not all(isinstance(n, str) for n in names):
+    raise UserError("%s: meta.JSON dataInfo.parName is %.200r, expected a list of %d parameter names "
+                    "(strings)" % (path, names, num_params))
+  return tuple(names)
+
+
 def _check_meta_agrees(path: str, yaml_info: dict, time_bins: int, num_probes: int,
                        num_params: int) -> tuple:
-  if yaml_info is None:
-    return tuple("par%d" % i for i in range(num_params))
   if yaml_info["numFeature"] != num_probes:
     raise UserError("%s: meta yaml says numFeature=%s but the frames have %d probes"
                     % (path, yaml_info["numFeature"], num_probes))
@@ -286,7 +321,8 @@ def open_cellspike(path: str, yaml_info=None) -> CellSpikeFile:
     raise UserError("%s: the splits disagree on frame shape %s or parameter count %s"
                     % (path, sorted(frame_shapes), sorted(param_counts)))
   (time_bins, num_probes), num_params = frame_shapes.pop(), param_counts.pop()
-  par_names = _check_meta_agrees(path, yaml_info, time_bins, num_probes, num_params)
+  par_names = (_check_meta_agrees(path, yaml_info, time_bins, num_probes, num_params) if yaml_info
+               else _own_par_names(path, meta, num_params))
   if yaml_info:
     # The folder's meta yaml is shared by its cells, so what the file says of itself wins (its cell
     # name, seed and sample counts); the yaml fills in what the file does not say.

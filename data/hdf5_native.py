@@ -82,8 +82,10 @@ class RowLayout:
     return tf.as_dtype(self.dtype.newbyteorder("="))
 
 
-def not_contiguous_reason(dataset: h5py.Dataset) -> Optional[str]:
-  """Why `dataset` cannot be memory-mapped (None if it can)."""
+def not_contiguous_reason(dataset: h5py.Dataset, path: str) -> Optional[str]:
+  """Why `dataset`, opened from the file `path`, cannot be memory-mapped there (None if it can)."""
+  if not os.path.samefile(dataset.file.filename, path):
+    return "in another file (%s), by an external link" % dataset.file.filename
   if dataset.is_virtual:
     return "a virtual dataset"
   if dataset.chunks is not None:

@@ -162,6 +162,48 @@ def test_virtual_datasets_need_their_sources_beside_the_file(tmp_path):
     cellspike_file.open_cellspike(str(tmp_path / "orphan.h5"))
 
 
+def test_links_must_lead_to_data_beside_the_file(tmp_path):
+  path = write_cellspike(str(tmp_path / "a.h5"))
+  write_cellspike(str(tmp_path / "b.h5"))
+  with h5py.File(path, "a") as f:
+    del f["val_frames"]
+    f["val_frames"] = h5py.ExternalLink("b.h5", "val_frames")
+  assert cellspike_file.open_cellspike(path).splits["val"].num_samples == 32  # sound: it opens
+  for link, message in [(h5py.ExternalLink("b.h5", "nothing"), "external link to b.h5:nothing, which that "
+                                                               "file does not hold"),
+                        (h5py.ExternalLink("gone.h5", "val_frames"), "external link to gone.h5, which is "
+                                                                     "missing or outside"),
+                        (h5py.SoftLink("/nowhere"), "'val_frames' is a link to /nowhere, which the file "
+                                                    "does not hold")]:
+    with h5py.File(path, "a") as f:
+      del f["val_frames"]
+      f["val_frames"] = link
+    with pytest.raises(UserError, match=message):
+      cellspike_file.open_cellspike(path)
+
+
+def test_a_dataset_never_written_is_refused(tmp_path):
+  """Created by a writer that stopped before filling it: it reads as zeros, and trained silently."""
+  path = write_cellspike(str(tmp_path / "a.h5"))
+  with h5py.File(path, "a") as f:
+    del f["test_frames"]
+    f.create_dataset("test_frames", shape=(32, 1600, 4), dtype=np.float32)
+  with pytest.raises(UserError, match="'test_frames' holds no data \\(its 32x1600x4 values were never written"):
+    cellspike_file.open_cellspike(path)
+
+
+def test_cell_files_may_be_links_to_files_elsewhere(tmp_path):
+  """Clusters keep datasets in one place and link them into run folders; the check that the template
+  stays in the folder is about its name, not where a link leads."""
+  store, data = tmp_path / "store", tmp_path / "data"
+  store.mkdir()
+  data.mkdir()
+  write_cellspike(str(store / "cellA.h5"))
+  os.symlink(str(store / "cellA.h5"), str(data / "cellA.h5"))
+  write_meta_yaml(str(data / "meta.cellSpike_excite_4prB8kHz.yaml"), template="*.h5")
+  assert cellspike_file.resolve(str(data), "cellA", "excite_4prB8kHz")[0] == str(data / "cellA.h5")
+
+
 def test_a_template_cannot_leave_the_data_folder(tmp_path):
   data, outside = tmp_path / "data", tmp_path / "outside"
   data.mkdir()
@@ -194,6 +236,20 @@ def test_par_names_must_be_strings(tmp_path):
     f.write(text)
   with pytest.raises(UserError, match="parName is .* expected a list of parameter names"):
     cellspike_file.resolve(str(tmp_path), "cellA", "excite_4prB8kHz")
+
+
+def test_a_file_without_a_meta_yaml_takes_the_parameter_names_of_its_own_meta_json(tmp_path):
+  """A generator's file copied on its own trained with par0, par1, ... in every report."""
+  path = write_cellspike(str(tmp_path / "a.h5"))
+  assert cellspike_file.open_cellspike(path).par_names[:2] == ("par0", "par1")  # it names none
+  for names in (["g%d" % i for i in range(15)], ["g%d" % i for i in range(14)]):
+    with h5py.File(path, "a") as f:
+      del f["meta.JSON"]
+      f["meta.JSON"] = json.dumps({"dataInfo": {"parName": names}})
+    if len(names) == 15:
+      assert cellspike_file.open_cellspike(path).par_names == tuple(names)
+  with pytest.raises(UserError, match=r"meta.JSON dataInfo.parName is .*expected a list of 15 parameter names"):
+    cellspike_file.open_cellspike(path)
 
 
 def test_a_deeply_nested_meta_json_is_named(tmp_path):
