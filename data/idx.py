@@ -39,6 +39,9 @@ def read_idx(path: str) -> np.ndarray:
   if ndim == 0 or len(raw) < header:
     raise UserError("%s: IDX header truncated (%d dimensions declared)" % (path, ndim))
   shape = tuple(int(d) for d in np.frombuffer(raw, dtype=">i4", count=ndim, offset=4))
+  if min(shape) < 0:
+    raise UserError("%s: IDX header declares dimensions %s, expected sizes of at least 0 (corrupt)"
+                    % (path, shape))
   expected = int(np.prod(shape))
   found = len(raw) - header
   if found != expected:

@@ -31,8 +31,12 @@ _IDX_STEMS = {
 def _check_pair(images: np.ndarray, labels: np.ndarray, where: str) -> Arrays:
   if images.ndim != 3 or images.shape[1:] != (28, 28):
     raise UserError("%s: images have shape %s, expected (N, 28, 28)" % (where, images.shape))
-  if labels.ndim != 1 or labels.shape[0] != images.shape[0]:
+  if labels.ndim != 1:
+    raise UserError("%s: labels have shape %s, expected (N,): one digit per image" % (where, labels.shape))
+  if labels.shape[0] != images.shape[0]:
     raise UserError("%s: %d labels for %d images" % (where, labels.shape[0], images.shape[0]))
+  if not len(images):
+    raise UserError("%s: no images" % where)
   if labels.size and labels.max() > 9:
     raise UserError("%s: label %d found, expected digits 0-9" % (where, labels.max()))
   return Arrays(images, labels.astype(np.int32))

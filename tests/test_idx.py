@@ -41,6 +41,15 @@ def test_not_idx(tmp_path):
     idx.read_idx(str(path))
 
 
+def test_negative_dimensions_are_reported(tmp_path):
+  """(-100, -28, 28) multiplies to the right byte count: numpy's reshape then raised a ValueError."""
+  path = tmp_path / "negative"
+  dims = b"".join(d.to_bytes(4, "big", signed=True) for d in (-100, -28, 28))
+  path.write_bytes(bytes([0, 0, 0x08, 3]) + dims + b"\0" * (100 * 28 * 28))
+  with pytest.raises(UserError, match=r"negative: IDX header declares dimensions \(-100, -28, 28\)"):
+    idx.read_idx(str(path))
+
+
 def test_wrong_type_code(tmp_path):
   path = tmp_path / "floats"
   path.write_bytes(bytes([0, 0, 0x0D, 1]) + (4).to_bytes(4, "big") + b"\0" * 16)

@@ -48,6 +48,15 @@ def test_idx_label_count_mismatch(tmp_path):
     mnist.load_arrays(RunConfig(model="mnist", data_path=folder))
 
 
+@pytest.mark.parametrize("train, message", [
+    ((_digits(50)[0], _digits(50)[1].reshape(50, 1)), r"labels have shape \(50, 1\), expected \(N,\)"),
+    ((_digits(0)[0], _digits(0)[1]), "train-images-idx3-ubyte .*: no images")])
+def test_idx_labels_of_another_shape_and_empty_files(tmp_path, train, message):
+  folder = write_mnist_folder(str(tmp_path), train, _digits(10))
+  with pytest.raises(UserError, match=message):
+    mnist.load_arrays(RunConfig(model="mnist", data_path=folder))
+
+
 def test_idx_path_must_be_a_folder(tmp_path):
   path = tmp_path / "file"
   path.write_text("x")
