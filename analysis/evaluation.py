@@ -36,10 +36,14 @@ from strategies.backend import Backend
 from training import checkpoints as checkpoints_lib
 from training import logs
 from training import summary as summary_lib
+from training.callbacks import epoch_step
 
 LEARNED_MIN_R = 0.7
 WEAK_MIN_R = 0.3
 LEARNED, WEAK, NOT_LEARNED = "learned", "weak", "not learned"
+# Pearson's r needs two samples; below about 20 its spread (about 1/sqrt(N-3) for weak links) is larger
+# than the gaps between the verdicts' thresholds, so the report says they are unreliable.
+MIN_SAMPLES, RELIABLE_SAMPLES = 2, 20
 SPLIT_KEYS = {"train": "train", "validation": "val", "val": "val", "test": "test"}
 PREDICT_DIR = "predict"
 SUM_PRED = "sum_pred.yaml"
@@ -177,6 +181,14 @@ def _eval_split(config: RunConfig, backend: Backend, split: str, max_samples: in
   rows = min(rows, max_rows) if max_rows else rows
   data_split = cellspike.split_from_file(info, key, config, eval_layout(backend.layout(batch), rows),
                                         first_epoch=0, shuffle=False, max_steps=0, max_rows=max_rows)
+  chosen = " (--max_samples=%d)" % max_samples if max_samples else ""
+  if data_split.samples < MIN_SAMPLES:
+    raise UserError("%s: %d %s sample%s to evaluate%s; the report's correlations need at least %d"
+                    % (info.path, data_split.samples, split, "" if data_split.samples == 1 else "s", chosen,
+                       MIN_SAMPLES))
+  if data_split.samples < RELIABLE_SAMPLES:
+    logging.warning("Only %d %s samples%s: the per-parameter correlations and verdicts are unreliable "
+                    "below %d", data_split.samples, split, chosen, RELIABLE_SAMPLES)
   return info, data_split
 
 
@@ -277,7 +289,7 @@ def _write_outputs(outdir: str, results: dict, truth, prediction, info, plots: b
     if history:
       files.append(plots_lib.plot_training_curves(history, outdir, title=_run_title(results)))
   files.append(events.write_prediction_events(outdir, figures, format_table(results), results["split"],
-                                              results["mse"], results["checkpoint_epoch"] or 0))
+                                              results["mse"], epoch_step(results["checkpoint_epoch"] or 0)))
   return files
 
 

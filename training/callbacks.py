@@ -34,6 +34,12 @@ class EpochScalars(tf.keras.callbacks.TensorBoard):
     return logs
 
 
+def epoch_step(epoch: int) -> int:
+  """The TensorBoard step of the weights after epoch `epoch` (1-based): Keras writes an epoch's
+  scalars at its 0-based index, and test or prediction figures of those weights belong beside them."""
+  return max(epoch - 1, 0)
+
+
 class RunProgbar(tf.keras.callbacks.ProgbarLogger):
   """Keras' progress bar, headed with the run's epoch count. The rest of an epoch that a resumed run
   trains is a fit of its own (training/loop.py `_fit`), which Keras' own bar would head "Epoch 2/2"

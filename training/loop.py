@@ -13,6 +13,7 @@ Backend specifics stay behind `backend`.
 """
 
 import hashlib
+import math
 import os
 import random
 import re
@@ -490,6 +491,11 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
       kept = checkpoints_lib.in_run_folder(kept, config.logdir) or "none"
       raise UserError("training stopped: the loss became NaN/Inf in epoch %d (lower --learning_rate); "
                       "last good checkpoint: %s" % (len(history["loss"]) + resume_state["epoch"], kept))
+    if history.get("val_loss") and math.isinf(checkpointing.best_val_loss):
+      # Epochs are checkpointed by their validation loss: with none finite, the run kept nothing.
+      raise UserError("the validation loss was NaN/Inf in every epoch (last: %s), so no epoch was "
+                      "checkpointed: the validation split's values may lie far outside the training "
+                      "split's (%s)" % (history["val_loss"][-1], splits.source))
 
     # --- Test (the best-validation weights) -----------------------------------------------------------
     flag.phase = "test"
@@ -580,5 +586,5 @@ def _test(net, config, backend, splits, checkpointing, outdir, last_epoch, stop_
     stop = stop.with_traceback(None)
     interrupt_lib.log_interrupted(stop, config.logdir)
     raise stop from None
-  write_test_scalars(outdir, test_results, step=config.epochs)
+  write_test_scalars(outdir, test_results, step=callbacks_lib.epoch_step(test_epoch or config.epochs))
   return test_results, test_epoch

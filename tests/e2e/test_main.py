@@ -78,6 +78,10 @@ def test_mnist_check_end_to_end(tmp_path, replicas):
   assert len(train["epoch_samples_per_sec"]) == 2
   test = _scalars(os.path.join(logdir, "test"))
   np.testing.assert_allclose(test["test_loss"], [summary["test_loss"]], rtol=1e-5)
+  # Beside the training point of the epoch whose weights it measured (Keras counts epochs from 0).
+  train_steps = [step for step, _ in read_scalars(os.path.join(logdir, "train"))["epoch_loss"]]
+  assert [step for step, _ in read_scalars(os.path.join(logdir, "test"))["test_loss"]] == [
+      train_steps[summary["test_weights_epoch"] - 1]]
   trial, settings = read_hparams(logdir)
   assert trial == "run" and "design" not in settings and "batch_norm_statistics" not in settings
   assert (settings["model"], settings["replicas"], settings["global_batch_size"], settings["data"]) == (

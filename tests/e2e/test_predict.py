@@ -109,12 +109,13 @@ def test_main_predict_writes_the_report(trained_run):
   for name in ("truth_vs_pred", "residuals"):  # TF 2 images: a tensor of width, height and the PNG
     image, = accumulator.Tensors("prediction/" + name)
     width, height, png = tensor_util.make_ndarray(image.tensor_proto)
-    assert png.startswith(PNG_SIGNATURE) and image.step == sum_pred["checkpoint_epoch"]
+    # At the step of the weights' epoch, as Keras numbers it (from 0) in train/ and validation/.
+    assert png.startswith(PNG_SIGNATURE) and image.step == sum_pred["checkpoint_epoch"] - 1
     assert (int(width), int(height)) == png_size(os.path.join(logdir, "predict", name + ".png"))
   table, = accumulator.Tensors("prediction/parameters")
   assert "p14" in tensor_util.make_ndarray(table.tensor_proto).item().decode()
   assert read_scalars(os.path.join(logdir, "predict"))["prediction/test_mse"] == [
-      (sum_pred["checkpoint_epoch"], pytest.approx(sum_pred["mse"], rel=1e-6))]
+      (sum_pred["checkpoint_epoch"] - 1, pytest.approx(sum_pred["mse"], rel=1e-6))]
   # The closing report lists the folder as it is, and the report tool for this regression model.
   closing = result.stdout[result.stdout.index("Run finished: " + logdir):]
   assert ("outputs: summary.yaml, run_config.yaml, checkpoints/{last,best}, TensorBoard events (train/, "
@@ -208,6 +209,21 @@ def test_data_of_another_shape_is_a_user_error(trained_run, tmp_path):
   with pytest.raises(UserError, match=r"does not fit .* \(800, 4\) -> 15 parameters"):
     evaluation.evaluate_run(config, _cpu_backend(), outdir=str(tmp_path / "out"))
   assert not os.path.exists(str(tmp_path / "out"))
+
+
+def test_too_few_samples_for_the_reports_correlations(trained_run, tmp_path, caplog):
+  """One sample used to end in a ValueError traceback (after training, with main.py --predict); a few
+  gave confident verdicts from r of +-1."""
+  config = summary.load_run_config(trained_run[0], backend="cpu")
+  with pytest.raises(UserError, match=r"1 test sample to evaluate \(--max_samples=1\); the report's "
+                                      r"correlations need at least 2"):
+    evaluation.evaluate_run(config, _cpu_backend(), max_samples=1, outdir=str(tmp_path / "one"))
+  with caplog.at_level("WARNING", logger="absl"):
+    result = evaluation.evaluate_run(config, _cpu_backend(), max_samples=3, outdir=str(tmp_path / "three"),
+                                     plots=False)
+  assert result.results["num_samples"] == 3
+  assert "Only 3 test samples (--max_samples=3): the per-parameter correlations and verdicts are " \
+      "unreliable below 20" in caplog.text
 
 
 @pytest.mark.parametrize("flag", ["outdir", "export_dir"])

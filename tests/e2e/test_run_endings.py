@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import h5py
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -343,3 +344,16 @@ def test_a_lost_worker_is_named_by_tensorflows_reason_not_its_trace(tmp_path):
                                     "failed, /job:worker/replica:0/task:1 is down")
   assert "(Collective ops is aborted by: cluster check alive failed, /job:worker/replica:0/task:1 is down)" \
       in loop._lost_process(tf26, 2, str(tmp_path))  # pylint: disable=protected-access
+
+
+def test_a_run_whose_validation_loss_is_never_finite_fails(tmp_path):
+  """Epochs are checkpointed by their validation loss; with it inf in every epoch (validation targets
+  1e25 times the training ones) the run used to report itself finished, exit 0, with no checkpoint."""
+  path = write_cellspike(str(tmp_path / "huge_val.h5"), sizes={"train": 128, "val": 32, "test": 32})
+  with h5py.File(path, "a") as f:
+    f["val_unitStar_par"][...] = f["val_unitStar_par"][...] * 1e25
+  logdir = str(tmp_path / "run")
+  with pytest.raises(UserError, match=r"validation loss was NaN/Inf in every epoch \(last: inf\), so no "
+                                      r"epoch was checkpointed.*huge_val.h5"):
+    _run(_config(path, logdir))
+  assert not os.path.exists(os.path.join(logdir, "summary.yaml"))
