@@ -143,11 +143,13 @@ class _Progress:
       return self.done / max(now - self.start, 1e-9)
     return (self.done - self.mark[1]) / (now - self.mark[0])
 
-  def update(self, domain: str, count: int):
+  def update(self, domain: str, count: int, batches: int = 1):
+    """`count` more samples, in `batches` batches: the first ones are written all at once after the
+    normalisation's sample is complete, and their burst must not count as a rate."""
     self.done += count
     now = time.time()
-    self.batches_to_mark -= 1
-    if self.batches_to_mark == 0:
+    self.batches_to_mark -= batches
+    if self.batches_to_mark <= 0 and self.mark is None:
       self.mark = (now, self.done)
     finished = self.done == self.total
     if not self.enabled or not (self.tty or finished or now - self.last >= 10.0):
@@ -161,6 +163,28 @@ class _Progress:
     if finished and self.tty:
       sys.stderr.write("\n")
     sys.stderr.flush()
+
+
+# The meta yaml's keys that the loaders read (data/cellspike_file.py): the same for every generated cell.
+LOADER_KEYS = ("h5nameTemplate", "numFeature", "numPar", "numTimeBin", "parName")
+
+
+def meta_yaml_conflicts(out_dir: str, probe_type: str) -> list:
+  """The loader keys of a meta yaml already in `out_dir` that differ from those `generate_dataset`
+  would write over it: a folder of other data (real cells, with their own parameter names)."""
+  path = os.path.join(out_dir, meta_yaml_name(probe_type))
+  if not os.path.isfile(path):
+    return []
+  try:
+    with open(path, encoding="utf-8") as f:
+      content = yaml.safe_load(f)
+  except (OSError, UnicodeDecodeError, yaml.YAMLError):
+    return ["content (not readable as YAML)"]
+  info = content.get("dataInfo") if isinstance(content, dict) else None
+  if not isinstance(info, dict):
+    return ["dataInfo"]
+  ours = _data_info("", (0, 0, 0), 0, False, probe_type)
+  return [key for key in LOADER_KEYS if info.get(key) != ours[key]]
 
 
 def _data_info(cell_name, counts, seed, fp16, probe_type):
@@ -241,7 +265,7 @@ def _fill(h5, batches, num_norm, dtype, progress):
       norm = (raw.mean(axis=(0, 1)), raw.std(axis=(0, 1)))
       for batch in held:
         _write_batch(h5, *batch, norm=norm, dtype=dtype)
-        progress.update(batch[0], len(batch[2]))
+      progress.update(held[-1][0], sum(len(batch[2]) for batch in held), batches=len(held))
       held = []
       continue
     _write_batch(h5, domain, start, u, traces, norm, dtype)

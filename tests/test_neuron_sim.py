@@ -335,6 +335,20 @@ def test_progress_rate_leaves_out_the_workers_start_up(monkeypatch, capsys):
   assert "13000/30000 samples (43%), 1000.0 samples/s, 17 s left (train split)" in last, last
 
 
+def test_progress_rate_leaves_out_the_burst_of_batches_held_for_the_normalisation(monkeypatch, capsys):
+  """The first batches are held until the normalisation's sample is complete and then written at once:
+  counted one by one, the burst made the rate 34,603 samples/s against the 166 the generator wrote."""
+  clock = [100.0]
+  monkeypatch.setattr(cellspike_generate.time, "time", lambda: clock[0])
+  progress = cellspike_generate._Progress(total=768, enabled=True, workers=2)
+  clock[0] += 4.0                                  # 512 samples made in 4 s, written in one burst
+  progress.update("train", 512, batches=4)
+  clock[0] += 2.0
+  progress.update("val", 256)
+  last = capsys.readouterr().err.strip().splitlines()[-1]
+  assert "768/768 samples (100%), 128.0 samples/s" in last, last
+
+
 _BUILT_IN = """
 import sys
 sys.path.insert(0, sys.argv[1])

@@ -7,7 +7,8 @@
 Writes DIR/<cell_name>_excite.cellSpike_4prB8kHz.data.h5 and DIR/meta.cellSpike_<probe_type>.yaml
 (see data/cellspike_generate.py). A cell's .h5 file already there is replaced only with --overwrite;
 the meta yaml, which the folder's cells share, is rewritten (the keys the loaders read are the same
-for every cell). `--sensitivity` prints how much each of the 15 parameters changes the
+for every generated cell), unless those keys differ (a folder of other data): then only with
+--overwrite. `--sensitivity` prints how much each of the 15 parameters changes the
 traces (relative RMS change for u_k = -0.8 vs +0.8); without --out_dir it prints only that table.
 """
 
@@ -53,13 +54,23 @@ def define_flags():
                        lower_bound=1)
 
 
-def refuse_to_overwrite(out_dir: str, cell_name: str, overwrite: bool) -> None:
-  """A dataset that runs may have been trained on is replaced only when asked. (This tool's rule only:
-  main.py's built-in dataset calls data/cellspike_generate.py itself, when its file is missing.)"""
+def refuse_to_overwrite(out_dir: str, cell_name: str, overwrite: bool,
+                        probe_type: str = "excite_4prB8kHz") -> None:
+  """A dataset that runs may have been trained on, or a meta yaml that describes other data, is
+  replaced only when asked. (This tool's rule only: main.py's built-in dataset calls
+  data/cellspike_generate.py itself, when its file is missing.)"""
+  if overwrite:
+    return
   path = os.path.join(out_dir, cellspike_generate.h5_name(cell_name))
-  if os.path.exists(path) and not overwrite:
+  if os.path.exists(path):
     raise UserError("--out_dir=%s already holds %s: pass --overwrite to replace it, or choose another "
                     "--out_dir or --cell_name" % (out_dir, os.path.basename(path)))
+  conflicts = cellspike_generate.meta_yaml_conflicts(out_dir, probe_type)
+  if conflicts:
+    raise UserError("--out_dir=%s: its %s describes other data (its %s %s from the generator's): pass "
+                    "--overwrite to replace it, or choose another --out_dir"
+                    % (out_dir, cellspike_generate.meta_yaml_name(probe_type), ", ".join(conflicts),
+                       "differs" if len(conflicts) == 1 else "differ"))
 
 
 def main(argv):
@@ -69,7 +80,7 @@ def main(argv):
     if FLAGS.out_dir is None and not FLAGS.sensitivity:
       raise UserError("--out_dir is required (or --sensitivity alone for the table)")
     if FLAGS.out_dir is not None:
-      refuse_to_overwrite(FLAGS.out_dir, FLAGS.cell_name, FLAGS.overwrite)
+      refuse_to_overwrite(FLAGS.out_dir, FLAGS.cell_name, FLAGS.overwrite, FLAGS.probe_type)
       path = cellspike_generate.generate_dataset(
           FLAGS.out_dir, cell_name=FLAGS.cell_name, num_train=FLAGS.num_train, num_val=FLAGS.num_val,
           num_test=FLAGS.num_test, seed=FLAGS.seed, fp16=FLAGS.fp16, probe_type=FLAGS.probe_type,

@@ -13,7 +13,9 @@ import time
 
 import numpy as np
 import pytest
+import yaml
 
+from data import cellspike_generate
 from errors import UserError
 from strategies import cpu
 from tests.support.cellspike_files import write_cellspike
@@ -310,3 +312,20 @@ def test_generate_cellspike_replaces_a_dataset_only_with_overwrite(tmp_path):
   assert existing.read_text() == "a dataset runs were trained on"
   generate_cellspike.refuse_to_overwrite(str(tmp_path), "synth", overwrite=True)
   generate_cellspike.refuse_to_overwrite(str(tmp_path), "another_cell", overwrite=False)
+
+
+def test_the_generator_keeps_a_meta_yaml_of_other_data(tmp_path):
+  """A folder of real cells: the generator rewrote its meta yaml with its own parameter names."""
+  from tools import generate_cellspike  # pylint: disable=import-outside-toplevel
+  generated = cellspike_generate.generate_dataset(str(tmp_path), num_train=4, num_val=1, num_test=1,
+                                                  progress=False)
+  generate_cellspike.refuse_to_overwrite(str(tmp_path), "cell2", overwrite=False)  # its own yaml: fine
+  meta = tmp_path / cellspike_generate.meta_yaml_name("excite_4prB8kHz")
+  content = yaml.safe_load(meta.read_text())
+  content["dataInfo"]["parName"] = ["r%d" % i for i in range(15)]
+  meta.write_text(yaml.safe_dump(content))
+  with pytest.raises(UserError, match=r"its meta.cellSpike_excite_4prB8kHz.yaml describes other data \(its "
+                                      r"parName differs"):
+    generate_cellspike.refuse_to_overwrite(str(tmp_path), "cell2", overwrite=False)
+  generate_cellspike.refuse_to_overwrite(str(tmp_path), "cell2", overwrite=True)
+  assert os.path.isfile(generated)
