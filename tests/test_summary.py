@@ -163,3 +163,13 @@ def test_unknown_and_missing_keys_of_a_run_config_are_named_in_warnings(tmp_path
   caplog.clear()
   logdir, _ = _saved_run(tmp_path / "intact")
   assert load_run_config(logdir).design == "dev" and not caplog.records  # a run's own file: no warning
+
+
+def test_an_override_that_the_run_config_refuses_names_the_override(tmp_path):
+  """predict.py --cell_name=synth on a run trained on a file: the message blamed run_config.yaml alone."""
+  data_file = tmp_path / "cell.h5"
+  data_file.write_bytes(b"")
+  logdir, path = _saved_run(tmp_path, data_path=str(data_file))
+  with pytest.raises(UserError, match="^%s with --cell_name=synth: flags cell_name=synth, data_path=.*--cell_name "
+                                      "picks a file in a --data_path folder" % path):
+    load_run_config(logdir, cell_name="synth", design="dev", seed=None)  # the same design: not named

@@ -377,12 +377,14 @@ def load_run_config(logdir: str, **overrides) -> RunConfig:
     logging.warning("%s: ignoring %s, not settings of this version of the application (a typo, or a run "
                     "of another version)", source, ", ".join(unknown))
   values = dict(saved, **EVAL_OVERRIDES, logdir=logdir)
-  values.update({key: value for key, value in overrides.items() if value is not None})
+  given = {key: value for key, value in overrides.items() if value is not None}
+  values.update(given)
+  changed = ["--%s=%s" % (key, value) for key, value in given.items() if saved.get(key) != value]
   # Unset: not in the file (nor reset or given here), or null where the setting is no optional one.
   defaulted = [name for name, field in flags.RUN_CONFIG_FIELDS.items()
                if values.get(name) is None and field.default is not None]
   # The command line's own definitions and validators check it (a hand-edited value, a moved file).
-  config = flags.config_from_saved(values, source)
+  config = flags.config_from_saved(values, source + (" with %s" % " ".join(changed) if changed else ""))
   if defaulted:
     logging.warning("%s: has no value for %s; using the default%s %s", source, ", ".join(defaulted),
                     "s" if len(defaulted) > 1 else "",
