@@ -175,6 +175,21 @@ def test_tensorboard_tunnel_prints_the_ssh_command(tmp_path):
   assert "http://localhost:9998/" in result.stdout
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["--port=70000"], "tensorboard_tunnel.py: error: flag --port=70000: 70000 is not an integer in the range "
+                       "[1, 65535]"),
+    (["--nostart", "logs/run", "extra"], "tensorboard_tunnel.py: error: unexpected arguments logs/run extra: "
+                                         "this program takes flags only"),
+])
+def test_tensorboard_tunnel_refuses_bad_input_before_printing_the_ssh_line(tmp_path, args, expected):
+  """A port out of range was printed in the ssh line, then refused by serve_tensorboard.py; stray
+  words were ignored."""
+  result = subprocess.run([sys.executable, os.path.join(TOOLS, "tensorboard_tunnel.py"),
+                           "--logdir=" + str(tmp_path)] + args, capture_output=True, text=True, timeout=60)
+  assert_one_line_error(result, expected)
+  assert result.returncode == 2 and result.stdout == ""
+
+
 @pytest.mark.parametrize("port", [["--port", "99999"], ["--port=-1"]])
 def test_serve_tensorboard_bounds_the_port_before_starting(tmp_path, port):
   """TensorBoard's own --port: its range said in one line, before TensorFlow's start (TensorBoard's
