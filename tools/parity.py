@@ -20,6 +20,7 @@ and validation) from its first step: ours include the tracing of the first step,
 process start-up or reading the file.
 """
 
+import argparse
 import json
 import os
 import subprocess
@@ -28,7 +29,8 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from errors import OneLineArgumentParser, existing_file, report_missing_packages, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
+from errors import (OneLineArgumentParser, UserError, check_output_path, existing_file,  # noqa: E402  pylint: disable=wrong-import-position
+                    report_missing_packages, reported_on_one_line)
 report_missing_packages()  # before the first third-party import: one line where one is missing
 
 import h5py  # noqa: E402  pylint: disable=wrong-import-position
@@ -37,6 +39,28 @@ import yaml  # noqa: E402  pylint: disable=wrong-import-position
 
 from model.designs import DESIGNS  # noqa: E402  pylint: disable=wrong-import-position  (plain data)
 
+# main.py's --precision values (flags.PRECISIONS; not imported: flags imports TensorFlow's model code).
+PRECISIONS = ("auto", "32.32", "16.32", "16.16")
+SPLIT_KEYS = tuple(split + key for split in ("train", "val", "test") for key in ("_frames", "_unitStar_par"))
+
+
+def _seeds(text: str) -> list:
+  """An argparse `type`: comma-separated integers (a bad one is named, before anything trains)."""
+  try:
+    return [int(seed) for seed in text.split(",")]
+  except ValueError:
+    raise argparse.ArgumentTypeError("%s: expected comma-separated integers, such as 0,1,2" % text) from None
+
+
+def _precisions(text: str) -> list:
+  """An argparse `type`: --precision values main.py takes (it refused 64.64 only after the reference trained)."""
+  unknown = [value for value in text.split(",") if value not in PRECISIONS]
+  if unknown:
+    raise argparse.ArgumentTypeError("%s: %s not a --precision of main.py (%s)"
+                                     % (text, ",".join(unknown) + (" is" if len(unknown) == 1 else " are"),
+                                        ", ".join(PRECISIONS)))
+  return text.split(",")
+
 
 def parse_args(argv=None):
   parser = OneLineArgumentParser(description=__doc__.split("\n")[0])
@@ -44,9 +68,10 @@ def parse_args(argv=None):
                       help="cellSpike .h5 file (default: the built-in generated dataset, made on first use)")
   parser.add_argument("--out", default="parity", help="folder for the slice, the runs and the report")
   parser.add_argument("--epochs", type=int, default=6)
-  parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, one run of each side each")
-  parser.add_argument("--precisions", default="32.32", help="comma-separated --precision values for ours "
-                      "(the reference runs float32)")
+  parser.add_argument("--seeds", type=_seeds, default="0,1,2", help="comma-separated seeds, one run of each "
+                      "side each")
+  parser.add_argument("--precisions", type=_precisions, default="32.32", help="comma-separated --precision "
+                      "values for ours (the reference runs float32)")
   parser.add_argument("--schedules", default="plateau", help="comma-separated --lr_schedule values for "
                       "ours: plateau (the reference's, default), cosine (the application's default)")
   parser.add_argument("--train_samples", type=int, default=16384)
@@ -61,8 +86,6 @@ def parse_args(argv=None):
                       "quality (default: the reference's mean best)")
   parser.add_argument("--reference_python", default=os.path.join(REPO, ".venv-torch", "bin", "python"))
   args = parser.parse_args(argv)
-  args.seeds = [int(s) for s in args.seeds.split(",")]
-  args.precisions = args.precisions.split(",")
   args.schedules = args.schedules.split(",")
   unknown = sorted(set(args.schedules) - {"plateau", "cosine"})
   if unknown:
@@ -70,9 +93,10 @@ def parse_args(argv=None):
   return args
 
 
-def write_slice(source: str, destination: str, train: int, val: int) -> str:
-  """The first `train` / `val` rows (and `val` test rows) of `source`, contiguous, same dtypes."""
-  with h5py.File(source, "r") as src:
+def write_slice(source: str, destination: str, train: int, val: int, named: str = None) -> str:
+  """The first `train` / `val` rows (and `val` test rows) of `source`, contiguous, same dtypes.
+  `named`: how a bad source is named in the error (the flag that gave it)."""
+  with _cellspike_file(source, named or source) as src:
     available = {split: len(src[split + "_frames"]) for split in ("train", "val", "test")}
     wanted = {"train": train, "val": val, "test": min(val, available["test"])}
     for split in ("train", "val"):
@@ -85,6 +109,35 @@ def write_slice(source: str, destination: str, train: int, val: int) -> str:
           dst.create_dataset(key, data=src[key][:rows])
   os.replace(destination + ".tmp", destination)
   return destination
+
+
+def _cellspike_file(path: str, named: str):
+  """`path` opened with h5py, holding every split's frames and parameters; else a UserError naming it."""
+  try:
+    source = h5py.File(path, "r")
+  except OSError as error:
+    raise UserError("%s: not a readable HDF5 file (%s); expected a cellSpike .h5 file" % (named, error)) from None
+  missing = [key for key in SPLIT_KEYS if key not in source]
+  if missing:
+    source.close()
+    raise UserError("%s has no %s; expected a cellSpike file with %s" % (named, ", ".join(missing),
+                                                                        ", ".join(SPLIT_KEYS)))
+  return source
+
+
+def check_before_training(args) -> None:
+  """What would fail only after the reference trained (or later): said first, in one line."""
+  check_output_path("--out", args.out, folder=True)
+  if not os.access(args.reference_python, os.X_OK) or os.path.isdir(args.reference_python):
+    raise UserError("--reference_python=%s: no such program; expected the Python of the reference's "
+                    "PyTorch environment (`make bench-reference` makes .venv-torch)" % args.reference_python)
+  # A rerun into the same --out: main.py refuses a run folder that holds a run, after the reference
+  # has trained. Earlier results are the user's to keep or delete, not ours to overwrite.
+  earlier = [name for name in sorted(os.listdir(args.out)) if name.startswith("ours-")] \
+      if os.path.isdir(args.out) else []
+  if earlier:
+    raise UserError("--out=%s already holds runs of an earlier parity (%s): delete them, or choose another "
+                    "--out" % (args.out, ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "")))
 
 
 def shared_flags(args, data: str, seed: int) -> list:
@@ -199,10 +252,13 @@ def _builtin_dataset() -> str:
 
 def main(argv=None):
   args = parse_args(argv)
-  os.makedirs(args.out, exist_ok=True)
+  check_before_training(args)
   source = args.data_path or _builtin_dataset()
+  named = "--data_path=" + source if args.data_path else None
+  _cellspike_file(source, named or source).close()  # a bad file is named before --out is made
+  os.makedirs(args.out, exist_ok=True)
   data = write_slice(source, os.path.join(os.path.abspath(args.out), "slice.h5"), args.train_samples,
-                     args.val_samples)
+                     args.val_samples, named)
   runs = {"reference": []}
   for seed in args.seeds:
     print("reference, seed %d ..." % seed, flush=True)

@@ -7,8 +7,10 @@
 # Environment:
 #   IMAGE        the .sif image (default: neuron_inverter_ipu.sif)
 #   DATA_DIR     host folder with the datasets, bound at the same path (optional)
-#   CACHE_DIR    data and executable cache (default: ~/.cache/neuron_inverter), bound, passed as
-#                --data_cache and --cache_dir
+#   CACHE_DIR    the cache root (default: $XDG_CACHE_HOME, else ~/.cache): the container's main.py gets
+#                XDG_CACHE_HOME=$CACHE_DIR, so its default caches are CACHE_DIR/neuron_inverter (the
+#                built-in dataset) and CACHE_DIR/neuron_inverter/executables, as on the host; that
+#                folder is bound. No --data_cache flag: main.py refuses it for --model=mnist.
 #   LOG_DIR      a folder for run outputs (default: ./logs), bound at the same path; pass
 #                --logdir=$LOG_DIR/<run> (the current folder is bound by the runtime anyway)
 #   CONTAINER_GPU=1   add --nv (NVIDIA GPUs) for the stock TensorFlow image
@@ -18,7 +20,8 @@
 set -euo pipefail
 
 image=${IMAGE:-neuron_inverter_ipu.sif}
-cache_dir=${CACHE_DIR:-$HOME/.cache/neuron_inverter}
+cache_root=${CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}}
+cache_dir=$cache_root/neuron_inverter
 log_dir=${LOG_DIR:-$PWD/logs}
 runtime=${SINGULARITY:-$(command -v apptainer >/dev/null 2>&1 && echo apptainer || echo singularity)}
 if ! command -v "$runtime" >/dev/null 2>&1; then
@@ -43,5 +46,7 @@ gpu=()
 [ "${CONTAINER_GPU:-0}" = 1 ] && gpu=(--nv)
 
 # ${gpu[@]+...}: an empty array is "unbound" to `set -u` in older bash.
+# The caches through XDG_CACHE_HOME, not flags: --data_cache is refused by models without the built-in
+# dataset. `env` sets it with any runtime version (Apptainer's --env is not in older Singularity).
 exec "$runtime" exec ${gpu[@]+"${gpu[@]}"} "${binds[@]}" "$image" \
-    python3 /opt/neuron_inverter/main.py --data_cache="$cache_dir" --cache_dir="$cache_dir/executables" "$@"
+    env XDG_CACHE_HOME="$cache_root" python3 /opt/neuron_inverter/main.py "$@"

@@ -7,15 +7,19 @@ r"""Learning-rate x replica scans, as the reference's scanHpar.sh does: one main
     python tools/scan.py --mode=report --scan_dir=scans/lr            # the table and plot again
 
 The grid (points, and the main.py flags after `--`) is fixed in `<scan_dir>/grid.yaml` when the scan
-starts; each point trains in its own logdir `<scan_dir>/replicas<R>_lr<LR>` and its log goes beside it.
-A point that finished is skipped when the scan runs again; one that stopped with a checkpoint
-continues with `--resume`. The report, `<scan_dir>/scan.yaml` and `scan.png`, has the best validation
-loss of every point against the learning rate, one curve per replica count; points that failed or did
-not run are listed with their exit status and last error line, and make the exit status 1.
+starts; each point trains in its own logdir `<scan_dir>/replicas<R>_lr<LR>` (the rate as Python's repr
+writes it) and its log goes beside it. Each point's main.py runs in the folder the scan was started in
+(a Slurm point: the submit folder), so relative paths after `--` mean what they mean there. A point
+that finished is skipped when the scan runs again; one that stopped with a checkpoint continues with
+`--resume`. The report, `<scan_dir>/scan.yaml` and `scan.png`, has the best validation loss of every
+point against the learning rate, one curve per replica count (a model without a validation split,
+--model=mnist: the test loss, as the report says); points that failed or did not run are listed with
+their exit status and last error line, and make the exit status 1.
 """
 
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -31,6 +35,7 @@ import yaml  # noqa: E402  pylint: disable=wrong-import-position
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
 
+from training import logs  # noqa: E402  pylint: disable=wrong-import-position
 from training.summary import python_command, tool_command, write_yaml  # noqa: E402  pylint: disable=wrong-import-position
 MODES = ("serial", "slurm", "point", "report")
 FLAGS = flags.FLAGS
@@ -55,7 +60,10 @@ class ScanError(Exception):
 # --- the grid -------------------------------------------------------------------------------------
 
 def point_name(replicas: int, learning_rate: float) -> str:
-  return "replicas%d_lr%g" % (replicas, learning_rate)
+  """The point's folder name. The rate as repr writes it (the shortest text that reads back as the same
+  float), so distinct rates get distinct folders: %g made 0.0012345671 and 0.0012345679 one folder."""
+  rate = repr(float(learning_rate))
+  return "replicas%d_lr%s" % (replicas, rate[:-2] if rate.endswith(".0") else rate)
 
 
 # main.py flags that the scan sets for each point itself (point_command), and the scan's own flags
@@ -82,9 +90,22 @@ def make_grid(learning_rates: list, replicas: list, main_args: list) -> dict:
   bad += ["--replicas value %d" % count for count in counts if count < 1]
   if bad:
     raise ScanError("%s: learning rates must be finite numbers, replica counts at least 1" % ", ".join(bad))
+  _refuse_duplicates("--learning_rates", learning_rates, rates)
+  _refuse_duplicates("--replicas", replicas, counts)
   points = [{"index": i, "replicas": r, "learning_rate": lr, "name": point_name(r, lr)}
             for i, (r, lr) in enumerate((r, lr) for r in counts for lr in rates)]
   return {"main_args": list(main_args), "points": points}
+
+
+def _refuse_duplicates(flag: str, given: list, values: list) -> None:
+  """Two equal values (1e-3 and 0.001) would be one point run twice, listed twice in the report."""
+  same = {}
+  for text, value in zip(given, values):
+    same.setdefault(value, []).append(text)
+  repeated = [" and ".join(texts) for texts in same.values() if len(texts) > 1]
+  if repeated:
+    raise ScanError("%s lists the same value more than once (%s): give each value once"
+                    % (flag, "; ".join(repeated)))
 
 
 def grid_path(scan_dir: str) -> str:
@@ -205,8 +226,11 @@ def _run_passing_on_stops(command, log):
   The run has a session of its own, so a terminal's Ctrl-C reaches the scan alone, which passes the
   first Ctrl-C or SIGTERM on and waits while the run saves its checkpoint. (subprocess.call would kill
   it 0.25 s after a Ctrl-C, in the middle of that save, and the scan would end in a traceback.)"""
-  child = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                           start_new_session=True)
+  # In the user's folder, as main.py would run there: relative paths after `--` (--data_path,
+  # --flagfile, --stage_dir) mean what they meant where the scan was typed. main.py is named by its
+  # absolute path, so it finds its modules from anywhere; a Slurm point runs in the submit folder
+  # (tools/slurm/scan.sbatch), which is where `--mode=slurm` ran.
+  child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
   stops = []
 
   def pass_on(signum, frame):
@@ -246,22 +270,36 @@ def point_result(scan_dir: str, point: dict) -> dict:
   summary = _read_mapping(summary_path)
   return dict(row, status="finished", best_val_loss=summary.get("best_val_loss"),
               best_val_epoch=summary.get("best_val_epoch"), test_loss=summary.get("test_loss"),
+              test_accuracy=summary.get("test_accuracy"),  # a classifier's (mnist); None for a regression
               wall_seconds=round(summary.get("wall_seconds") or 0.0, 1))
 
 
-def plot(rows: list, path: str, title: str, best: dict = None) -> None:
+# What the points are ranked by: their best validation loss, or, for a model trained without a
+# validation split (--model=mnist), their test loss -- said in the table, the plot and scan.yaml.
+RANKINGS = {"best_val_loss": "best validation loss", "test_loss": "test loss"}
+
+
+def ranked_by(rows: list) -> str:
+  finished = [row for row in rows if row["status"] == "finished"]
+  for key in RANKINGS:
+    if any(row.get(key) is not None for row in finished):
+      return key
+  return "best_val_loss"
+
+
+def plot(rows: list, path: str, title: str, key: str, best: dict = None) -> None:
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   figure, axes = plt.subplots(figsize=(6.4, 4.4))
   for replicas in sorted({row["replicas"] for row in rows}):
-    done = sorted((row["learning_rate"], row["best_val_loss"]) for row in rows
-                  if row["replicas"] == replicas and row["status"] == "finished")
+    done = sorted((row["learning_rate"], row[key]) for row in rows
+                  if row["replicas"] == replicas and row["status"] == "finished" and row.get(key) is not None)
     if done:
       axes.plot(*zip(*done), marker="o", label="%d replica%s" % (replicas, "" if replicas == 1 else "s"))
   if best:
-    axes.plot([best["learning_rate"]], [best["best_val_loss"]], marker="*", markersize=16, color="#d7191c",
-              linestyle="none", label="best: %s, %.4f" % (best["name"], best["best_val_loss"]))
+    axes.plot([best["learning_rate"]], [best[key]], marker="*", markersize=16, color="#d7191c",
+              linestyle="none", label="best: %s, %.4f" % (best["name"], best[key]))
   missing = [row for row in rows if row["status"] != "finished"]
   axes.set_title(title, fontsize=10)
   if missing:
@@ -270,7 +308,7 @@ def plot(rows: list, path: str, title: str, best: dict = None) -> None:
   if any(row["status"] == "finished" and row["learning_rate"] > 0 for row in rows):
     axes.set_xscale("log")
   axes.set_xlabel("learning rate")
-  axes.set_ylabel("best validation loss")
+  axes.set_ylabel(RANKINGS[key])
   axes.grid(alpha=0.3)
   if axes.get_legend_handles_labels()[0]:
     axes.legend()
@@ -282,21 +320,27 @@ def plot(rows: list, path: str, title: str, best: dict = None) -> None:
 def report(scan_dir: str) -> int:
   """Writes scan.yaml and scan.png; prints the table; 1 if any point did not finish."""
   rows = [point_result(scan_dir, point) for point in load_grid(scan_dir)["points"]]
-  finished = [row for row in rows if row["status"] == "finished" and row["best_val_loss"] is not None]
-  best = min(finished, key=lambda row: row["best_val_loss"]) if finished else None
-  table = {"points": rows, "best": best, "not_finished": [row["name"] for row in rows
-                                                           if row["status"] != "finished"]}
+  key = ranked_by(rows)
+  finished = [row for row in rows if row["status"] == "finished" and row.get(key) is not None]
+  best = min(finished, key=lambda row: row[key]) if finished else None
+  table = {"points": rows, "ranked_by": key, "best": best,
+           "not_finished": [row["name"] for row in rows if row["status"] != "finished"]}
   write_yaml(os.path.join(scan_dir, "scan.yaml"), table)
-  plot(rows, os.path.join(scan_dir, "scan.png"), "The best validation loss of each point of %s" % scan_dir,
-       best)
+  plot(rows, os.path.join(scan_dir, "scan.png"), "The %s of each point of %s" % (RANKINGS[key], scan_dir),
+       key, best)
   print("%-24s %-9s %14s %10s" % ("point", "status", "best val loss", "test loss"))
   for row in rows:
     print("%-24s %-9s %14s %10s  %s" % (
         row["name"], row["status"], _number(row.get("best_val_loss")), _number(row.get("test_loss")),
         "exit %s: %s" % (row.get("returncode"), row.get("error")) if row["status"] == "failed" else ""))
-  if best:
+  if best and key == "best_val_loss":
     print("best: %s, validation loss %.4f (epoch %s)" % (best["name"], best["best_val_loss"],
                                                           best.get("best_val_epoch")))
+  elif best:
+    accuracy = best.get("test_accuracy")
+    print("best: %s, test loss %.4f%s (no point has a validation loss: the model trains without a "
+          "validation split, so the points are ranked by their test loss)"
+          % (best["name"], best["test_loss"], "" if accuracy is None else ", test accuracy %.4f" % accuracy))
   print("report: %s, %s" % (os.path.join(scan_dir, "scan.yaml"), os.path.join(scan_dir, "scan.png")))
   print("TensorBoard, one HParams row per point: " + tool_command("serve_tensorboard.py", scan_dir))
   if table["not_finished"]:
@@ -312,20 +356,31 @@ def _number(value) -> str:
 
 # --- modes ----------------------------------------------------------------------------------------
 
-def submit_to_slurm(scan_dir: str, grid: dict, sbatch_args: str) -> int:
+def submit_to_slurm(scan_dir: str, grid: dict, sbatch_args: list) -> int:
   """A job array (one task per point) and a report job that runs after it, however it ended."""
   env = dict(os.environ, PYTHON=sys.executable, APP_DIR=REPO_ROOT)
   array = ["sbatch", "--parsable", "--array=0-%d" % (len(grid["points"]) - 1),
-           "--output=" + os.path.join(scan_dir, "slurm-%A_%a.out")] + sbatch_args.split() + [
+           "--output=" + os.path.join(scan_dir, "slurm-%A_%a.out")] + sbatch_args + [
                os.path.join(REPO_ROOT, "tools", "slurm", "scan.sbatch"), scan_dir]
   job = _submit(array, env)
+  # --wrap is a shell command line: each path quoted, so that spaces in them survive it.
+  report_command = [sys.executable, os.path.abspath(__file__), "--mode=report", "--scan_dir=" + scan_dir]
   report_job = _submit(["sbatch", "--parsable", "--dependency=afterany:" + job, "--job-name=scan-report",
                         "--output=" + os.path.join(scan_dir, "slurm-report-%j.out"),
-                        "--wrap=%s %s --mode=report --scan_dir=%s" % (sys.executable, os.path.abspath(__file__),
-                                                                      scan_dir)], env)
+                        "--wrap=" + " ".join(shlex.quote(word) for word in report_command)], env)
   print("submitted: array job %s (%d points), report job %s; report: %s"
         % (job, len(grid["points"]), report_job, os.path.join(scan_dir, "scan.yaml")))
   return 0
+
+
+def split_sbatch_args(sbatch_args: str) -> list:
+  """--sbatch_args as a shell splits it: --sbatch_args="--comment='lr scan' --time=1:00:00" is two
+  options (str.split made "--comment='lr" and "scan'" of the first)."""
+  try:
+    return shlex.split(sbatch_args)
+  except ValueError as error:
+    raise ScanError("--sbatch_args=%s: %s; expected sbatch options as a shell would take them"
+                    % (sbatch_args, error)) from None
 
 
 def _submit(command: list, env: dict) -> str:
@@ -349,9 +404,10 @@ def run(argv: list) -> int:
                                                                     len(grid["points"]) - 1))
     return run_point(scan_dir, grid, grid["points"][index])
   grid = make_grid(FLAGS.learning_rates, FLAGS.replicas, argv[1:])
+  sbatch_args = split_sbatch_args(FLAGS.sbatch_args) if FLAGS.mode == "slurm" else []  # before any file
   save_grid(scan_dir, grid)
   if FLAGS.mode == "slurm":
-    return submit_to_slurm(scan_dir, grid, FLAGS.sbatch_args)
+    return submit_to_slurm(scan_dir, grid, sbatch_args)
   for point in grid["points"]:
     run_point(scan_dir, grid, point)  # a failed point is recorded and reported, the scan goes on
   return report(scan_dir)
@@ -370,6 +426,7 @@ def _array_task_id() -> int:
 
 
 def main(argv):
+  logs.setup()  # as main.py: INFO lines from the libraries (matplotlib's "generated new fontManager") dropped
   try:
     sys.exit(run(argv))
   except ScanError as error:

@@ -15,14 +15,15 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from errors import parse_flags, report_missing_packages  # noqa: E402  pylint: disable=wrong-import-position
+from errors import parse_flags, refuse_arguments, report_missing_packages  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
 
 flags.DEFINE_string("logdir", None, "Run folder (or a parent of several runs).", required=True)
-flags.DEFINE_integer("port", 6006, "TensorBoard port on this host and on the laptop.", lower_bound=1)
+flags.DEFINE_integer("port", 6006, "TensorBoard port on this host and on the laptop.", lower_bound=1,
+                     upper_bound=65535)  # checked before the ssh line is printed, not by TensorBoard after it
 flags.DEFINE_string("login_host", os.environ.get("LOGIN_HOST", "<login-node>"),
                     "Login node that reaches this host (default: $LOGIN_HOST).")
 flags.DEFINE_string("user", getpass.getuser(), "User name on the login node.")
@@ -35,7 +36,7 @@ def tunnel_command(user: str, login_host: str, host: str, port: int) -> str:
 
 
 def main(argv):
-  del argv
+  refuse_arguments(argv)  # a stray word (a logdir without --logdir=): one line, as the other tools say it
   if not os.path.isdir(FLAGS.logdir):
     sys.exit("error: --logdir=%s is not a folder" % FLAGS.logdir)
   host = socket.gethostname()

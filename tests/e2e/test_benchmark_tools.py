@@ -258,6 +258,65 @@ def test_the_benchmark_tools_report_a_user_error_on_one_line(tool, args, expecte
   assert len(errors) == 1 and errors[0].startswith(expected), result.stderr[-2000:]
 
 
+def _fake_reference(tmp_path):
+  """A --reference_python that leaves a mark when it is started: training began."""
+  fake = tmp_path / "bin" / "python"
+  fake.parent.mkdir()
+  fake.write_text("#!/bin/sh\ntouch %s\nexit 1\n" % (tmp_path / "reference_started"))
+  fake.chmod(0o755)
+  return str(fake)
+
+
+def _parity_inputs(tmp_path, case):
+  """The arguments of each bad-input case, and the error line's start."""
+  data = write_cellspike(str(tmp_path / "d.h5"), sizes={"train": 64, "val": 16, "test": 16})
+  if case == "seeds":
+    return ["--seeds=0,a"], "parity.py: error: argument --seeds: 0,a: expected comma-separated integers"
+  if case == "precision":
+    return ["--data_path=" + data, "--precisions=32.32,64.64"], (
+        "parity.py: error: argument --precisions: 32.32,64.64: 64.64 is not a --precision of main.py")
+  if case == "split key":
+    import h5py  # pylint: disable=import-outside-toplevel
+    with h5py.File(data, "a") as f:
+      del f["val_frames"]
+    return ["--data_path=" + data], "error: --data_path=%s has no val_frames; expected a cellSpike file" % data
+  if case == "not hdf5":
+    return ["--data_path=" + os.path.join(REPO_ROOT, "README.md")], (
+        "error: --data_path=%s: not a readable HDF5 file (" % os.path.join(REPO_ROOT, "README.md"))
+  if case == "reference python":
+    return ["--data_path=" + data, "--reference_python=" + str(tmp_path / "none")], (
+        "error: --reference_python=%s: no such program; expected the Python of the reference's" % (tmp_path / "none"))
+  if case == "out is a file":
+    return ["--data_path=" + data, "--out=" + data], "error: --out=%s is a file; expected a folder" % data
+  # A second run into the same --out: main.py refused ours-... after the reference had trained.
+  (tmp_path / "parity" / "ours-32.32-plateau-seed0").mkdir(parents=True)
+  return ["--data_path=" + data], ("error: --out=%s already holds runs of an earlier parity "
+                                   "(ours-32.32-plateau-seed0): delete them, or choose another --out"
+                                   % (tmp_path / "parity"))
+
+
+@pytest.mark.parametrize("case", ["seeds", "precision", "split key", "not hdf5", "reference python",
+                                  "out is a file", "rerun"])
+def test_parity_refuses_bad_input_in_one_line_before_training(tmp_path, case):
+  """Each was a traceback (ValueError, KeyError, OSError, FileNotFoundError, FileExistsError) or an
+  error only after the reference had trained."""
+  args, expected = _parity_inputs(tmp_path, case)
+  result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "parity.py"), "--epochs=1",
+                           "--seeds=0", "--train_samples=32", "--val_samples=8",
+                           "--reference_python=" + _fake_reference(tmp_path),
+                           "--out=" + str(tmp_path / "parity")] + args, capture_output=True, text=True,
+                          timeout=120)
+  assert result.returncode in (1, 2) and "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith(expected), result.stderr[-2000:]
+  assert not (tmp_path / "reference_started").exists()
+
+
+def test_parity_knows_main_pys_precisions():
+  import flags  # pylint: disable=import-outside-toplevel
+  from tools import parity  # pylint: disable=import-outside-toplevel
+  assert parity.PRECISIONS == flags.PRECISIONS
+
+
 def test_ctrl_c_during_parity_is_one_line(tmp_path):
   data = write_cellspike(str(tmp_path / "d.h5"), sizes={"train": 256, "val": 32, "test": 16})
   tool = subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "tools", "parity.py"), "--data_path=" + data,

@@ -93,12 +93,37 @@ def test_container_launcher_forwards_everything(tmp_path):
                   "--data_path=/data/x.h5"], env=env, check=True, cwd=str(tmp_path))
   args = record.read_text().split("\n")[:-1]
   ipuof = ["--bind", "/etc/ipuof.conf.d"] if os.path.isdir("/etc/ipuof.conf.d") else []
-  cache, logs = str(tmp_path / "cache"), str(tmp_path / "logs")
+  cache, logs = str(tmp_path / "cache" / "neuron_inverter"), str(tmp_path / "logs")
   assert args == (["exec"] + ipuof + ["--bind", "/data:/data", "--bind", "%s:%s" % (cache, cache),
-                                      "--bind", "%s:%s" % (logs, logs), "app.sif", "python3",
-                                      "/opt/neuron_inverter/main.py", "--data_cache=" + cache,
-                                      "--cache_dir=%s/executables" % cache, "--model=neuron_inverter",
+                                      "--bind", "%s:%s" % (logs, logs), "app.sif", "env",
+                                      "XDG_CACHE_HOME=" + str(tmp_path / "cache"), "python3",
+                                      "/opt/neuron_inverter/main.py", "--model=neuron_inverter",
                                       "--replicas=4", "--data_path=/data/x.h5"])
+
+
+def test_container_launcher_runs_every_model(tmp_path):
+  """With an `apptainer` that runs the container's command on this host (the image's /opt copy being
+  this checkout): --model=mnist ran into main.py's "--data_cache is not used by --model=mnist", as the
+  launcher passed --data_cache to every model. The caches still land in the bound CACHE_DIR."""
+  runtime = tmp_path / "bin" / "apptainer"
+  runtime.parent.mkdir()
+  runtime.write_text('#!/bin/bash\nuntil [ "$1" = app.sif ]; do shift; done; shift\nargs=()\n'
+                     'for a in "$@"; do case $a in python3) args+=(%s);; /opt/neuron_inverter/main.py) '
+                     'args+=(%s);; *) args+=("$a");; esac; done\nexec "${args[@]}"\n'
+                     % (shlex.quote(sys.executable), shlex.quote(os.path.join(REPO_ROOT, "main.py"))))
+  runtime.chmod(0o755)
+  (tmp_path / "app.sif").touch()
+  env = dict(os.environ, PATH="%s:%s" % (runtime.parent, os.environ["PATH"]), IMAGE="app.sif",
+             CACHE_DIR=str(tmp_path / "cache"), LOG_DIR=str(tmp_path / "logs"))
+  env.pop("SINGULARITY", None)
+  result = subprocess.run([os.path.join(TOOLS, "run_container.sh"), "--model=mnist", "--synthetic_data",
+                           "--epochs=1", "--steps_per_epoch=2", "--eval_steps=1",
+                           "--logdir=" + str(tmp_path / "logs" / "run")], env=env, cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  with open(str(tmp_path / "logs" / "run" / "run_config.yaml")) as f:
+    config = f.read()
+  assert "cache_dir: %s" % (tmp_path / "cache" / "neuron_inverter" / "executables") in config, config
 
 
 
@@ -173,6 +198,21 @@ def test_tensorboard_tunnel_prints_the_ssh_command(tmp_path):
   import socket  # pylint: disable=import-outside-toplevel
   assert "ssh -N -L 9998:%s:9998 ann@login.example.org" % socket.gethostname() in result.stdout
   assert "http://localhost:9998/" in result.stdout
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--port=70000"], "tensorboard_tunnel.py: error: flag --port=70000: 70000 is not an integer in the range "
+                       "[1, 65535]"),
+    (["--nostart", "logs/run", "extra"], "tensorboard_tunnel.py: error: unexpected arguments logs/run extra: "
+                                         "this program takes flags only"),
+])
+def test_tensorboard_tunnel_refuses_bad_input_before_printing_the_ssh_line(tmp_path, args, expected):
+  """A port out of range was printed in the ssh line, then refused by serve_tensorboard.py; stray
+  words were ignored."""
+  result = subprocess.run([sys.executable, os.path.join(TOOLS, "tensorboard_tunnel.py"),
+                           "--logdir=" + str(tmp_path)] + args, capture_output=True, text=True, timeout=60)
+  assert_one_line_error(result, expected)
+  assert result.returncode == 2 and result.stdout == ""
 
 
 @pytest.mark.parametrize("port", [["--port", "99999"], ["--port=-1"]])

@@ -2,6 +2,7 @@
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -169,3 +170,109 @@ def test_a_point_without_its_index_is_one_error(monkeypatch, task, expected):
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", task)
   with pytest.raises(scan.ScanError, match="^%s$" % re.escape(expected)):
     scan._array_task_id()  # pylint: disable=protected-access
+
+
+def _scan_in(folder, *args, **env):
+  """tools/scan.py run from `folder` (a user's own), with more environment variables."""
+  environment = {k: v for k, v in os.environ.items() if k not in ("TF_USE_LEGACY_KERAS", "TF2_BEHAVIOR")}
+  environment.update(env)
+  return subprocess.run([sys.executable, SCAN] + list(args), cwd=str(folder), env=environment,
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_relative_paths_after_the_dashes_are_the_users_folders(tmp_path):
+  """Each point's main.py ran in the repository, where --data_path=data.h5 did not exist."""
+  write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 128, "val": 32, "test": 32})
+  result = _scan_in(tmp_path, "--scan_dir=scan", "--learning_rates=1e-3", "--",
+                    *_main_args("data.h5"))
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert (tmp_path / "scan" / "replicas1_lr0.001" / "summary.yaml").exists()
+
+
+def _fake_sbatch(tmp_path):
+  """An sbatch that records each call's arguments (NUL-separated) and folder, and prints a job id."""
+  calls = tmp_path / "sbatch_calls"
+  calls.mkdir()
+  fake = tmp_path / "bin" / "sbatch"
+  fake.parent.mkdir()
+  fake.write_text('#!/bin/sh\nn=$(ls %s | grep -c call)\nprintf "%%s\\0" "$@" > %s/call$n\npwd > %s/cwd$n\n'
+                  'echo 4$n\n' % (calls, calls, calls))
+  fake.chmod(0o755)
+  return calls
+
+
+def test_slurm_mode_keeps_quoted_options_and_its_points_run_in_the_submit_folder(tmp_path):
+  """--sbatch_args was split on blanks (--comment='lr scan' became two words) and the report job's
+  --wrap command was unquoted; the array task (tools/slurm/scan.sbatch, run here as Slurm would) runs
+  its point in the submit folder, where a relative --data_path is."""
+  calls = _fake_sbatch(tmp_path)
+  work = tmp_path / "work"
+  work.mkdir()
+  write_cellspike(str(work / "data.h5"), sizes={"train": 128, "val": 32, "test": 32})
+  path = "%s:%s" % (tmp_path / "bin", os.environ["PATH"])
+  result = _scan_in(work, "--mode=slurm", "--scan_dir=my scan", "--learning_rates=1e-3",
+                    "--sbatch_args=--comment='lr scan' --time=5", "--", *_main_args("data.h5"), PATH=path)
+  assert result.returncode == 0, result.stdout + result.stderr
+  array, report_job = [(calls / name).read_text().split("\0")[:-1] for name in ("call0", "call1")]
+  scan_dir = str(work / "my scan")
+  assert array[-4:] == ["--comment=lr scan", "--time=5", os.path.join(REPO_ROOT, "tools", "slurm", "scan.sbatch"),
+                        scan_dir]
+  (wrap,) = [arg[len("--wrap="):] for arg in report_job if arg.startswith("--wrap=")]
+  assert shlex.split(wrap) == [sys.executable, SCAN, "--mode=report", "--scan_dir=" + scan_dir]
+  submit_dir = (calls / "cwd0").read_text().strip()
+  env = dict(os.environ, SLURM_SUBMIT_DIR=submit_dir, SLURM_ARRAY_TASK_ID="0", PYTHON=sys.executable,
+             APP_DIR=REPO_ROOT)
+  task = subprocess.run(["bash", os.path.join(REPO_ROOT, "tools", "slurm", "scan.sbatch"), scan_dir], env=env,
+                        cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+  assert task.returncode == 0, task.stdout + task.stderr + open(os.path.join(scan_dir, "replicas1_lr0.001.log")).read()
+  reported = subprocess.run(["bash", "-c", wrap], cwd=submit_dir, capture_output=True, text=True, timeout=120)
+  assert reported.returncode == 0 and "best: replicas1_lr0.001" in reported.stdout, reported.stdout + reported.stderr
+
+
+def test_sbatch_args_a_shell_could_not_split_are_one_error_before_anything_is_written(tmp_path):
+  result = _scan_in(tmp_path, "--mode=slurm", "--scan_dir=scan", "--learning_rates=1e-3",
+                    "--sbatch_args=--comment='lr scan", "--", "--epochs=1")
+  assert_one_line_error(result, "--sbatch_args=--comment='lr scan: No closing quotation; expected sbatch options")
+  assert not (tmp_path / "scan").exists()
+
+
+def test_a_model_without_validation_is_ranked_by_its_test_loss(tmp_path):
+  """--model=mnist has no validation split: every point's best validation loss was `-`, `best: null`,
+  the plot empty, and the exit status 0."""
+  result = _scan_in(tmp_path, "--scan_dir=scan", "--learning_rates=1e-3,2e-3", "--", "--model=mnist",
+                    "--synthetic_data", "--epochs=1", "--steps_per_epoch=2", "--eval_steps=1")
+  assert result.returncode == 0, result.stdout + result.stderr
+  table = yaml.safe_load(open(str(tmp_path / "scan" / "scan.yaml")))
+  assert table["ranked_by"] == "test_loss"
+  best = min(table["points"], key=lambda row: row["test_loss"])
+  assert table["best"]["name"] == best["name"] and 0 <= table["best"]["test_accuracy"] <= 1
+  assert ("best: %s, test loss %.4f, test accuracy %.4f (no point has a validation loss: the model trains "
+          "without a validation split, so the points are ranked by their test loss)"
+          % (best["name"], best["test_loss"], best["test_accuracy"])) in result.stdout
+  assert os.path.getsize(str(tmp_path / "scan" / "scan.png")) > 10000
+
+
+def test_the_report_drops_matplotlibs_info_lines(tmp_path):
+  """A machine's first plot logged "generated new fontManager" at INFO; main.py and predict.py drop
+  libraries' INFO lines (training/logs.py), and so does the scan."""
+  scan_dir = _scan_dir(tmp_path)   # a point that did not run: the report still draws its plot
+  result = _scan_in(tmp_path, "--mode=report", "--scan_dir=" + scan_dir, MPLCONFIGDIR=str(tmp_path / "mpl"))
+  assert result.returncode == 1 and os.path.exists(os.path.join(scan_dir, "scan.png")), result.stderr
+  assert result.stderr.splitlines() == [], result.stderr
+
+
+@pytest.mark.parametrize("rates, replicas, named", [
+    (["1e-3", "0.001"], ["1"], "--learning_rates lists the same value more than once (1e-3 and 0.001)"),
+    (["1e-3", "2e-3"], ["4", "04", "1"], "--replicas lists the same value more than once (4 and 04)"),
+])
+def test_a_value_given_twice_is_refused(rates, replicas, named):
+  """1e-3 and 0.001 were one folder, listed twice in the report with the same losses."""
+  with pytest.raises(scan.ScanError, match="^%s: give each value once$" % re.escape(named)):
+    scan.make_grid(rates, replicas, ["--epochs=1"])
+
+
+def test_distinct_rates_get_distinct_folders():
+  """%g named both of these replicas1_lr0.00123457."""
+  grid = scan.make_grid(["0.0012345671", "0.0012345679", "1", "5e-05"], ["1"], [])
+  assert [point["name"] for point in grid["points"]] == [
+      "replicas1_lr0.0012345671", "replicas1_lr0.0012345679", "replicas1_lr1", "replicas1_lr5e-05"]
