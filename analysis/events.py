@@ -11,6 +11,9 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tensorboard.util import tensor_util
 
+from stderr_lines import DroppedLines
+from training.logs import ONE_OFF_NATIVE_LINES
+
 
 def read_scalars(folder: str) -> dict:
   """Returns {tag: [(step, value), ...]} for every scalar in the event files directly under `folder`.
@@ -68,7 +71,8 @@ def write_prediction_events(outdir: str, figures: list, table: str, split: str, 
   writer = tf.summary.create_file_writer(outdir)
   with writer.as_default():
     for path in figures:
-      image = tf.image.decode_png(tf.io.read_file(path), channels=4)
+      with DroppedLines(ONE_OFF_NATIVE_LINES):
+        image = tf.image.decode_png(tf.io.read_file(path), channels=4)
       tf.summary.image("prediction/" + os.path.splitext(os.path.basename(path))[0], image[None], step=step)
     # Indented lines are a preformatted block in TensorBoard's markdown: the columns stay aligned.
     tf.summary.text("prediction/parameters", "\n".join("    " + line for line in table.splitlines()),
