@@ -18,8 +18,9 @@ SOURCE = "synthetic (random batches made once, no file reads)"
 
 def _repeated(make_element: Callable, rows: int) -> tf.data.Dataset:
   """One element of `rows` rows, made inside the pipeline (not embedded in the graph), cached once
-  per iterator and repeated."""
-  return without_autotune(tf.data.Dataset.from_tensors(tf.constant(rows)).map(make_element).cache()
+  per iterator and repeated. `rows` enters the map as a Python number, so the element's shape is
+  static: IPU infeeds refuse an unknown batch dimension (IPUDataHandler._validate_dataset)."""
+  return without_autotune(tf.data.Dataset.from_tensors(0).map(lambda _: make_element(rows)).cache()
                           .repeat())
 
 

@@ -83,7 +83,7 @@ def ipu_variables(config: RunConfig) -> None:
     # with random values. Both flags: PoplarXlaFlags (graphcore/tensorflow, compiler/plugin/poplar/
     # driver/tools/flags.h); the same pair as examples' vision/cnns/tensorflow2 --synthetic_data=ipu.
     _add_flag("TF_POPLAR_FLAGS", "--use_synthetic_data")
-    _add_flag("TF_POPLAR_FLAGS", "--synthetic_data_initializer=random")
+    _add_flag("TF_POPLAR_FLAGS", "--synthetic_data_initializer=random", "--synthetic_data_initializer=")
   # Under poprun, --executable-cache-path arrives as POPDIST_EXECUTABLE_CACHE_PATH, which TensorFlow
   # uses when --executable_cache_path is absent: let poprun's choice win.
   if config.cache_dir and not os.environ.get("POPDIST_EXECUTABLE_CACHE_PATH"):

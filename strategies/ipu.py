@@ -126,8 +126,9 @@ def make_ipu_config(ipu, config: RunConfig, popdist=None):
   if config.ipu_connection != "always":
     # The executable's hash includes SupportsRemoteBuffers() (driver/poplar_executor.cc), which without
     # an attached device reads this option: a pre-compiled executable is found again by a later
-    # on_demand run only if both set it. IPUConfig's docstring asks for it whenever the connection
-    # type is not ALWAYS; examples' vision/cnns/tensorflow2 sets it the same way.
+    # on_demand run only if both set it. IPUConfig's docstring asks for it when the connection type is
+    # not ALWAYS and the system that runs the programs has remote buffers, as the IPU-M2000 and Bow
+    # machines (Bow-2000, Bow-POD64) do; examples' vision/cnns/tensorflow2 sets it the same way.
     cfg.device_connection.enable_remote_buffers = True
   if config.ipu_connection == "pre_compile":
     # Compile into the executable cache without IPUs; version is required for PRE_COMPILE [1.4, 5.2].
@@ -182,6 +183,11 @@ def _runs_whole(steps_per_execution: int, steps: int, depth_multiple: int = 1) -
   return steps % depth == 0 and depth % depth_multiple == 0
 
 
+def _whole_optimizer_steps(steps_per_execution: int, train_steps: int, accumulation: int) -> bool:
+  """fit's rule (see `derive_steps_per_execution`): the value as compiled and as truncated to an epoch."""
+  return steps_per_execution % accumulation == 0 and min(steps_per_execution, train_steps) % accumulation == 0
+
+
 def derive_steps_per_execution(train_steps, accumulation: int, requested: int, eval_steps=(),
                                eval_depth_multiple: int = 1, replicas: int = 1) -> int:
   """steps_per_execution for IPU Keras [2.1]: one value for fit and for every evaluation split.
@@ -190,6 +196,10 @@ def derive_steps_per_execution(train_steps, accumulation: int, requested: int, e
   inference pipeline's `eval_depth_multiple`); in fit it must also be a multiple of the accumulation
   count (keras/ipu/extensions/extensions_base.py
   `_verify_and_get_gradient_accumulation_steps_per_replica`), a rule that inference does not have.
+  fit checks the value given to compile, before its data handler truncates it to the epoch's steps
+  (`_log_optimizer_batch_size` reads `steps_per_execution_value` outside
+  keras/engine/data_adapter.py `_truncate_execution_to_epoch`, which restores it afterwards), and
+  each truncated execution must also hold whole optimizer steps: both must be multiples.
   In training, an evaluation split may be fit's validation data, whose data handler `_fit_delegate`
   makes with IPUDataHandler's default replication_factor=1: its steps over all this process's
   `replicas` must accept the value too. The test split, evaluated after fit, would not need that, but
@@ -209,14 +219,15 @@ def derive_steps_per_execution(train_steps, accumulation: int, requested: int, e
         raise UserError("--steps_per_execution=%d must divide %s, or be at least that many%s"
                         % (requested, name, "" if multiple == 1 else
                            ", and give pipeline iterations in multiples of %d" % multiple))
-    if train_steps and min(requested, train_steps) % accumulation:
+    if train_steps and not _whole_optimizer_steps(requested, train_steps, accumulation):
       raise UserError("--steps_per_execution=%d must be a multiple of --gradient_accumulation=%d"
                       % (requested, accumulation))
     return requested
-  # From the largest split's steps down: a value at least every split's steps is truncated to each,
-  # so each split runs in one execution. Fit checks its truncated value against the accumulation.
-  for candidate in range(max(steps for _, steps, _ in splits), 0, -1):
-    if (not train_steps or min(candidate, train_steps) % accumulation == 0) and all(
+  # From the largest split's steps (rounded up to whole optimizer steps) down: a value at least every
+  # split's steps is truncated to each, so each split runs in one execution.
+  largest = max(steps for _, steps, _ in splits)
+  for candidate in range(largest + (-largest % accumulation if train_steps else 0), 0, -1):
+    if (not train_steps or _whole_optimizer_steps(candidate, train_steps, accumulation)) and all(
         _runs_whole(candidate, steps, m) for _, steps, m in splits):
       return candidate
   raise UserError("no --steps_per_execution fits the training (%s) and evaluation (%s) steps per replica "

@@ -150,6 +150,9 @@ def test_synthetic_data_has_the_real_splits_steps_and_short_batches(tmp_path, el
   for ours, theirs in ((synthetic.train, real.train), (synthetic.validation, real.validation)):
     assert (ours.steps, ours.samples) == (theirs.steps, theirs.samples)
     assert [len(x) for x, _ in ours.dataset] == [len(x) for x, _ in theirs.dataset]
+  # Training batches of static shape, as the real data's: IPU infeeds refuse (None, 1600, 4).
+  assert [spec.shape for spec in synthetic.train.dataset.element_spec] == [
+      spec.shape for spec in real.train.dataset.element_spec]
   one_pass = [len(x) for x, _ in real.validation.dataset]
   assert one_pass[-1] < one_pass[0]                                   # the short batch
   stream = synthetic.validation.epochs_from(0).take(2 * len(one_pass))

@@ -195,11 +195,15 @@ def test_steps_per_execution_fits_every_evaluation_split():
   with pytest.raises(UserError, match="must divide the 50 evaluation steps"):
     ipu_backend.derive_steps_per_execution(120, 4, 40, eval_steps=(50,))
   assert ipu_backend.derive_steps_per_execution(120, 4, 40, eval_steps=(30, 80)) == 40  # 30: truncated
-  # derived: 180 truncates to the 120 training steps and runs each split in one execution, as does
-  # 150, which has no factor 4: fit checks the truncated 120 against the accumulation count
+  # derived: 180 truncates to the 120 training steps and runs each split in one execution. fit checks
+  # the compiled value against the accumulation count before it truncates it, and the truncated one
+  # after (extensions_base.py): 150 has no factor 4, so 152 it is; 50 with 8 training steps failed.
   assert ipu_backend.derive_steps_per_execution(120, 4, 0, eval_steps=(180,)) == 180
-  assert ipu_backend.derive_steps_per_execution(120, 4, 0, eval_steps=(150,)) == 150
+  assert ipu_backend.derive_steps_per_execution(120, 4, 0, eval_steps=(150,)) == 152
   assert ipu_backend.derive_steps_per_execution(120, 4, 0, eval_steps=(50,)) == 120
+  assert ipu_backend.derive_steps_per_execution(8, 4, 0, eval_steps=(50,)) == 52
+  with pytest.raises(UserError, match="--steps_per_execution=10 must be a multiple of --gradient_accumulation=4"):
+    ipu_backend.derive_steps_per_execution(8, 4, 10)
   # inference alone: no accumulation rule
   assert ipu_backend.derive_steps_per_execution(None, 4, 0, eval_steps=(30,)) == 30
   assert ipu_backend.derive_steps_per_execution(None, 4, 15, eval_steps=(30,)) == 15
@@ -310,6 +314,17 @@ def test_poprun_cache_path_wins(tmp_path):
   env = _environment_after_prepare("backend='ipu'", "cache_dir=%r" % str(tmp_path / "c"),
                                    {"POPDIST_EXECUTABLE_CACHE_PATH": str(tmp_path / "poprun")})
   assert "--executable_cache_path" not in env.get("TF_POPLAR_FLAGS", "")
+
+
+def test_synthetic_data_keeps_the_users_own_initializer():
+  """The user's --synthetic_data_initializer=normal was followed by ours (random), which then won."""
+  flags = _environment_after_prepare("backend='ipu'", "synthetic_data=True", {
+      "TF_POPLAR_FLAGS": "--synthetic_data_initializer=normal"})["TF_POPLAR_FLAGS"].split()
+  assert "--use_synthetic_data" in flags
+  assert [f for f in flags if f.startswith("--synthetic_data_initializer=")] == [
+      "--synthetic_data_initializer=normal"]
+  flags = _environment_after_prepare("backend='ipu'", "synthetic_data=True")["TF_POPLAR_FLAGS"].split()
+  assert "--synthetic_data_initializer=random" in flags
 
 
 def test_xla_cache_only_where_tensorflow_has_it(tmp_path):
@@ -490,7 +505,8 @@ def _elements(count, rows=2):
 
 def test_the_stand_in_refuses_what_the_ipu_data_handler_refuses(monkeypatch):
   """keras/ipu/extensions/data_adapter.py IPUDataHandler: steps_per_execution divides each replica's
-  steps, or is truncated to them; fit's truncated value is a multiple of the accumulation count."""
+  steps, or is truncated to them; in fit it is a multiple of the accumulation count as compiled and as
+  truncated."""
   fake_ipu.install(monkeypatch)
   net = _tiny_net(ipu_backend.create(_config(replicas=2, gradient_accumulation=2)))
   net.compile(loss="mse", steps_per_execution=4)
@@ -508,6 +524,13 @@ def test_the_stand_in_refuses_what_the_ipu_data_handler_refuses(monkeypatch):
   with pytest.raises(RuntimeError, match=r"value \(set to 3\) is not divisible by "
                      r"`gradient_accumulation_steps_per_replica` \(2\)"):
     net.fit(_elements(6).repeat(), steps_per_epoch=6)             # truncated to 3, not a multiple of 2
+  # Infeeds need static shapes: a batch without drop_remainder is refused (IPUDataHandler).
+  with pytest.raises(ValueError, match=r"contains a shape \(None, 3\) which is not fully defined"):
+    net.evaluate(_elements(12).unbatch().batch(2), steps=4)
+  # The value as compiled is checked too, before fit truncates it (`_log_optimizer_batch_size`): 5
+  # truncated to the 2 steps per replica of 4 would pass.
+  with pytest.raises(RuntimeError, match=r"value \(set to 5\) is not divisible"):
+    extension.check_fit(4, steps_per_execution=5)
 
 
 def test_validation_in_fit_is_checked_for_all_replicas_together(monkeypatch):

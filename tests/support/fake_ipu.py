@@ -72,7 +72,8 @@ class _Category:
     if name not in values:
       raise ValueError("'%s' is not a valid attribute of this config." % name)
     if isinstance(values[name], _Category):
-      raise TypeError("Cannot assign to the category '%s'." % name)
+      # tensorflow/python/ipu/config.py `_ConfigBase._setattr`: a bare Exception, not a TypeError.
+      raise Exception("%s is a category and cannot be assigned to." % name)  # pylint: disable=broad-exception-raised
     expected = self._types.get(name, type(values[name]))
     if not isinstance(value, expected):
       raise TypeError("Trying to set %s to %r, but it must be of type %s" % (name, value, expected))
@@ -222,10 +223,16 @@ _INVALID_PIPELINING_ARGS = ("outfeed_loss", "outfeed_mask", "batch_serialization
 def _keras_steps(data, steps):
   """The steps Keras' `DataHandler._infer_steps` (keras/engine/data_adapter.py) takes for a call: those
   given, else the dataset's known size; an endless one needs steps, and IPUDataHandler._infer_steps
-  refuses an unknown size."""
+  refuses an unknown size. Every element's shape must be static (keras/ipu/extensions/data_adapter.py
+  `IPUDataHandler._validate_dataset`)."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   if not isinstance(data, tf.data.Dataset):
     raise TypeError("the stand-in runs tf.data datasets of (x, y) or x, as the application passes them")
+  for spec in tf.nest.flatten(data.element_spec):  # IPUDataHandler._validate_dataset (infeeds)
+    if not spec.shape.is_fully_defined():
+      raise ValueError("The provided set of data contains a shape %s which is not fully defined. Executing "
+                       "on IPU requires all dataset elements to have fully defined shapes. If using "
+                       "batch() make sure to set `drop_remainder=True`." % spec.shape)
   if steps is not None:
     return steps
   size = int(data.cardinality())
@@ -441,8 +448,10 @@ class _Extension:
   # The checks of fit, evaluate and predict.
 
   def accumulation_count(self, steps_per_execution):
-    """extensions_base.py `_verify_and_get_gradient_accumulation_steps_per_replica`, called by fit with
-    the truncated steps_per_execution."""
+    """extensions_base.py `_verify_and_get_gradient_accumulation_steps_per_replica`, which fit calls
+    twice: with compile()'s steps_per_execution in `_log_optimizer_batch_size`, before the data handler
+    truncates it (keras/engine/data_adapter.py `_truncate_execution_to_epoch` restores it after each
+    use), and in `_fit_delegate`'s epoch loop with the value truncated to the epoch's steps."""
     kind = "pipelined " if self.pipelined() else ""
     count = self.pipelining_accumulation if self.pipelined() else self.accumulation
     if count is None:
@@ -462,6 +471,7 @@ class _Extension:
     """What `_fit_delegate` refuses, for `steps` (and `validation_steps`) as given to fit; returns the
     training steps per execution. `steps_per_execution` defaults to compile()'s."""
     requested = steps_per_execution or self.steps_per_execution
+    self.accumulation_count(requested)  # `_log_optimizer_batch_size`: the value as compiled
     _, per_execution = data_handler_steps(steps, self.replication_factor(), requested)
     accumulation = self.accumulation_count(per_execution)
     if self.pipelined():  # the training pipeline accumulates over `accumulation` iterations
