@@ -223,13 +223,24 @@ def training_mean(path: str):
     return np.asarray(f[key][:], np.float64).mean(axis=0) if key in f else None
 
 
-def mean_predictor_losses(path: str, splits=("val", "test")) -> dict:
-  """MSE on each of `splits` of always predicting the training-set mean: the baselines a model must
-  beat (the train split read once for all of them)."""
+def mean_predictor_losses(path: str, rows: dict) -> dict:
+  """MSE of always predicting the training-set mean on the [start, stop) row ranges `rows[split]` of
+  each split: the baselines a model must beat (the train split read once for all of them)."""
   mean = training_mean(path)
   with h5py.File(path, "r") as f:
-    targets = {split: np.asarray(f[cellspike_file.TARGETS_KEY % split][:], np.float64) for split in splits}
+    targets = {split: np.concatenate([np.asarray(f[cellspike_file.TARGETS_KEY % split][start:stop], np.float64)
+                                      for start, stop in ranges])
+               for split, ranges in rows.items()}
   return {split: float(np.mean((values - mean) ** 2)) for split, values in targets.items()}
+
+
+def evaluated_rows(split: Split, total_shards: int) -> list:
+  """The [start, stop) rows an evaluation split reads in all processes together: shard k's block
+  starts at k block lengths (`shard_blocks`) and is read from its start, as far as --eval_steps (or
+  whole batches) allow. The baseline over these rows is the one the split's loss compares with."""
+  start, stop = split.blocks[0]
+  read = split.samples // len(split.blocks)
+  return [(shard * (stop - start), shard * (stop - start) + read) for shard in range(total_shards)]
 
 
 def default_data_path(config: RunConfig) -> str:
@@ -311,11 +322,13 @@ def load(config: RunConfig, layout: BatchLayout, first_epoch: int = 0) -> Splits
     return split_from_file(info, split, config, eval_layout(layout, info.splits[split].num_samples),
                            first_epoch=0, shuffle=False, max_steps=config.eval_steps)
 
-  baselines = mean_predictor_losses(info.path, ("val", "test"))
+  validation, test = evaluation("val"), evaluation("test")
+  baselines = mean_predictor_losses(info.path, {"val": evaluated_rows(validation, layout.total_shards),
+                                                "test": evaluated_rows(test, layout.total_shards)})
   return Splits(
       train=train,
-      validation=evaluation("val"),
-      test=evaluation("test"),
+      validation=validation,
+      test=test,
       source="cellSpike: " + info.path,
       input_shape=info.input_shape,
       num_outputs=info.num_params,

@@ -197,6 +197,24 @@ def test_splits_linked_from_another_file_read_that_files_rows(tmp_path):
       np.testing.assert_array_equal(y_a.numpy(), y_b.numpy())
 
 
+def test_the_baselines_cover_the_rows_the_evaluation_reads(tmp_path):
+  """With --eval_steps the losses cover part of a split: their baseline, over all of it, compared unlike
+  figures ("0.994 of the baseline" for a model no better than it)."""
+  path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64, n_eval=64)
+  mean = cellspike.training_mean(path)
+  with h5py.File(path, "r") as f:
+    targets = f["val_unitStar_par"][:].astype(np.float64)
+  def baseline(rows):
+    return float(np.mean((targets[rows] - mean) ** 2))
+  whole = cellspike.load(_config(path), BatchLayout(2, 4)).summary_extras["mean_predictor_val_loss"]
+  assert whole == pytest.approx(baseline(np.arange(64)), rel=1e-12)
+  capped = cellspike.load(_config(path, eval_steps=2), BatchLayout(2, 4))   # 8 rows of each 32-row shard
+  assert capped.validation.samples == 16
+  assert capped.summary_extras["mean_predictor_val_loss"] == pytest.approx(
+      baseline(np.r_[0:8, 32:40]), rel=1e-12)
+  assert capped.summary_extras["mean_predictor_val_loss"] != pytest.approx(whole, rel=1e-6)
+
+
 def test_steps_per_epoch_caps_the_split(tmp_path):
   path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64)
   splits = cellspike.load(_config(path, steps_per_epoch=3, eval_steps=1), BatchLayout(1, 4))
