@@ -175,7 +175,8 @@ def report_missing_packages(environment: str = "application") -> None:
   status 1); anything else, our own modules included, keeps its traceback. `environment` names the
   one `make` builds for the program (_ENVIRONMENTS). A Ctrl-C before `reported_on_one_line` takes
   over (in the imports, which take a second or two) is one line too; Python then ends the process by
-  SIGINT, which a shell reports as status 130."""
+  SIGINT, which a shell reports as status 130. Output into a pipe whose reader left (`| head`) ends
+  the program quietly, with status 1."""
   previous = sys.excepthook
 
   def report(kind, value, trace):
@@ -184,6 +185,10 @@ def report_missing_packages(environment: str = "application") -> None:
       sys.stderr.write("error: %s\n" % missing_package_message(name, environment))
     elif issubclass(kind, KeyboardInterrupt):
       sys.stderr.write("\ninterrupted by SIGINT (Ctrl-C)\n")
+    elif issubclass(kind, BrokenPipeError):
+      # The reader of our output left (`| head`): what is left of it has nowhere to go. Standard output
+      # then points at /dev/null, or the interpreter's last flush reports the same error again.
+      os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     else:
       previous(kind, value, trace)
 

@@ -2,10 +2,13 @@
 output path is one line at once, not a traceback after minutes of work."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
 from errors import UserError, check_output_path
+from tests.support.helpers import REPO_ROOT
 
 
 @pytest.mark.parametrize("flag, path, folder, message", [
@@ -32,3 +35,14 @@ def test_output_paths_that_can_be_written_pass_and_nothing_is_created(tmp_path):
   check_output_path("--json", str(tmp_path / "x.json"))
   check_output_path("--json", os.devnull)
   assert os.listdir(str(tmp_path)) == []
+
+
+def test_output_into_a_pipe_whose_reader_left_ends_quietly():
+  """`tools/predict.py ... | head -1` ended in a BrokenPipeError traceback."""
+  code = ("import sys; sys.path.insert(0, %r); from errors import report_missing_packages; "
+          "report_missing_packages(); [print('line %%d' %% i) for i in range(200000)]" % REPO_ROOT)
+  process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  assert process.stdout.readline() == b"line 0\n"
+  process.stdout.close()  # the reader leaves, as head does
+  stderr = process.stderr.read().decode()
+  assert process.wait(timeout=60) == 1 and stderr == ""
