@@ -215,6 +215,28 @@ def test_layout_feeds_micro_batches_per_replica_and_whole_optimizer_steps(monkey
   assert (layout.replica_rows, layout.element_per_replica, layout.steps_multiple) == (48, True, 4)
 
 
+def test_the_stand_in_refuses_stage_assignments_that_ipu_keras_refuses(monkeypatch):
+  """functional_extensions.py `_get_pipelined_post_order`: the post-order's length and order, a stage
+  for every layer, and no input from a later stage."""
+  fake_ipu.install(monkeypatch)
+  net = fake_ipu.inject_keras_extensions(model.get_model_module("neuron_inverter").build(_config(design="dev")))
+  def assigned(stages):
+    assignments = net.get_pipeline_stage_assignment()
+    for assignment, stage in zip(assignments, stages):
+      assignment.pipeline_stage = stage
+    return assignments
+  count = len(net.get_pipeline_stage_assignment())
+  with pytest.raises(ValueError, match="does not match the number of layers in the graph"):
+    net.set_pipeline_stage_assignment(assigned([0] * count)[:-1])
+  with pytest.raises(ValueError, match="does not match the post-order"):
+    net.set_pipeline_stage_assignment(list(reversed(assigned([0] * count))))
+  with pytest.raises(ValueError, match="has not been assigned a pipeline stage"):
+    net.set_pipeline_stage_assignment(assigned([0] * (count - 1) + [None]))
+  with pytest.raises(ValueError, match="Layers can only use outputs from current or previous pipeline stages"):
+    net.set_pipeline_stage_assignment(assigned([1] + [0] * (count - 1)))
+  net.set_pipeline_stage_assignment(assigned([0] * (count // 2) + [1] * (count - count // 2)))
+
+
 def test_stage_assignment_at_the_builder_boundary(monkeypatch):
   fake_ipu.install(monkeypatch)
   backend = ipu_backend.create(_config(ipus_per_replica=2, pipeline_stages=2, gradient_accumulation=8))

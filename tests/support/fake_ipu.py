@@ -218,6 +218,12 @@ _INVALID_PIPELINING_ARGS = ("outfeed_loss", "outfeed_mask", "batch_serialization
                             "experimental_normalize_gradients")
 
 
+def _inbound_layers(node) -> list:
+  """The layers whose outputs a Keras node takes (a list in every Keras version)."""
+  inbound = node.inbound_layers
+  return list(inbound) if isinstance(inbound, (list, tuple)) else [inbound]
+
+
 # --- IPU Keras' data handling and pipelines: the rules fit, evaluate and predict apply ---------------
 
 def _keras_steps(data, steps):
@@ -358,9 +364,29 @@ class _Extension:
     return [FunctionalLayerPipelineStageAssignment(layer) for layer in self.model.layers[1:]]
 
   def set_pipeline_stage_assignment(self, assignments):
-    if any(a.pipeline_stage is None for a in assignments):
-      raise ValueError("every layer needs a pipeline stage")
-    self.assignment = {a.layer.name: a.pipeline_stage for a in assignments}
+    """keras/ipu/extensions/functional_extensions.py `_get_pipelined_post_order`: one assignment per
+    layer, in the order `get_pipeline_stage_assignment` gave, each with a stage, and no layer may take
+    an input from a later stage."""
+    layers = self.model.layers[1:]
+    if len(assignments) != len(layers):
+      raise ValueError("The length of the provided `pipeline_stage_assignment` (%d) does not match the "
+                       "number of layers in the graph (%d). Each layer needs to be assigned a pipeline "
+                       "stage (excluding input layers)." % (len(assignments), len(layers)))
+    for assignment, layer in zip(assignments, layers):
+      if assignment.layer is not layer:
+        raise ValueError("The order of `pipeline_stage_assignment` does not match the post-order "
+                         "generated from the graph (%s != %s)." % (assignment.layer.name, layer.name))
+      if assignment.pipeline_stage is None:
+        raise ValueError("Layer %s with node_index 0 has not been assigned a pipeline stage in "
+                         "`pipeline_stage_assignment`." % layer.name)
+    stages = {a.layer.name: a.pipeline_stage for a in assignments}
+    for layer in layers:
+      inputs = [inbound.name for node in layer.inbound_nodes for inbound in _inbound_layers(node)]
+      if any(stages.get(name, 0) > stages[layer.name] for name in inputs):
+        raise ValueError("Layer %s in pipeline stage %d has a dependency from a pipeline stage which has "
+                         "not yet been executed. Layers can only use outputs from current or previous "
+                         "pipeline stages." % (layer.name, stages[layer.name]))
+    self.assignment = stages
     _record("set_pipeline_stage_assignment", self.assignment)
 
   def set_pipelining_options(self, gradient_accumulation_steps_per_replica=None, device_mapping=None,
