@@ -21,6 +21,17 @@ set -euo pipefail
 
 image=${IMAGE:-neuron_inverter_ipu.sif}
 cache_root=${CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}}
+# CACHE_DIR used to name the application's cache folder itself (default ~/.cache/neuron_inverter). A
+# folder of that name still is that folder; one that holds those caches under another name is refused,
+# not left for a new, empty folder (the dataset generated again, every executable compiled again).
+if [ -n "${CACHE_DIR:-}" ] && [ "$(basename "$CACHE_DIR")" = neuron_inverter ]; then
+  cache_root=$(dirname "$CACHE_DIR")
+elif [ -n "${CACHE_DIR:-}" ] && { [ -d "$CACHE_DIR/executables" ] || compgen -G "$CACHE_DIR/cellspike-*" >/dev/null; }; then
+  echo "error: CACHE_DIR=$CACHE_DIR holds the application's caches directly, as CACHE_DIR meant before;" \
+       "it now names their root (they go in CACHE_DIR/neuron_inverter): move them into" \
+       "$CACHE_DIR/neuron_inverter, or name a folder called neuron_inverter" >&2
+  exit 1
+fi
 cache_dir=$cache_root/neuron_inverter
 log_dir=${LOG_DIR:-$PWD/logs}
 runtime=${SINGULARITY:-$(command -v apptainer >/dev/null 2>&1 && echo apptainer || echo singularity)}

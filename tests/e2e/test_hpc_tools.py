@@ -126,6 +126,30 @@ def test_container_launcher_runs_every_model(tmp_path):
   assert "cache_dir: %s" % (tmp_path / "cache" / "neuron_inverter" / "executables") in config, config
 
 
+def test_container_launcher_keeps_a_cache_dir_set_the_old_way(tmp_path):
+  """CACHE_DIR named the application's cache folder before it named their root: such a folder called
+  neuron_inverter is still used as it is; one under another name holding the caches is refused, not
+  replaced by an empty CACHE_DIR/neuron_inverter (data generated and executables compiled again)."""
+  record = _stand_in(tmp_path, "apptainer")
+  (tmp_path / "app.sif").touch()
+  old = tmp_path / "caches" / "neuron_inverter"
+  (old / "executables").mkdir(parents=True)
+  env = dict(os.environ, PATH="%s:%s" % (tmp_path / "bin", os.environ["PATH"]), IMAGE="app.sif",
+             CACHE_DIR=str(old), LOG_DIR=str(tmp_path / "logs"))
+  env.pop("SINGULARITY", None)
+  subprocess.run([os.path.join(TOOLS, "run_container.sh"), "--model=mnist"], env=env, check=True,
+                 cwd=str(tmp_path))
+  args = record.read_text().split("\n")
+  assert "%s:%s" % (old, old) in args and "XDG_CACHE_HOME=%s" % (tmp_path / "caches") in args
+  renamed = tmp_path / "my_cache"
+  old.rename(renamed)
+  env["CACHE_DIR"] = str(renamed)
+  result = subprocess.run([os.path.join(TOOLS, "run_container.sh"), "--model=mnist"], env=env,
+                          capture_output=True, text=True, cwd=str(tmp_path), timeout=30)
+  assert result.returncode == 1 and result.stderr.startswith(
+      "error: CACHE_DIR=%s holds the application's caches directly" % renamed), result.stderr
+  assert not (renamed / "neuron_inverter").exists()
+
 
 @pytest.mark.parametrize("case", ["no runtime", "named runtime missing", "no image"])
 def test_container_launcher_without_its_runtime_or_image_is_one_line(tmp_path, case):
