@@ -136,6 +136,8 @@ def resolve(data_path: str, cell_name, probe_type: str):
   if not _inside(h5_path, data_path):
     raise UserError("%s: h5nameTemplate %r with --cell_name=%s names %s, outside --data_path=%s"
                     % (yaml_path, info["h5nameTemplate"], cell_name, h5_path, data_path))
+  if os.path.islink(h5_path) and not os.path.exists(h5_path):
+    raise UserError("%s: a symbolic link to %s, which does not exist" % (h5_path, os.readlink(h5_path)))
   if not os.path.isfile(h5_path):
     raise UserError("%s: no such file (from %s h5nameTemplate and --cell_name=%s; %s)"
                     % (h5_path, yaml_path, cell_name, _cells_in(data_path, template)))
@@ -177,12 +179,21 @@ def _check_link(f: h5py.File, path: str, key: str) -> None:
     if not _inside(target, folder) or not os.path.isfile(target):
       raise UserError("%s: '%s' is an external link to %s, which is missing or outside %s"
                       % (path, key, link.filename, folder))
-    with h5py.File(target, "r") as linked:
-      if link.path not in linked:
-        raise UserError("%s: '%s' is an external link to %s:%s, which that file does not hold"
-                        % (path, key, link.filename, link.path))
+    try:
+      with h5py.File(target, "r") as linked:
+        if link.path not in linked:
+          raise UserError("%s: '%s' is an external link to %s:%s, which that file does not hold"
+                          % (path, key, link.filename, link.path))
+    except OSError as error:
+      raise UserError("%s: '%s' is an external link to %s, which is not a readable HDF5 file (%s)"
+                      % (path, key, link.filename, " ".join(str(error).split()))) from None
   elif isinstance(link, h5py.SoftLink) and link.path not in f:
     raise UserError("%s: '%s' is a link to %s, which the file does not hold" % (path, key, link.path))
+  if link is not None and key in f:  # where a chain of links ends: beside the file too
+    folder = os.path.dirname(os.path.abspath(path))
+    stored = f[key].file.filename
+    if not _inside(stored, folder):
+      raise UserError("%s: '%s' leads through external links to %s, outside %s" % (path, key, stored, folder))
 
 
 def _check_storage(dataset: h5py.Dataset, path: str, key: str) -> None:

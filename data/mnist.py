@@ -110,11 +110,12 @@ def _builder(tfds, data_dir):
 def _check_download_reachable(builder, timeout: float = 10.0) -> None:
   """Before TFDS downloads an unprepared mnist: a UserError at once if its server cannot be reached.
   TFDS itself retries each of its four files ten times with back-off, for 3.5 minutes and 40 warning
-  lines offline, and leaves an empty dataset folder behind. Behind a proxy (https_proxy), the direct
+  lines offline, and leaves an empty dataset folder behind. Behind a proxy (https_proxy, all_proxy), the direct
   probe says nothing about what the download will reach, so it is left to TFDS."""
   if os.path.exists(os.path.join(str(builder.data_dir), "dataset_info.json")):
     return  # prepared: no download
-  if urllib.request.getproxies().get("https"):
+  proxies = urllib.request.getproxies()
+  if proxies.get("https") or proxies.get("all"):  # requests, which TFDS downloads with, reads both
     return
   url = urllib.parse.urlparse(next(iter(builder.url_infos)))
   host = url.hostname

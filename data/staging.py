@@ -110,9 +110,16 @@ def staged_name(path: str, keys: tuple, start: int, stop: int) -> str:
 
 
 def source_identity(path: str, keys: tuple, start: int, stop: int) -> dict:
+  """What a staged copy was made from: the file, and the files its keys' external links lead to (whose
+  replacement leaves the outer file as it was)."""
   status = os.stat(path)
-  return {"source": os.path.realpath(path), "size": status.st_size, "mtime_ns": status.st_mtime_ns,
-          "keys": list(keys), "rows": [start, stop]}
+  identity = {"source": os.path.realpath(path), "size": status.st_size, "mtime_ns": status.st_mtime_ns,
+              "keys": list(keys), "rows": [start, stop]}
+  with h5py.File(path, "r") as f:
+    linked = sorted({os.path.realpath(f[key].file.filename) for key in keys} - {identity["source"]})
+  if linked:  # only then: the copies staged from files without links keep their stamps
+    identity["linked"] = [[name, os.stat(name).st_size, os.stat(name).st_mtime_ns] for name in linked]
+  return identity
 
 
 def stage_to(path: str, keys: tuple, start: int, stop: int, stage_dir: str) -> str:

@@ -169,12 +169,22 @@ def test_links_must_lead_to_data_beside_the_file(tmp_path):
     del f["val_frames"]
     f["val_frames"] = h5py.ExternalLink("b.h5", "val_frames")
   assert cellspike_file.open_cellspike(path).splits["val"].num_samples == 32  # sound: it opens
+  (tmp_path / "text.h5").write_text("not HDF5")
+  elsewhere = tmp_path.parent / (tmp_path.name + "-elsewhere")
+  elsewhere.mkdir()
+  write_cellspike(str(elsewhere / "outside.h5"))
+  with h5py.File(str(tmp_path / "middle.h5"), "w") as middle:  # beside it, but linking out of the folder
+    middle["val_frames"] = h5py.ExternalLink(str(elsewhere / "outside.h5"), "val_frames")
   for link, message in [(h5py.ExternalLink("b.h5", "nothing"), "external link to b.h5:nothing, which that "
                                                                "file does not hold"),
                         (h5py.ExternalLink("gone.h5", "val_frames"), "external link to gone.h5, which is "
                                                                      "missing or outside"),
                         (h5py.SoftLink("/nowhere"), "'val_frames' is a link to /nowhere, which the file "
-                                                    "does not hold")]:
+                                                    "does not hold"),
+                        (h5py.ExternalLink("text.h5", "val_frames"), "external link to text.h5, which is not "
+                                                                     "a readable HDF5 file"),
+                        (h5py.ExternalLink("middle.h5", "val_frames"), "'val_frames' leads through external "
+                                                                       "links to .*outside.h5, outside")]:
     with h5py.File(path, "a") as f:
       del f["val_frames"]
       f["val_frames"] = link
@@ -202,6 +212,9 @@ def test_cell_files_may_be_links_to_files_elsewhere(tmp_path):
   os.symlink(str(store / "cellA.h5"), str(data / "cellA.h5"))
   write_meta_yaml(str(data / "meta.cellSpike_excite_4prB8kHz.yaml"), template="*.h5")
   assert cellspike_file.resolve(str(data), "cellA", "excite_4prB8kHz")[0] == str(data / "cellA.h5")
+  os.symlink(str(store / "gone.h5"), str(data / "gone.h5"))  # listed among the cells, but leads nowhere
+  with pytest.raises(UserError, match="gone.h5: a symbolic link to .*store/gone.h5, which does not exist"):
+    cellspike_file.resolve(str(data), "gone", "excite_4prB8kHz")
 
 
 def test_a_template_cannot_leave_the_data_folder(tmp_path):

@@ -172,9 +172,10 @@ def test_an_unreachable_tfds_server_is_one_error_before_any_download(tmp_path, m
                                       r"127.0.0.1 cannot be reached \(.*refused.*\); offline, use --data_path"):
     mnist._check_download_reachable(builder)  # pylint: disable=protected-access
   assert time.perf_counter() - started < 5
-  monkeypatch.setenv("https_proxy", "http://proxy.example:3128")  # the download goes through it: no probe
-  mnist._check_download_reachable(builder)  # pylint: disable=protected-access
-  monkeypatch.delenv("https_proxy")
+  for name in ("https_proxy", "ALL_PROXY"):  # the download goes through it: no probe
+    monkeypatch.setenv(name, "http://proxy.example:3128")
+    mnist._check_download_reachable(builder)  # pylint: disable=protected-access
+    monkeypatch.delenv(name)
   os.makedirs(builder.data_dir)
   open(os.path.join(builder.data_dir, "dataset_info.json"), "w").close()  # prepared: nothing to download
   mnist._check_download_reachable(builder)  # pylint: disable=protected-access

@@ -65,6 +65,26 @@ def test_a_later_run_reuses_the_copy_and_a_changed_source_is_staged_again(tmp_pa
     assert copy["train_frames"][5, 0, 0] == -1.0
 
 
+def test_a_changed_file_behind_an_external_link_is_staged_again(tmp_path, caplog):
+  """The copy's stamp was the outer file's alone: replacing the linked file left training on old rows."""
+  caplog.set_level(logging.INFO, logger="absl")
+  inner = write_row_marked(str(tmp_path / "inner.h5"), n_train=64)
+  with h5py.File(inner, "r") as source, h5py.File(str(tmp_path / "outer.h5"), "w") as outer:
+    for key in source:
+      outer[key] = h5py.ExternalLink("inner.h5", key)
+  stage = str(tmp_path / "local")
+  first = staging.stage_to(str(tmp_path / "outer.h5"), KEYS, 0, 32, stage)
+  written = os.stat(inner).st_mtime_ns
+  with h5py.File(inner, "r+") as source:
+    source["train_frames"][5] = -1.0
+  os.utime(inner, ns=(written + 10**9, written + 10**9))
+  caplog.clear()
+  assert staging.stage_to(str(tmp_path / "outer.h5"), KEYS, 0, 32, stage) == first
+  assert "staging again: the source file changed" in caplog.text
+  with h5py.File(first, "r") as copy:
+    assert copy["train_frames"][5, 0, 0] == -1.0
+
+
 def test_a_damaged_copy_is_detected_by_its_checksum_and_replaced(tmp_path, caplog):
   caplog.set_level(logging.INFO, logger="absl")
   path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64)
