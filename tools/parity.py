@@ -23,6 +23,7 @@ process start-up or reading the file.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -90,6 +91,10 @@ def parse_args(argv=None):
   unknown = sorted(set(args.schedules) - {"plateau", "cosine"})
   if unknown:
     parser.error("--schedules: %s is not plateau or cosine" % ",".join(unknown))
+  for name in ("seeds", "precisions", "schedules"):  # each value names a run folder of its own
+    values = getattr(args, name)
+    if len(set(values)) < len(values):
+      parser.error("--%s: %s lists a value more than once; give each once" % (name, ",".join(map(str, values))))
   return args
 
 
@@ -128,7 +133,8 @@ def _cellspike_file(path: str, named: str):
 def check_before_training(args) -> None:
   """What would fail only after the reference trained (or later): said first, in one line."""
   check_output_path("--out", args.out, folder=True)
-  if not os.access(args.reference_python, os.X_OK) or os.path.isdir(args.reference_python):
+  found = shutil.which(args.reference_python)  # a path, or a program on the PATH (python3)
+  if found is None or os.path.isdir(found):
     raise UserError("--reference_python=%s: no such program; expected the Python of the reference's "
                     "PyTorch environment (`make bench-reference` makes .venv-torch)" % args.reference_python)
   # A rerun into the same --out: main.py refuses a run folder that holds a run, after the reference

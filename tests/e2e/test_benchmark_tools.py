@@ -272,6 +272,8 @@ def _parity_inputs(tmp_path, case):
   data = write_cellspike(str(tmp_path / "d.h5"), sizes={"train": 64, "val": 16, "test": 16})
   if case == "seeds":
     return ["--seeds=0,a"], "parity.py: error: argument --seeds: 0,a: expected comma-separated integers"
+  if case == "repeated seed":  # both runs of seed 0 in one folder: the second failed after training
+    return ["--data_path=" + data, "--seeds=0,0"], "parity.py: error: --seeds: 0,0 lists a value more than once"
   if case == "precision":
     return ["--data_path=" + data, "--precisions=32.32,64.64"], (
         "parity.py: error: argument --precisions: 32.32,64.64: 64.64 is not a --precision of main.py")
@@ -295,8 +297,8 @@ def _parity_inputs(tmp_path, case):
                                    % (tmp_path / "parity"))
 
 
-@pytest.mark.parametrize("case", ["seeds", "precision", "split key", "not hdf5", "reference python",
-                                  "out is a file", "rerun"])
+@pytest.mark.parametrize("case", ["seeds", "repeated seed", "precision", "split key", "not hdf5",
+                                  "reference python", "out is a file", "rerun"])
 def test_parity_refuses_bad_input_in_one_line_before_training(tmp_path, case):
   """Each was a traceback (ValueError, KeyError, OSError, FileNotFoundError, FileExistsError) or an
   error only after the reference had trained."""
