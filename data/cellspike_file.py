@@ -173,8 +173,10 @@ def _check_link(f: h5py.File, path: str, key: str) -> None:
   """A key may be a link: to another object of the file, or to a dataset in a file beside it (the
   rule for virtual sources below). A dangling one is named as such, not as a damaged file."""
   link = f.get(key, getlink=True)
+  if link is None or isinstance(link, h5py.HardLink):
+    return  # missing (said by the caller), or an object of this file itself
+  folder = os.path.dirname(os.path.abspath(path))
   if isinstance(link, h5py.ExternalLink):
-    folder = os.path.dirname(os.path.abspath(path))
     target = os.path.join(folder, link.filename)
     if not _inside(target, folder) or not os.path.isfile(target):
       raise UserError("%s: '%s' is an external link to %s, which is missing or outside %s"
@@ -189,8 +191,7 @@ def _check_link(f: h5py.File, path: str, key: str) -> None:
                       % (path, key, link.filename, " ".join(str(error).split()))) from None
   elif isinstance(link, h5py.SoftLink) and link.path not in f:
     raise UserError("%s: '%s' is a link to %s, which the file does not hold" % (path, key, link.path))
-  if link is not None and key in f:  # where a chain of links ends: beside the file too
-    folder = os.path.dirname(os.path.abspath(path))
+  if key in f:  # where a chain of links ends: beside the file too
     stored = f[key].file.filename
     if not _inside(stored, folder):
       raise UserError("%s: '%s' leads through external links to %s, outside %s" % (path, key, stored, folder))
