@@ -3,12 +3,14 @@ with the reference PyTorch model, input pipeline, compile time (cold and with a 
 cache), peak host memory; a table and JSON.
 
     python tools/benchmark.py [--designs=ontra4,dev] [--batch_size=192] [--precisions=auto|32.32,16.32]
-        [--rounds=3] [--reference_python=.venv-torch/bin/python] [--data_path=FILE.h5]
+        [--replicas=1] [--rounds=3] [--reference_python=.venv-torch/bin/python] [--data_path=FILE.h5]
         [--autotune=on|off] [--json=benchmark.json] [--skip=reference,compile,input]
 
 Every measurement runs in its own process (so peak memory is its own) on the built-in dataset unless
---data_path is given. Throughput is samples/s per replica, after a warm-up window, the median of
---windows timed windows of --window_steps steps. Training is measured in --rounds rounds; in each round
+--data_path is given. Throughput is samples/s of all --replicas together (one by default), after a
+warm-up window, the median of --windows timed windows of --window_steps steps. `--replicas=4` measures
+the default job's layout (4 replicas of --batch_size, their ops side by side on the cores, as main.py
+runs them); the reference still trains one batch of --batch_size on all cores, its own setting. Training is measured in --rounds rounds; in each round
 the reference PyTorch model (`tools/reference_torch.py`, run by --reference_python) and this
 application train one after the other at the same precision, so both see the machine in the same
 state, and the reported speed-up is the median of the per-round ratios. The application trains with
@@ -39,6 +41,8 @@ from model.designs import DESIGNS  # noqa: E402  pylint: disable=wrong-import-po
 
 flags.DEFINE_list("designs", ["ontra4", "dev"], "Neuron-Inverter designs to measure.")
 flags.DEFINE_integer("batch_size", 192, "Batch size per replica.", lower_bound=1)
+flags.DEFINE_integer("replicas", 1, "Replicas of the application, as main.py --replicas (the default "
+                     "job has 4); the throughput counts them all.", lower_bound=1)
 flags.DEFINE_list("precisions", ["auto"], "--precision values of main.py to compare side by side "
                   "(32.32, 16.32, 16.16); auto: 32.32, and 16.32 where main.py's --precision=auto "
                   "picks it.")
@@ -81,6 +85,9 @@ def _all_in(valid, what: str):
 flags.register_validator("designs", _all_in(tuple(DESIGNS), "designs"))
 flags.register_validator("precisions", _all_in(PRECISIONS, "precisions"))
 flags.register_validator("skip", _all_in(SKIPPABLE, "parts"))
+flags.register_multi_flags_validator(
+    ["jit_compile", "replicas"], lambda values: not (values["jit_compile"] and values["replicas"] > 1),
+    "--jit_compile trains one CPU replica only, as in main.py: use --replicas=1 with it")
 
 
 def _peak_rss_mb() -> float:
@@ -92,7 +99,7 @@ def _prepare():
   import dataclasses  # pylint: disable=import-outside-toplevel
   from run_config import RunConfig  # pylint: disable=import-outside-toplevel
   from strategies import environment  # pylint: disable=import-outside-toplevel
-  config = RunConfig(model="neuron_inverter", backend="cpu", batch_size=FLAGS.batch_size,
+  config = RunConfig(model="neuron_inverter", backend="cpu", batch_size=FLAGS.batch_size, replicas=FLAGS.replicas,
                      precision=FLAGS.precisions[0], jit_compile=FLAGS.jit_compile, in_memory=True,
                      cache_dir="", autotune=FLAGS.autotune)
   environment.prepare(config)  # without an XLA persistent cache: compile times are measured apart
@@ -122,7 +129,6 @@ def _model_and_batches(config, design):
   and the convolution forms the model was built with."""
   import dataclasses  # pylint: disable=import-outside-toplevel
   from data import cellspike  # pylint: disable=import-outside-toplevel
-  from data.splits import BatchLayout  # pylint: disable=import-outside-toplevel
   from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
   from training.loop import autotuned, build_and_compile  # pylint: disable=import-outside-toplevel
   import model  # pylint: disable=import-outside-toplevel
@@ -131,11 +137,16 @@ def _model_and_batches(config, design):
   config = dataclasses.replace(config, design=design, dropout=DESIGNS[design]["dropout"], steps_per_epoch=8,
                                eval_steps=1)
   backend = select_backend(config)
-  splits = cellspike.load(config, BatchLayout(1, config.batch_size))
+  splits = cellspike.load(config, backend.layout(config.batch_size))
   module = model.get_model_module("neuron_inverter")
   backend = autotuned(config, backend, module, splits, FLAGS.window_steps * (FLAGS.windows + 1))
   net = build_and_compile(config, backend, module, splits)
   return net, splits.train.dataset.cache().repeat(), backend.forms_record()
+
+
+def _window_samples() -> int:
+  """Samples in one timed window: each of its steps takes a batch per replica."""
+  return FLAGS.window_steps * FLAGS.batch_size * FLAGS.replicas
 
 
 def _timed_windows(run_window) -> dict:
@@ -144,7 +155,7 @@ def _timed_windows(run_window) -> dict:
   for _ in range(FLAGS.windows):
     start = time.perf_counter()
     run_window()
-    rates.append(FLAGS.window_steps * FLAGS.batch_size / (time.perf_counter() - start))
+    rates.append(_window_samples() / (time.perf_counter() - start))
   return {"samples_per_sec": statistics.median(rates), "windows": rates}
 
 
@@ -158,8 +169,9 @@ def child_train(config, design) -> dict:
       on_epoch_end=lambda epoch, logs: seconds.__setitem__(-1, seconds[-1] + time.perf_counter()))
   net.fit(dataset, steps_per_epoch=FLAGS.window_steps, epochs=FLAGS.windows + 1, verbose=0,
           callbacks=[timer])
-  rates = [FLAGS.window_steps * FLAGS.batch_size / s for s in seconds[1:]]
-  result = {"samples_per_sec": statistics.median(rates), "windows": rates, **forms}
+  rates = [_window_samples() / s for s in seconds[1:]]
+  result = {"samples_per_sec": statistics.median(rates), "windows": rates, **forms,
+            "replicas": net.distribute_strategy.num_replicas_in_sync}
   result["flops_per_sample_forward"] = flops_per_sample(net)
   # The machine's float32 ceiling of this moment: the VM's speed drifts between rounds.
   result["matmul_gflops_float32"] = _matmul_gflops("float32", repeats=5)
@@ -167,19 +179,23 @@ def child_train(config, design) -> dict:
 
 
 def _matmul_gflops(dtype: str, repeats: int) -> float:
-  """The best of 3 timings of `repeats` square matmuls of side --matmul_size, in GFLOP/s."""
+  """The best of 3 timings of `repeats` square matmuls of side --matmul_size, in GFLOP/s of the whole
+  machine: where each op runs on one thread (several replicas side by side), one matmul per core at once."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from strategies import cpuinfo  # pylint: disable=import-outside-toplevel
   size = FLAGS.matmul_size
-  a = tf.cast(tf.random.uniform((size, size), dtype=tf.float32), dtype)
-  product = tf.function(lambda m: tf.matmul(m, m))
-  product(a).numpy()  # warm-up
+  streams = cpuinfo.usable_cores() if tf.config.threading.get_intra_op_parallelism_threads() == 1 else 1
+  # Distinct inputs: identical products would be merged into one by the graph optimizer.
+  inputs = [tf.cast(tf.random.uniform((size, size), dtype=tf.float32), dtype) for _ in range(streams)]
+  product = tf.function(lambda *matrices: [tf.matmul(m, m) for m in matrices])
+  product(*inputs)[0].numpy()  # warm-up
   rates = []
   for _ in range(3):
     start = time.perf_counter()
     for _ in range(repeats):
-      result = product(a)
-    result.numpy()
-    rates.append(2 * size ** 3 * repeats / (time.perf_counter() - start) / 1e9)
+      results = product(*inputs)
+    _ = [result.numpy() for result in results]
+    rates.append(2 * size ** 3 * repeats * streams / (time.perf_counter() - start) / 1e9)
   return max(rates)
 
 
@@ -226,7 +242,7 @@ def _resolved_precisions(requested: list) -> list:
 
 def _run_child(kind: str, design: str, precision: str) -> dict:
   args = [sys.executable, os.path.abspath(__file__), "--child=%s:%s" % (kind, design),
-          "--batch_size=%d" % FLAGS.batch_size, "--precisions=" + precision,
+          "--batch_size=%d" % FLAGS.batch_size, "--replicas=%d" % FLAGS.replicas, "--precisions=" + precision,
           "--windows=%d" % FLAGS.windows, "--window_steps=%d" % FLAGS.window_steps,
           "--%sjit_compile" % ("" if FLAGS.jit_compile else "no"), "--autotune=" + FLAGS.autotune,
           "--matmul_size=%d" % FLAGS.matmul_size]
@@ -358,7 +374,7 @@ def main(argv):
           % FLAGS.reference_python)
     FLAGS.skip.append("reference")
   from strategies import cpu  # pylint: disable=import-outside-toplevel
-  results = {"machine": cpu.machine_signature(), "batch_size": FLAGS.batch_size,
+  results = {"machine": cpu.machine_signature(), "batch_size": FLAGS.batch_size, "replicas": FLAGS.replicas,
              "jit_compile": FLAGS.jit_compile, "rounds": FLAGS.rounds,
              "precisions": {p: {d: {} for d in FLAGS.designs} for p in FLAGS.precisions}}
   for design in FLAGS.designs:
@@ -381,8 +397,11 @@ def main(argv):
 
 
 def _print_table(results) -> None:
-  print("\n%s\nbatch %d per replica, jit_compile %s, %d round(s)" % (
-      results["machine"], results["batch_size"], results["jit_compile"], results["rounds"]))
+  replicas = results["replicas"]
+  print("\n%s\nbatch %d per replica, %d replica%s (samples/s of all together; the reference: batch %d), "
+        "jit_compile %s, %d round(s)" % (results["machine"], results["batch_size"], replicas,
+                                         "" if replicas == 1 else "s", results["batch_size"],
+                                         results["jit_compile"], results["rounds"]))
   print("%-6s %-7s %8s %8s %8s %8s %8s %8s %8s %8s %8s %8s" % (
       "prec", "design", "train/s", "torch/s", "x torch", "x t-fp32", "infer/s", "GFLOP/s", "compile",
       "cached", "cch/cld", "peak MB"))

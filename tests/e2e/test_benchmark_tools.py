@@ -87,6 +87,29 @@ def test_benchmark_trains_with_the_forms_the_autotune_chose_and_times_them_once(
   assert row["train_rounds"][0]["conv_forms"] == row["train_rounds"][1]["conv_forms"]
 
 
+def test_benchmark_measures_the_default_jobs_layout_of_several_replicas(tmp_path):
+  """--replicas=2 trains two replicas side by side as main.py does, and counts the samples of both."""
+  data = write_cellspike(str(tmp_path / "d.h5"), sizes={"train": 128, "val": 32, "test": 32})
+  out = str(tmp_path / "bench.json")
+  result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "benchmark.py"), "--designs=dev",
+                           "--batch_size=8", "--replicas=2", "--windows=1", "--window_steps=2",
+                           "--data_path=" + data, "--precisions=32.32", "--rounds=1", "--autotune=off",
+                           "--skip=reference,inference,compile,input,peak", "--json=" + out],
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  results = json.load(open(out))
+  assert results["replicas"] == 2 and results["precisions"]["32.32"]["dev"]["train"]["replicas"] == 2
+  assert "batch 8 per replica, 2 replicas (samples/s of all together" in result.stdout
+
+
+def test_benchmark_refuses_jit_compile_over_several_replicas_before_measuring():
+  result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "benchmark.py"), "--jit_compile",
+                           "--replicas=4"], capture_output=True, text=True, timeout=60)
+  lines = result.stderr.strip().splitlines()
+  assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+  assert "--jit_compile trains one CPU replica only" in lines[0] and "replicas=4" in lines[0]
+
+
 def test_input_benchmark_reports_what_sizes_a_host(tmp_path):
   data = write_cellspike(str(tmp_path / "d.h5"), sizes={"train": 256, "val": 32, "test": 32},
                          dtype=np.float16)
