@@ -8,9 +8,10 @@ cache), peak host memory; a table and JSON.
 
 Every measurement runs in its own process (so peak memory is its own) on the built-in dataset unless
 --data_path is given. Throughput is samples/s of all --replicas together (one by default), after a
-warm-up window, the median of --windows timed windows of --window_steps steps. `--replicas=4` measures
-the default job's layout (4 replicas of --batch_size, their ops side by side on the cores, as main.py
-runs them); the reference still trains one batch of --batch_size on all cores, its own setting. Training is measured in --rounds rounds; in each round
+warm-up window, the median of --windows timed windows of --window_steps steps. `--replicas=4
+--batch_size=48` measures the default job's layout (4 replicas of 48 rows, their ops side by side on
+the cores, as main.py runs them); the reference then trains the same 192 rows per step in one process
+on all cores. Training is measured in --rounds rounds; in each round
 the reference PyTorch model (`tools/reference_torch.py`, run by --reference_python) and this
 application train one after the other at the same precision, so both see the machine in the same
 state, and the reported speed-up is the median of the per-round ratios. The application trains with
@@ -144,9 +145,13 @@ def _model_and_batches(config, design):
   return net, splits.train.dataset.cache().repeat(), backend.forms_record()
 
 
+def _step_rows() -> int:
+  """Rows per optimizer step: a batch per replica. The reference trains batches of this size."""
+  return FLAGS.batch_size * FLAGS.replicas
+
+
 def _window_samples() -> int:
-  """Samples in one timed window: each of its steps takes a batch per replica."""
-  return FLAGS.window_steps * FLAGS.batch_size * FLAGS.replicas
+  return FLAGS.window_steps * _step_rows()
 
 
 def _timed_windows(run_window) -> dict:
@@ -305,7 +310,7 @@ def _run_reference(design: str, precision: str, data_path: str):
   if "reference" in FLAGS.skip or precision not in ("32.32", "16.32"):
     return None
   args = [FLAGS.reference_python, os.path.join(REPO_ROOT, "tools", "reference_torch.py"),
-          "--data_path=" + data_path, "--design=" + design, "--batch_size=%d" % FLAGS.batch_size,
+          "--data_path=" + data_path, "--design=" + design, "--batch_size=%d" % _step_rows(),
           "--windows=%d" % FLAGS.windows, "--window_steps=%d" % FLAGS.window_steps]
   if precision == "16.32":
     args.append("--bf16")
@@ -400,7 +405,7 @@ def _print_table(results) -> None:
   replicas = results["replicas"]
   print("\n%s\nbatch %d per replica, %d replica%s (samples/s of all together; the reference: batch %d), "
         "jit_compile %s, %d round(s)" % (results["machine"], results["batch_size"], replicas,
-                                         "" if replicas == 1 else "s", results["batch_size"],
+                                         "" if replicas == 1 else "s", results["batch_size"] * replicas,
                                          results["jit_compile"], results["rounds"]))
   print("%-6s %-7s %8s %8s %8s %8s %8s %8s %8s %8s %8s %8s" % (
       "prec", "design", "train/s", "torch/s", "x torch", "x t-fp32", "infer/s", "GFLOP/s", "compile",

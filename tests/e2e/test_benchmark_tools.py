@@ -88,18 +88,22 @@ def test_benchmark_trains_with_the_forms_the_autotune_chose_and_times_them_once(
 
 
 def test_benchmark_measures_the_default_jobs_layout_of_several_replicas(tmp_path):
-  """--replicas=2 trains two replicas side by side as main.py does, and counts the samples of both."""
+  """--replicas=2 trains two replicas side by side as main.py does and counts the samples of both; the
+  reference trains their rows of a step as one batch."""
   data = write_cellspike(str(tmp_path / "d.h5"), sizes={"train": 128, "val": 32, "test": 32})
   out = str(tmp_path / "bench.json")
   result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "benchmark.py"), "--designs=dev",
                            "--batch_size=8", "--replicas=2", "--windows=1", "--window_steps=2",
                            "--data_path=" + data, "--precisions=32.32", "--rounds=1", "--autotune=off",
-                           "--skip=reference,inference,compile,input,peak", "--json=" + out],
+                           "--reference_python=" + TORCH_PYTHON, "--skip=inference,compile,input,peak",
+                           "--json=" + out],
                           capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   results = json.load(open(out))
   assert results["replicas"] == 2 and results["precisions"]["32.32"]["dev"]["train"]["replicas"] == 2
-  assert "batch 8 per replica, 2 replicas (samples/s of all together" in result.stdout
+  assert "batch 8 per replica, 2 replicas (samples/s of all together; the reference: batch 16)" in result.stdout
+  reference = results["precisions"]["32.32"]["dev"]["reference"]
+  assert reference["batch_size"] == 16
 
 
 def test_benchmark_refuses_jit_compile_over_several_replicas_before_measuring():
