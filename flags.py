@@ -12,8 +12,10 @@ import datetime
 import functools
 import math
 import os
+import re
 
 from absl import flags
+from absl import logging
 
 import model
 from data import mnist_sources
@@ -286,10 +288,12 @@ def _register_validators() -> None:
     return not values["resume"] or values["logdir"] is not None
 
 
-def to_config(values: flags.FlagValues, refuse_unused: bool = True) -> RunConfig:
+def to_config(values: flags.FlagValues, refuse_unused: bool = True, command_line=None) -> RunConfig:
   """Turns parsed flags into the frozen RunConfig (every field is the flag of the same name), filling
   the model's defaults, the derived ones (logdir, pipeline stages) and absolute paths. With
-  `refuse_unused`, a flag given that this model would ignore is a UserError."""
+  `refuse_unused`, a flag given that this model would ignore is a UserError. `command_line` (the
+  arguments as typed, flagfiles unexpanded; None: every flag counts as typed) tells a flagfile's
+  settings from the user's own overrides of them."""
   info = model.get_model_info(values.model)
   if refuse_unused:
     _refuse_unused(values)
@@ -302,7 +306,13 @@ def to_config(values: flags.FlagValues, refuse_unused: bool = True) -> RunConfig
                         "give defaults for %s" % (values.model, name, ", ".join(MODEL_DEFAULTED)))
       fields[name] = defaults[name]
   plateau_given = [name for name in PLATEAU_FLAGS if values[name].present]
-  if refuse_unused and fields["lr_schedule"] == "cosine" and plateau_given:
+  typed = _typed_flags(command_line)
+  if (refuse_unused and fields["lr_schedule"] == "cosine" and plateau_given and typed is not None
+      and "lr_schedule" in typed and not typed.intersection(plateau_given)):
+    # A flagfile's plateau settings (configs/neuron_inverter_reference.flags), overridden as typed.
+    logging.warning("--lr_schedule=cosine overrides the flagfile's schedule: its --%s go unused",
+                    ", --".join(plateau_given))
+  elif refuse_unused and fields["lr_schedule"] == "cosine" and plateau_given:
     raise UserError("--%s only act%s with --lr_schedule=plateau, and this run's schedule is cosine%s: drop "
                     "%s, or pass --lr_schedule=plateau" % (
                         ", --".join(plateau_given), "s" if len(plateau_given) == 1 else "",
@@ -321,6 +331,19 @@ def _models_using(name: str) -> list:
   if name in NETWORK_FLAGS:
     return sorted(key for key, info in model.MODELS.items() if getattr(info, NETWORK_FLAGS[name]))
   return sorted(key for key, info in model.MODELS.items() if name in DATASET_FLAGS.get(info.dataset, ()))
+
+
+def _typed_flags(command_line):
+  """The names of the flags in `command_line` as typed (a flagfile's own flags not among them; --noX
+  counts as X), or None where the command line is not known."""
+  if command_line is None:
+    return None
+  typed = set()
+  for argument in command_line:
+    if argument.startswith("-") and argument.strip("-"):
+      flag = argument.lstrip("-").split("=")[0]
+      typed.update((flag, flag[2:] if flag.startswith("no") else flag))
+  return typed
 
 
 def _refuse_unused(values: flags.FlagValues) -> None:

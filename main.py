@@ -32,7 +32,7 @@ def train_and_evaluate(config) -> dict:
   environment must already be set (`environment.prepare`). Returns the run's summary; a problem is
   a UserError."""
   config, backend = environment.start_backend(config)  # imports TensorFlow
-  from analysis.evaluation import report  # pylint: disable=import-outside-toplevel
+  from analysis.evaluation import check_report_possible, report  # pylint: disable=import-outside-toplevel
   from training.loop import run  # pylint: disable=import-outside-toplevel
   from training.interrupt import TrainingInterrupted  # pylint: disable=import-outside-toplevel
   from training import summary as summary_lib  # pylint: disable=import-outside-toplevel
@@ -40,6 +40,7 @@ def train_and_evaluate(config) -> dict:
     if backend.is_chief:
       print(intro + summary_lib.interrupted_report(sys.argv, config.logdir, config.epochs, backend.world_size),
             flush=True)
+  check_report_possible(config)  # before training, not after it
   try:
     summary = run(config, backend)
   except TrainingInterrupted:
@@ -59,7 +60,7 @@ def main(argv):
   refuse_arguments(argv)
   logs.setup()
   with reported_on_one_line():
-    config = flags.to_config(FLAGS)
+    config = flags.to_config(FLAGS, command_line=sys.argv[1:])
     environment.prepare(config)
     train_and_evaluate(config)
     ignore_stops_while_exiting()  # finished and reported: a signal must not make it look killed

@@ -165,6 +165,19 @@ def collect_predictions(net: tf.keras.Model, dataset: tf.data.Dataset, steps: in
   return truth.astype(np.float32), prediction
 
 
+def check_report_possible(config: RunConfig) -> None:
+  """Refuses `main.py --predict` before training where its report could not be made after it: a test
+  split with fewer samples than the correlations need (found at the end, it cost the whole run)."""
+  if not config.predict or config.compile_only or config.synthetic_data:
+    return
+  info = cellspike.open_configured(config)
+  samples = info.splits[SPLIT_KEYS["test"]].num_samples
+  if samples < MIN_SAMPLES:
+    raise UserError("%s: %d test sample%s, and the --predict report's correlations need at least %d; "
+                    "leave --predict off, or give a file with a larger test split"
+                    % (info.path, samples, "" if samples == 1 else "s", MIN_SAMPLES))
+
+
 def _eval_split(config: RunConfig, backend: Backend, split: str, max_samples: int):
   """(cellSpike file info, Split) of `split`, unshuffled, in the backend's evaluation layout."""
   info = cellspike.open_configured(config)

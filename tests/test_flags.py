@@ -10,6 +10,7 @@ from absl import flags as absl_flags
 from absl.testing import flagsaver
 
 import flags
+from errors import UserError
 from run_config import RunConfig
 from tests.support.helpers import REPO_ROOT, assert_one_line_error, run_main
 
@@ -71,7 +72,6 @@ def test_every_model_entry_is_complete():
 
 def test_a_missing_model_default_is_named(monkeypatch):
   import model  # pylint: disable=import-outside-toplevel
-  from errors import UserError  # pylint: disable=import-outside-toplevel
   info = model.MODELS["mnist"]
   defaults = {key: value for key, value in info.defaults.items() if key != "warmup_epochs"}
   monkeypatch.setitem(model.MODELS, "mnist", dataclasses.replace(info, defaults=defaults))
@@ -130,6 +130,29 @@ def test_a_flagfile_that_is_not_text_is_one_line_error(tmp_path):
   result = run_main("--flagfile=%s" % binary, timeout=60)
   assert_one_line_error(result, "--flagfile is not a text file", str(binary))
   assert "ERROR::" not in result.stderr
+
+
+def test_cosine_typed_over_a_flagfiles_plateau_settings_is_taken(tmp_path, caplog):
+  """configs/neuron_inverter_reference.flags gives --lr_factor and --lr_patience; --lr_schedule=cosine
+  typed after it overrides its schedule (it was refused with "drop them", though nothing typed them).
+  Typed on the command line, or all in one flagfile, they still contradict each other."""
+  reference = os.path.join(REPO_ROOT, "configs", "neuron_inverter_reference.flags")
+  typed = ["--flagfile=" + reference, "--lr_schedule=cosine"]
+  with flagsaver.flagsaver(), caplog.at_level("WARNING", logger="absl"):
+    FLAGS.unparse_flags()
+    FLAGS(["main.py"] + typed)
+    config = flags.to_config(FLAGS, command_line=typed)
+  assert (config.lr_schedule, config.epochs, config.batch_size) == ("cosine", 161, 192)
+  assert "--lr_schedule=cosine overrides the flagfile's schedule: its --lr_factor, --lr_patience go unused" \
+      in caplog.text
+  both = tmp_path / "both.flags"
+  both.write_text("--model=neuron_inverter\n--lr_schedule=cosine\n--lr_factor=0.5\n")
+  for command_line in (typed + ["--lr_patience=3"], ["--flagfile=%s" % both]):
+    with flagsaver.flagsaver():
+      FLAGS.unparse_flags()
+      FLAGS(["main.py"] + command_line)
+      with pytest.raises(UserError, match="only act.? with --lr_schedule=plateau"):
+        flags.to_config(FLAGS, command_line=command_line)
 
 
 def test_plateau_flags_are_taken_with_the_plateau_schedule():

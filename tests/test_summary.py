@@ -173,3 +173,15 @@ def test_an_override_that_the_run_config_refuses_names_the_override(tmp_path):
   with pytest.raises(UserError, match="^%s with --cell_name=synth: flags cell_name=synth, data_path=.*--cell_name "
                                       "picks a file in a --data_path folder" % path):
     load_run_config(logdir, cell_name="synth", design="dev", seed=None)  # the same design: not named
+
+
+def test_a_tools_own_default_is_applied_but_not_named_as_the_users_change(tmp_path):
+  """predict.py's --backend=auto, not typed, was listed beside the user's --cell_name as if typed."""
+  data_file = tmp_path / "cell.h5"
+  data_file.write_bytes(b"")
+  logdir, path = _saved_run(tmp_path, data_path=str(data_file), backend="ipu")
+  with pytest.raises(UserError, match="^%s with --cell_name=synth: flags" % path):
+    load_run_config(logdir, tool_defaults={"backend": "auto"}, cell_name="synth")
+  config = load_run_config(logdir, tool_defaults={"backend": "auto"})
+  assert config.backend == "auto"  # a run trained on IPUs is evaluated where the tool runs
+  assert load_run_config(logdir, tool_defaults={"backend": "auto"}, backend="cpu").backend == "cpu"

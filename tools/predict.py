@@ -71,10 +71,14 @@ def main(argv):
     from training.summary import load_run_config  # pylint: disable=import-outside-toplevel
     if FLAGS.data_path and not os.path.exists(FLAGS.data_path):
       raise UserError("--data_path=%s does not exist" % FLAGS.data_path)
-    config = load_run_config(FLAGS.logdir, backend=FLAGS.backend, replicas=FLAGS.replicas,
-                             data_path=FLAGS.data_path and os.path.abspath(FLAGS.data_path),
-                             cell_name=_cell_name(), probe_type=FLAGS.probe_type,
-                             batch_size=FLAGS.batch_size)
+    # This tool's --backend=auto and --replicas=1 apply unless given (a run trained on 4 IPUs is evaluated
+    # where this runs), but only flags the user typed are named in an error about them.
+    settings = {"backend": FLAGS.backend, "replicas": FLAGS.replicas}
+    config = load_run_config(
+        FLAGS.logdir, tool_defaults={name: value for name, value in settings.items() if not FLAGS[name].present},
+        **{name: value for name, value in settings.items() if FLAGS[name].present},
+        data_path=FLAGS.data_path and os.path.abspath(FLAGS.data_path), cell_name=_cell_name(),
+        probe_type=FLAGS.probe_type, batch_size=FLAGS.batch_size)
     environment.prepare(config)
     config, backend = environment.start_backend(config)  # imports TensorFlow
     from analysis import evaluation  # pylint: disable=import-outside-toplevel

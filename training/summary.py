@@ -353,14 +353,15 @@ EVAL_OVERRIDES = {"resume": False, "predict": False, "compile_only": False, "pro
                   "steps_per_execution": 0, "steps_per_epoch": 0, "eval_steps": 0}
 
 
-def load_run_config(logdir: str, **overrides) -> RunConfig:
+def load_run_config(logdir: str, tool_defaults: dict = None, **overrides) -> RunConfig:
   """The RunConfig a run in `logdir` was trained with, reset for evaluation, updated by `overrides`.
 
   Keys the current RunConfig does not know (a newer or older run) are ignored, and missing (or null)
   ones take their defaults, each with one warning line naming them: a hand-edited typo (`desgin:`)
   would otherwise evaluate another network than the run trained. The model has no default: without
-  it the file is refused. Overrides that are None are ignored. No TensorFlow: tools call this before
-  it starts.
+  it the file is refused. Overrides that are None are ignored. `tool_defaults` are a tool's own
+  defaults (predict.py's --backend=auto, --replicas=1), applied as overrides but, not being the user's, left out of
+  the messages that name what the user changed. No TensorFlow: tools call this before it starts.
   """
   if not os.path.isdir(logdir):
     raise UserError("--logdir=%s does not exist or is not a folder" % logdir)
@@ -378,7 +379,7 @@ def load_run_config(logdir: str, **overrides) -> RunConfig:
                     "of another version)", source, ", ".join(unknown))
   values = dict(saved, **EVAL_OVERRIDES, logdir=logdir)
   given = {key: value for key, value in overrides.items() if value is not None}
-  values.update(given)
+  values.update(tool_defaults or {}, **given)
   changed = ["--%s=%s" % (key, value) for key, value in given.items() if saved.get(key) != value]
   # Unset: not in the file (nor reset or given here), or null where the setting is no optional one.
   defaulted = [name for name, field in flags.RUN_CONFIG_FIELDS.items()

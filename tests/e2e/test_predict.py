@@ -228,6 +228,18 @@ def test_too_few_samples_for_the_reports_correlations(trained_run, tmp_path, cap
       "unreliable below 20" in caplog.text
 
 
+def test_main_predict_with_a_one_sample_test_split_is_refused_before_training(tmp_path):
+  """The report needs two test samples; main.py used to train to the end and write summary.yaml first."""
+  data = write_cellspike(str(tmp_path / "one_test.h5"), sizes={"train": 64, "val": 16, "test": 1})
+  logdir = tmp_path / "run"
+  result = run_main("--model=neuron_inverter", "--design=dev", "--backend=cpu", "--batch_size=16",
+                    "--data_path=" + data, "--logdir=" + str(logdir), "--epochs=1", "--precision=32.32",
+                    "--predict")
+  assert_one_line_error(result, data + ": 1 test sample, and the --predict report's correlations need at "
+                        "least 2", "leave --predict off")
+  assert not (logdir / "summary.yaml").exists() and "Epoch 1/1" not in result.stderr
+
+
 @pytest.mark.parametrize("flag", ["outdir", "export_dir"])
 @pytest.mark.parametrize("folder, blocker", [("/dev/null/x", "/dev/null"), ("{a_file}/sub", "{a_file}")])
 def test_an_output_folder_that_cannot_be_made_is_refused_before_evaluating(tmp_path, flag, folder, blocker):
