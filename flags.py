@@ -12,7 +12,6 @@ import datetime
 import functools
 import math
 import os
-import re
 
 from absl import flags
 from absl import logging

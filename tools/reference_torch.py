@@ -112,8 +112,9 @@ def main():
   window()  # warm-up
   rates = [window() for _ in range(args.windows)]
   print(json.dumps({"framework": "torch " + torch.__version__, "design": args.design, "bf16": args.bf16,
-                    "batch_size": args.batch_size,                    "threads": torch.get_num_threads(), "samples_per_sec": statistics.median(rates),
-                    "windows": rates, "params": sum(p.numel() for p in net.parameters())}))
+                    "batch_size": args.batch_size, "threads": torch.get_num_threads(),
+                    "samples_per_sec": statistics.median(rates), "windows": rates,
+                    "params": sum(p.numel() for p in net.parameters())}))
 
 
 if __name__ == "__main__":

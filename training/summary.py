@@ -360,8 +360,8 @@ def load_run_config(logdir: str, tool_defaults: dict = None, **overrides) -> Run
   ones take their defaults, each with one warning line naming them: a hand-edited typo (`desgin:`)
   would otherwise evaluate another network than the run trained. The model has no default: without
   it the file is refused. Overrides that are None are ignored. `tool_defaults` are a tool's own
-  defaults (predict.py's --backend=auto, --replicas=1), applied as overrides but, not being the user's, left out of
-  the messages that name what the user changed. No TensorFlow: tools call this before it starts.
+  defaults (predict.py's --backend=auto, --replicas=1): applied as overrides, but left out of the
+  messages that name what the user changed. No TensorFlow: tools call this before it starts.
   """
   if not os.path.isdir(logdir):
     raise UserError("--logdir=%s does not exist or is not a folder" % logdir)
