@@ -305,18 +305,18 @@ def to_config(values: flags.FlagValues, refuse_unused: bool = True, command_line
                         "give defaults for %s" % (values.model, name, ", ".join(MODEL_DEFAULTED)))
       fields[name] = defaults[name]
   plateau_given = [name for name in PLATEAU_FLAGS if values[name].present]
-  typed = _typed_flags(command_line)
-  if (refuse_unused and fields["lr_schedule"] == "cosine" and plateau_given and typed is not None
-      and "lr_schedule" in typed and not typed.intersection(plateau_given)):
-    # A flagfile's plateau settings (configs/neuron_inverter_reference.flags), overridden as typed.
-    logging.warning("--lr_schedule=cosine overrides the flagfile's schedule: its --%s go unused",
-                    ", --".join(plateau_given))
-  elif refuse_unused and fields["lr_schedule"] == "cosine" and plateau_given:
-    raise UserError("--%s only act%s with --lr_schedule=plateau, and this run's schedule is cosine%s: drop "
-                    "%s, or pass --lr_schedule=plateau" % (
-                        ", --".join(plateau_given), "s" if len(plateau_given) == 1 else "",
-                        "" if values["lr_schedule"].present else " (the model's default)",
-                        "it" if len(plateau_given) == 1 else "them"))
+  if refuse_unused and fields["lr_schedule"] == "cosine" and plateau_given:
+    typed = _typed_flags(command_line)
+    if typed is not None and "lr_schedule" in typed and not typed.intersection(plateau_given):
+      # A flagfile's plateau settings (configs/neuron_inverter_reference.flags), overridden as typed.
+      logging.warning("--lr_schedule=cosine overrides the flagfile's schedule: its --%s go unused",
+                      ", --".join(plateau_given))
+    else:
+      raise UserError("--%s only act%s with --lr_schedule=plateau, and this run's schedule is cosine%s: "
+                      "drop %s, or pass --lr_schedule=plateau" % (
+                          ", --".join(plateau_given), "s" if len(plateau_given) == 1 else "",
+                          "" if values["lr_schedule"].present else " (the model's default)",
+                          "it" if len(plateau_given) == 1 else "them"))
   for name in PATH_FLAGS:
     fields[name] = os.path.abspath(fields[name]) if fields[name] else fields[name]
   fields["logdir"] = values.logdir or os.path.join(
