@@ -332,16 +332,20 @@ def _models_using(name: str) -> list:
   return sorted(key for key, info in model.MODELS.items() if name in DATASET_FLAGS.get(info.dataset, ()))
 
 
+def flag_name(argument: str):
+  """The flag a command-line word names (`--epochs=8`, `--epochs`, `-noresume`: epochs, noresume), or None
+  for a word that is no flag."""
+  return argument.lstrip("-").split("=", 1)[0] if argument.startswith("-") else None
+
+
 def _typed_flags(command_line):
   """The names of the flags in `command_line` as typed (a flagfile's own flags not among them; --noX
   counts as X), or None where the command line is not known."""
   if command_line is None:
     return None
   typed = set()
-  for argument in command_line:
-    if argument.startswith("-") and argument.strip("-"):
-      flag = argument.lstrip("-").split("=")[0]
-      typed.update((flag, flag[2:] if flag.startswith("no") else flag))
+  for flag in filter(None, map(flag_name, command_line)):
+    typed.update((flag, flag[2:] if flag.startswith("no") else flag))
   return typed
 
 

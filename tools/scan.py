@@ -35,6 +35,7 @@ import yaml  # noqa: E402  pylint: disable=wrong-import-position
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
 
+from flags import flag_name  # noqa: E402  pylint: disable=wrong-import-position
 from training import logs  # noqa: E402  pylint: disable=wrong-import-position
 from training.summary import python_command, tool_command, write_yaml  # noqa: E402  pylint: disable=wrong-import-position
 MODES = ("serial", "slurm", "point", "report")
@@ -73,7 +74,7 @@ _SCAN_SETS = {"learning_rate": "--learning_rates", "replicas": "--replicas", "lo
 
 def make_grid(learning_rates: list, replicas: list, main_args: list) -> dict:
   for arg in main_args:
-    name = arg.lstrip("-").split("=", 1)[0] if arg.startswith("-") else None
+    name = flag_name(arg)
     if name in _SCAN_SETS:
       raise ScanError("%s after `--`: the scan sets --%s of each point itself; use the scan's %s"
                       % (arg, name, _SCAN_SETS[name]))

@@ -255,7 +255,7 @@ def resume_command(argv, logdir: str, epochs: int) -> str:
     if skip_value:  # the value of `--logdir DIR` or `--epochs N`
       skip_value = False
       continue
-    name = token.lstrip("-").split("=", 1)[0] if token.startswith("-") else None
+    name = flags.flag_name(token)
     if name in _RESUME_SETS:
       skip_value = name in _RESUME_VALUED and "=" not in token
       continue
