@@ -4,6 +4,8 @@ import dataclasses
 import inspect
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import tensorflow as tf
@@ -12,6 +14,7 @@ from data.splits import eval_layout
 from errors import UserError
 from run_config import RunConfig
 from strategies import cpu, cpuinfo, environment, gpu, ipu, multiworker, select
+from tests.support.helpers import REPO_ROOT
 
 
 def test_auto_picks_cpu_here():
@@ -99,6 +102,31 @@ def test_keras_is_version_2():
 def test_environment_refuses_to_run_after_tensorflow_import():
   with pytest.raises(RuntimeError, match="before TensorFlow is imported"):
     environment.prepare(RunConfig(model="mnist"))
+
+
+_FROZEN_IMPORT_SCRIPT = """
+import gc, sys
+from strategies import environment
+with environment.imports_kept_from_the_collector():
+  paused = not gc.isenabled()
+  import tensorflow
+frozen = gc.get_freeze_count()
+with environment.imports_kept_from_the_collector():  # TensorFlow is in: the block runs untouched
+  paused_again = not gc.isenabled()
+class Node: pass
+node = Node(); node.self = node; del node   # a cycle made after the import: still collected
+print(paused, frozen, paused_again, gc.get_freeze_count() == frozen, gc.isenabled(), gc.collect() > 0)
+"""
+
+
+def test_tensorflows_import_is_kept_from_the_garbage_collector():
+  """A fresh process (as main.py and the tools start): the collector is paused while TensorFlow is
+  imported, its objects are then frozen, and later garbage is collected as before."""
+  result = subprocess.run([sys.executable, "-c", _FROZEN_IMPORT_SCRIPT], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120, check=True)
+  paused, frozen, paused_again, unchanged, enabled, collected = result.stdout.split()
+  assert paused == "True" and int(frozen) > 100000  # TensorFlow's own objects number in the hundreds of thousands
+  assert (paused_again, unchanged, enabled, collected) == ("False", "True", "True", "True")
 
 
 @pytest.mark.parametrize("precision, kind, policy", [
