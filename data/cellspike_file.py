@@ -215,6 +215,22 @@ def _check_storage(dataset: h5py.Dataset, path: str, key: str) -> None:
                       % (path, key, name, folder))
 
 
+def _check_every_chunk_written(dataset: h5py.Dataset, path: str) -> None:
+  """A chunked dataset whose writer stopped part-way has chunks that were never stored, and HDF5 reads
+  them as the fill value: rows of zeros that would train silently. Counting the stored chunks reads
+  only the chunk index, not the data."""
+  if dataset.chunks is None or dataset.is_virtual:
+    return
+  expected = int(np.prod([-(-size // chunk) for size, chunk in zip(dataset.shape, dataset.chunks)],
+                         dtype=np.int64))
+  stored = dataset.id.get_num_chunks()
+  if stored < expected:
+    raise UserError("%s: '%s' is only partly written: %d of its %d chunks of %s values hold data, and the "
+                    "rest would read as zeros (a writer that stopped early?)"
+                    % (path, dataset.name.lstrip("/"), stored, expected,
+                       "x".join(str(d) for d in dataset.chunks)))
+
+
 def checked_row_ranges(shape: tuple, itemsize: int) -> list:
   """[start, stop) row ranges of a dataset that the NaN/Inf check reads (see the module docstring)."""
   n = shape[0]
@@ -262,6 +278,7 @@ def _check_split(path: str, f: h5py.File, dom: str) -> tuple:
       # Created but never written (a writer that stopped early): it would read as its fill value.
       raise UserError("%s: '%s' holds no data (its %s values were never written)"
                       % (path, dataset.name.lstrip("/"), "x".join(str(d) for d in dataset.shape)))
+    _check_every_chunk_written(dataset, path)
     row = _first_non_finite_row(dataset)
     if row is not None:
       raise UserError("%s: '%s' contains NaN or Inf values (row %d)"

@@ -202,6 +202,25 @@ def test_a_dataset_never_written_is_refused(tmp_path):
     cellspike_file.open_cellspike(path)
 
 
+@pytest.mark.parametrize("rows_written, refused", [(8, True), (20, True), (32, False)])
+def test_a_chunked_dataset_written_in_part_is_refused(tmp_path, rows_written, refused):
+  """The writer stopped after some chunks: the others would read as zeros. With every chunk stored it
+  opens, though the chunks along the time axis run past its end (1600 bins in chunks of 1000)."""
+  path = write_cellspike(str(tmp_path / "a.h5"))
+  with h5py.File(path, "a") as f:
+    frames = f["val_frames"][...]
+    del f["val_frames"]
+    f.create_dataset("val_frames", shape=frames.shape, dtype=frames.dtype, chunks=(8, 1000, 4))
+    f["val_frames"][:rows_written] = frames[:rows_written]
+  if not refused:
+    assert cellspike_file.open_cellspike(path).splits["val"].num_samples == 32
+    return
+  stored = -(-rows_written // 8) * 2
+  with pytest.raises(UserError, match="a.h5: 'val_frames' is only partly written: %d of its 8 chunks of "
+                                      "8x1000x4 values hold data" % stored):
+    cellspike_file.open_cellspike(path)
+
+
 def test_cell_files_may_be_links_to_files_elsewhere(tmp_path):
   """Clusters keep datasets in one place and link them into run folders; the check that the template
   stays in the folder is about its name, not where a link leads."""
