@@ -5,12 +5,20 @@ CPU devices can only be configured before TensorFlow's runtime starts, so both h
 """
 
 import os
+import signal
 import tempfile
 
 import pytest
 
 from run_config import RunConfig
 from strategies import environment
+
+# The tests press Ctrl-C (SIGINT) on the processes they start, as a terminal does on its foreground job.
+# A suite started in the background by a non-interactive shell (`make test &` in a script, `nohup ... &`)
+# inherits SIGINT ignored and would hand that on: TensorBoard, which keeps an ignored SIGINT, then never
+# ends. Given back its default here, every process started from the tests gets the default action.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+  signal.signal(signal.SIGINT, signal.default_int_handler)
 
 _CONFIG = RunConfig(model="mnist")
 environment.prepare(_CONFIG)
