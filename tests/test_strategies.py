@@ -125,7 +125,7 @@ def test_tensorflows_import_is_kept_from_the_garbage_collector():
   result = subprocess.run([sys.executable, "-c", _FROZEN_IMPORT_SCRIPT], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=120, check=True)
   paused, frozen, paused_again, unchanged, enabled, collected = result.stdout.split()
-  assert paused == "True" and int(frozen) > 100000  # TensorFlow's own objects number in the hundreds of thousands
+  assert paused == "True" and int(frozen) > 100000  # TensorFlow's objects: about 660,000 with 2.21
   assert (paused_again, unchanged, enabled, collected) == ("False", "True", "True", "True")
 
 
