@@ -215,6 +215,11 @@ def _check_storage(dataset: h5py.Dataset, path: str, key: str) -> None:
                       % (path, key, name, folder))
 
 
+def _dims(shape: tuple) -> str:
+  """A shape as an error line writes it: 32x1600x4."""
+  return "x".join(str(d) for d in shape)
+
+
 def _check_every_chunk_written(dataset: h5py.Dataset, path: str) -> None:
   """A chunked dataset whose writer stopped part-way has chunks that were never stored, and HDF5 reads
   them as the fill value: rows of zeros that would train silently. Counting the stored chunks reads
@@ -227,8 +232,7 @@ def _check_every_chunk_written(dataset: h5py.Dataset, path: str) -> None:
   if stored < expected:
     raise UserError("%s: '%s' is only partly written: %d of its %d chunks of %s values hold data, and the "
                     "rest would read as zeros (a writer that stopped early?)"
-                    % (path, dataset.name.lstrip("/"), stored, expected,
-                       "x".join(str(d) for d in dataset.chunks)))
+                    % (path, dataset.name.lstrip("/"), stored, expected, _dims(dataset.chunks)))
 
 
 def checked_row_ranges(shape: tuple, itemsize: int) -> list:
@@ -277,7 +281,7 @@ def _check_split(path: str, f: h5py.File, dom: str) -> tuple:
     if not dataset.is_virtual and dataset.id.get_storage_size() == 0:
       # Created but never written (a writer that stopped early): it would read as its fill value.
       raise UserError("%s: '%s' holds no data (its %s values were never written)"
-                      % (path, dataset.name.lstrip("/"), "x".join(str(d) for d in dataset.shape)))
+                      % (path, dataset.name.lstrip("/"), _dims(dataset.shape)))
     _check_every_chunk_written(dataset, path)
     row = _first_non_finite_row(dataset)
     if row is not None:

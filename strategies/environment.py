@@ -183,8 +183,8 @@ def imports_kept_from_the_collector():
   TensorFlow's modules, classes and functions (about 660,000 objects with TensorFlow 2.21) live until
   the process ends; each full collection walked them all, and so did the last ones at exit. That cost
   a short run about 1.5 s of its 8 (0.5 s while importing, 1 s at exit), and the test suite starts a
-  hundred such processes. Objects made later (models, datasets, writers) are collected as usual. Where TensorFlow
-  is already imported (a test process, a second call) the block runs untouched.
+  hundred such processes. Objects made later (models, datasets, writers) are collected as usual.
+  Where TensorFlow is already imported (a test process, a second call) the block runs untouched.
   """
   if "tensorflow" in sys.modules or not gc.isenabled():
     yield

@@ -100,9 +100,9 @@ def _prepare():
   import dataclasses  # pylint: disable=import-outside-toplevel
   from run_config import RunConfig  # pylint: disable=import-outside-toplevel
   from strategies import environment  # pylint: disable=import-outside-toplevel
-  config = RunConfig(model="neuron_inverter", backend="cpu", batch_size=FLAGS.batch_size, replicas=FLAGS.replicas,
-                     precision=FLAGS.precisions[0], jit_compile=FLAGS.jit_compile, in_memory=True,
-                     cache_dir="", autotune=FLAGS.autotune)
+  config = RunConfig(model="neuron_inverter", backend="cpu", batch_size=FLAGS.batch_size,
+                     replicas=FLAGS.replicas, precision=FLAGS.precisions[0], jit_compile=FLAGS.jit_compile,
+                     in_memory=True, cache_dir="", autotune=FLAGS.autotune)
   environment.prepare(config)  # without an XLA persistent cache: compile times are measured apart
   environment.import_tensorflow(config)
   return dataclasses.replace(config, data_path=_data_path(),

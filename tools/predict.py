@@ -74,9 +74,9 @@ def main(argv):
     # This tool's --backend=auto and --replicas=1 apply unless given (a run trained on 4 IPUs is evaluated
     # where this runs), but only flags the user typed are named in an error about them.
     settings = {"backend": FLAGS.backend, "replicas": FLAGS.replicas}
+    typed = {name: value for name, value in settings.items() if FLAGS[name].present}
     config = load_run_config(
-        FLAGS.logdir, tool_defaults={name: value for name, value in settings.items() if not FLAGS[name].present},
-        **{name: value for name, value in settings.items() if FLAGS[name].present},
+        FLAGS.logdir, tool_defaults={name: settings[name] for name in settings if name not in typed}, **typed,
         data_path=FLAGS.data_path and os.path.abspath(FLAGS.data_path), cell_name=_cell_name(),
         probe_type=FLAGS.probe_type, batch_size=FLAGS.batch_size)
     environment.prepare(config)
