@@ -47,7 +47,12 @@ def _limits(truth: np.ndarray):
 
 
 def _short(name: str, width: int = 30) -> str:
-  return name if len(name) <= width else name[:width - 1] + "…"
+  """`name` in at most `width` characters, cut in the middle: a file's or run's end (extension,
+  timestamp) tells it from its neighbours more often than its start does."""
+  if len(name) <= width:
+    return name
+  head = (width - 1) // 2
+  return name[:head] + "…" + name[len(name) - (width - 1 - head):]
 
 
 def _color_frame(ax, color: str) -> None:
@@ -71,7 +76,7 @@ def _run_lines(results: dict) -> list:
       "mean-predictor MSE: %.4f" % results["mean_predictor_mse"],
   ]
   if train.get("val_loss") is not None:
-    lines.append("train val loss: %.4f" % train["val_loss"])
+    lines.append("val loss, last epoch: %.4f" % train["val_loss"])
   if train.get("epochs") is not None:
     lines.append("trained: %s epochs, %s x %s" % (train["epochs"], train.get("replicas"),
                                                    str(train.get("backend", "")).upper()))

@@ -100,6 +100,14 @@ def test_export_computes_as_the_application_at_its_precision(tmp_path, precision
   assert ("each call's batch" in info.get("note", "")) == (statistics == "batch")
 
 
+@pytest.mark.parametrize("name, shown", [
+    ("synth_excite.cellSpike_4prB8kHz.data.h5", "synth_excite.ce…4prB8kHz.data.h5"),
+    ("20261126-190858", "20261126-190858")])
+def test_the_info_panel_keeps_the_end_of_a_long_name(name, shown):
+  # The end tells a file (its extension) or a run (its timestamp) from its neighbours.
+  assert plots._short(name, 32) == shown and len(plots._short(name, 32)) <= 32  # pylint: disable=protected-access
+
+
 # --- Training curves ------------------------------------------------------------------------------------
 
 def _summary_only_run(tmp_path, lr, schedule):
