@@ -15,6 +15,10 @@ NaN/Inf check: a dataset of at most `FULL_SCAN_BYTES` is scanned completely (in 
 start, middle and end only: scanning 15-144 GB at every start would cost minutes (the whole file read
 from a parallel file system) before each run. A NaN/Inf elsewhere in such a frame array is therefore
 not found at open time; it shows up as a NaN/Inf training loss, which the training loop stops on.
+
+A file written in part reads its missing rows as zeros (or, in contiguous storage, as whatever the file
+held there). A dataset never written and chunks never stored are found in HDF5's own records; the last
+sample of each split's frames is read, since a writer that stopped early leaves it unwritten.
 """
 
 import dataclasses
@@ -235,6 +239,18 @@ def _check_every_chunk_written(dataset: h5py.Dataset, path: str) -> None:
                     % (path, dataset.name.lstrip("/"), stored, expected, _dims(dataset.chunks)))
 
 
+def _check_last_sample_written(frames: h5py.Dataset, path: str) -> None:
+  """A writer that stopped before the end leaves the last rows unwritten, and they read as zeros (the
+  fill value, or a contiguous dataset's fresh file space). The chunk count cannot see that in a
+  contiguous dataset (h5py's default layout), nor inside a chunk that was begun; a recorded or
+  simulated voltage trace is never zero at every time bin and probe. One row is read."""
+  last = frames.shape[0] - 1
+  if not np.any(frames[last]):
+    raise UserError("%s: the last sample of '%s' (row %d) is zero at every time bin and probe: the file "
+                    "looks written only in part (a writer that stopped early?)"
+                    % (path, frames.name.lstrip("/"), last))
+
+
 def checked_row_ranges(shape: tuple, itemsize: int) -> list:
   """[start, stop) row ranges of a dataset that the NaN/Inf check reads (see the module docstring)."""
   n = shape[0]
@@ -287,6 +303,7 @@ def _check_split(path: str, f: h5py.File, dom: str) -> tuple:
     if row is not None:
       raise UserError("%s: '%s' contains NaN or Inf values (row %d)"
                       % (path, dataset.name.lstrip("/"), row))
+  _check_last_sample_written(frames, path)
   return frames.shape, targets.shape, frames.dtype
 
 

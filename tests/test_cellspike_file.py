@@ -37,7 +37,7 @@ def test_reference_layout_opens(tmp_path):
     ("val_frames", np.zeros((0, 1600, 4), np.float32), "val split is empty"),
     ("train_unitStar_par", np.full((64, 15), np.nan, np.float32), "'train_unitStar_par' contains NaN"),
     ("train_frames", np.zeros((64, 1600, 4), np.int16), "dtype int16, expected float16 or float32"),
-    ("val_frames", np.zeros((32, 800, 4), np.float32), "splits disagree on frame shape"),
+    ("val_frames", np.ones((32, 800, 4), np.float32), "splits disagree on frame shape"),  # zeros: not written
 ])
 def test_malformed_files(tmp_path, key, data, message):
   path = write_cellspike(str(tmp_path / "c.h5"))
@@ -200,6 +200,28 @@ def test_a_dataset_never_written_is_refused(tmp_path):
     f.create_dataset("test_frames", shape=(32, 1600, 4), dtype=np.float32)
   with pytest.raises(UserError, match="'test_frames' holds no data \\(its 32x1600x4 values were never written"):
     cellspike_file.open_cellspike(path)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "chunked"])
+def test_a_split_whose_last_samples_were_never_written_is_refused(tmp_path, layout):
+  """Contiguous storage (h5py's default), or a chunked dataset whose last chunk was begun: the chunk count
+  cannot see the unwritten rows, which would read as zeros. A file whose last sample holds data opens."""
+  whole = write_cellspike(str(tmp_path / "whole.h5"))
+  path = str(tmp_path / "a.h5")
+  with h5py.File(whole, "r") as source, h5py.File(path, "w") as f:  # a new file: no freed space reused
+    for key in source:
+      if key != "val_frames":
+        source.copy(source[key], f)
+    frames = source["val_frames"][...]
+    f.create_dataset("val_frames", shape=frames.shape, dtype=frames.dtype,
+                     chunks=(32, 400, 4) if layout == "chunked" else None)
+    f["val_frames"][:29] = frames[:29]
+  with pytest.raises(UserError, match="a.h5: the last sample of 'val_frames' \\(row 31\\) is zero at every "
+                                      "time bin and probe: the file looks written only in part"):
+    cellspike_file.open_cellspike(path)
+  with h5py.File(path, "a") as f:
+    f["val_frames"][29:] = frames[29:]
+  assert cellspike_file.open_cellspike(path).splits["val"].num_samples == 32
 
 
 @pytest.mark.parametrize("rows_written, refused", [(8, True), (20, True), (32, False)])
