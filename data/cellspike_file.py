@@ -16,8 +16,9 @@ start, middle and end only: scanning 15-144 GB at every start would cost minutes
 from a parallel file system) before each run. A NaN/Inf elsewhere in such a frame array is therefore
 not found at open time; it shows up as a NaN/Inf training loss, which the training loop stops on.
 
-A file written in part reads its missing rows as zeros (or, in contiguous storage, as whatever the file
-held there). A dataset never written and chunks never stored are found in HDF5's own records; the last
+A file written in part reads its missing rows as zeros: HDF5's fill value, or the fresh file space behind
+a contiguous dataset (space the file freed and reused would hold old bytes, which no check can tell from
+data). A dataset never written and chunks never stored are found in HDF5's own records, and the last
 sample of each split's frames is read, since a writer that stopped early leaves it unwritten.
 """
 

@@ -105,7 +105,8 @@ def test_export_computes_as_the_application_at_its_precision(tmp_path, precision
     ("20261126-190858", "20261126-190858")])
 def test_the_info_panel_keeps_the_end_of_a_long_name(name, shown):
   # The end tells a file (its extension) or a run (its timestamp) from its neighbours.
-  assert plots._short(name, 32) == shown and len(plots._short(name, 32)) <= 32  # pylint: disable=protected-access
+  short = plots._short(name, 32)  # pylint: disable=protected-access
+  assert short == shown and len(short) <= 32
 
 
 # --- Training curves ------------------------------------------------------------------------------------

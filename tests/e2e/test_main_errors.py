@@ -207,9 +207,10 @@ DATA_CASES = {
     "empty_split": (lambda p: _edited(_edited(p, "test_frames", np.zeros((0, 1600, 4), np.float32)),
                                       "test_unitStar_par", np.zeros((0, 15), np.float32)),
                     ["the test split is empty"]),
-    "last_sample_unwritten": (lambda p: _edited(p, "val_frames", np.concatenate(
-        [np.ones((31, 1600, 4), np.float32), np.zeros((1, 1600, 4), np.float32)])),
-                              ["the last sample of 'val_frames' (row 31) is zero at every time bin and probe"]),
+    "last_sample_unwritten": (
+        lambda p: _edited(p, "val_frames", np.concatenate([np.ones((31, 1600, 4), np.float32),
+                                                           np.zeros((1, 1600, 4), np.float32)])),
+        ["the last sample of 'val_frames' (row 31) is zero at every time bin and probe"]),
     "integer_dtype": (lambda p: _edited(p, "train_frames", np.zeros((64, 1600, 4), np.int16)),
                       ["'train_frames' has dtype int16, expected float16 or float32"]),
     "nan_one_cell": (lambda p: _with_nonfinite(p, "train_frames", (37, 811, 2), np.nan),
