@@ -21,14 +21,23 @@ BOOKKEEPING_KEYS = ("epoch_seconds", "epoch_wall_seconds", "samples_per_sec", "s
                     "lr")
 
 
+# Keras names an epoch's scalar `epoch_` + its key; these keys already start with it (History and
+# summary.yaml keep them), so TensorBoard gets them without it: `epoch_seconds`, not `epoch_epoch_seconds`.
+_TENSORBOARD_NAMES = {"epoch_seconds": "seconds", "epoch_wall_seconds": "wall_seconds"}
+
+
 class EpochScalars(tf.keras.callbacks.TensorBoard):
-  """Keras' TensorBoard writer without its own `learning_rate` scalar.
+  """Keras' TensorBoard writer without its own `learning_rate` scalar, and without a doubled `epoch_`.
 
   With a LearningRateSchedule (the default cosine), Keras adds `epoch_learning_rate`: the rate of the
   next epoch's first update. The run's schedule callback already logs `lr`, the rate of the epoch's
   last update, which the epoch line, summary.yaml and the curves show; two nearly equal charts would
   only make a user ask which one is right.
   """
+
+  def on_epoch_end(self, epoch, logs=None):
+    super().on_epoch_end(epoch, {_TENSORBOARD_NAMES.get(key, key): value
+                                 for key, value in (logs or {}).items()})
 
   def _collect_learning_rate(self, logs):  # Keras' hook (keras 2.6 and tf_keras callbacks.py)
     return logs

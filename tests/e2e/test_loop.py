@@ -60,7 +60,8 @@ def test_two_replicas_one_epoch(tmp_path, fp16_file):
     assert os.path.isfile(os.path.join(logdir, "checkpoints", which, "checkpoint"))
   scalars = read_scalars(os.path.join(logdir, "train"))
   assert scalars["epoch_lr"][0][1] == pytest.approx(1e-3)
-  assert "epoch_samples_per_sec_per_replica" in scalars and "epoch_epoch_seconds" in scalars
+  assert "epoch_samples_per_sec_per_replica" in scalars and "epoch_seconds" in scalars
+  assert "epoch_wall_seconds" in scalars and not any("epoch_epoch" in tag for tag in scalars)
   assert "epoch_learning_rate" not in scalars   # one rate chart: the schedule's epoch_lr (issue 19)
   assert "epoch_loss" in read_scalars(os.path.join(logdir, "validation"))
 
