@@ -150,19 +150,21 @@ def nvidia_device_nodes() -> list:
 
 @contextlib.contextmanager
 def quiet_cuda_probe():
-  """Runs the block (TensorFlow's import and device discovery) with the CUDA probe's lines dropped.
+  """Runs the block (TensorFlow's import and device discovery) with the CUDA probe's lines dropped, and
+  the import's objects kept from the garbage collector (`imports_kept_from_the_collector`).
 
   File descriptor 2 goes to a temporary file for the block; every other line is written back to
   stderr afterwards, in order, also when the block raises. On a machine with an NVIDIA device node the
-  block runs untouched, whatever the backend: there a failed cuInit is the message a user needs.
+  lines are kept, whatever the backend: there a failed cuInit is the message a user needs.
   Without one no GPU can be used, and the probe's failure says nothing (with --backend=gpu, the
   backend's own error says that there is no device).
   """
-  if nvidia_device_nodes():
-    yield
-    return
-  with DroppedLines(CUDA_PROBE_LINES):
-    yield
+  with imports_kept_from_the_collector():
+    if nvidia_device_nodes():
+      yield
+      return
+    with DroppedLines(CUDA_PROBE_LINES):
+      yield
 
 
 @contextlib.contextmanager
@@ -201,7 +203,7 @@ def start_backend(config: RunConfig):
   """Imports TensorFlow (its CUDA probe quiet) and returns `(config, backend)`: the config with
   --backend and --precision resolved (what run_config.yaml and summary.yaml record) and its Backend.
   `prepare(config)` must have run: the one way in for main.py and the tools."""
-  with quiet_cuda_probe(), imports_kept_from_the_collector():
+  with quiet_cuda_probe():
     from strategies.select import resolve, select_backend  # pylint: disable=import-outside-toplevel
     config = resolve(config)
     return config, select_backend(config)
@@ -211,7 +213,7 @@ def import_tensorflow(config: RunConfig):
   """TensorFlow, imported and its devices found with the CUDA probe's lines dropped, for the tools
   that run TensorFlow without a backend (`start_backend` does the same for a run). `prepare(config)`
   must have run."""
-  with quiet_cuda_probe(), imports_kept_from_the_collector():
+  with quiet_cuda_probe():
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     tf.config.list_physical_devices()
   return tf

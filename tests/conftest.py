@@ -26,7 +26,7 @@ environment.prepare(_CONFIG)
 # Quiet as in main.py (pytest-xdist's workers print TensorFlow's start-up lines otherwise), and its objects
 # kept from the garbage collector as there: each full collection would walk them again.
 TEST_CPU_DEVICES = 2
-with environment.quiet_cuda_probe(), environment.imports_kept_from_the_collector():
+with environment.quiet_cuda_probe():
   import tensorflow as tf  # noqa: E402  pylint: disable=wrong-import-position
   tf.config.set_logical_device_configuration(
       tf.config.list_physical_devices("CPU")[0],
