@@ -36,6 +36,12 @@ def _bin(tmp_path, pythons):
   return folder
 
 
+def _link_tools(folder):
+  """Links the programs the venv recipe calls besides Python into the PATH folder."""
+  for tool in ("rm", "mktemp"):
+    (folder / tool).symlink_to(shutil.which(tool))
+
+
 def _make(tmp_path, folder, *args):
   env = {"PATH": str(folder), "HOME": str(tmp_path)}  # HOME: no pyenv Pythons
   return subprocess.run(["make", "--no-print-directory", "-s", "BACKEND=" + BACKEND] + list(args),
@@ -78,7 +84,7 @@ def test_a_venv_that_fails_half_way_is_removed(tmp_path):
       '  echo "The virtual environment was not created successfully because ensurepip is not available." >&2\n'
       '  exit 1\nfi\nexec "%s" "$@"\n' % (sys.executable, sys.executable))
   without_ensurepip.chmod(0o755)
-  (folder / "rm").symlink_to(shutil.which("rm"))
+  _link_tools(folder)
   venv = tmp_path / "venv"
   result = _make(tmp_path, folder, "install", "VENV=" + str(venv))
   assert result.returncode != 0
@@ -87,6 +93,27 @@ def test_a_venv_that_fails_half_way_is_removed(tmp_path):
   assert len(errors) == 1 and "the partial %s was removed" % venv in errors[0], result.stderr
   assert not venv.exists()
   assert "pip install" not in result.stdout
+
+
+def test_making_a_venv_leaves_nothing_in_the_temporary_folder(tmp_path):
+  """The ensurepip of Python 3.8 and 3.9 leaves a copy of pip's CA bundle in $TMPDIR at each `-m venv`
+  (one per CI run, from make test-tf26); here a Python that does the same, then fails as ensurepip can,
+  so that the test stops before pip."""
+  folder = _bin(tmp_path, [])
+  leaves_a_file = folder / THIS_PYTHON
+  leaves_a_file.write_text(
+      '#!/bin/sh\nif [ "$1 $2" = "-m venv" ]; then\n  echo "# Issuer: CN=GlobalSign Root CA" > "${TMPDIR:-/tmp}/tmpcabundle"\n'
+      '  exit 1\nfi\nexec "%s" "$@"\n' % sys.executable)
+  leaves_a_file.chmod(0o755)
+  _link_tools(folder)
+  temporary = tmp_path / "tmp"
+  temporary.mkdir()
+  env = {"PATH": str(folder), "HOME": str(tmp_path), "TMPDIR": str(temporary)}
+  result = subprocess.run(["make", "--no-print-directory", "-s", "BACKEND=" + BACKEND, "install",
+                           "VENV=" + str(tmp_path / "venv")], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+  assert result.returncode != 0 and "-m venv" in result.stdout, result.stderr
+  assert os.listdir(temporary) == []
 
 
 def test_make_alone_lists_the_targets_and_installs_nothing(tmp_path):
