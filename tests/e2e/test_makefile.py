@@ -42,8 +42,8 @@ def _link_tools(folder):
     (folder / tool).symlink_to(shutil.which(tool))
 
 
-def _make(tmp_path, folder, *args):
-  env = {"PATH": str(folder), "HOME": str(tmp_path)}  # HOME: no pyenv Pythons
+def _make(tmp_path, folder, *args, **more_env):
+  env = {"PATH": str(folder), "HOME": str(tmp_path), **more_env}  # HOME: no pyenv Pythons
   return subprocess.run(["make", "--no-print-directory", "-s", "BACKEND=" + BACKEND] + list(args),
                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
 
@@ -102,16 +102,14 @@ def test_making_a_venv_leaves_nothing_in_the_temporary_folder(tmp_path):
   folder = _bin(tmp_path, [])
   leaves_a_file = folder / THIS_PYTHON
   leaves_a_file.write_text(
-      '#!/bin/sh\nif [ "$1 $2" = "-m venv" ]; then\n  echo "# Issuer: CN=GlobalSign Root CA" > "${TMPDIR:-/tmp}/tmpcabundle"\n'
+      '#!/bin/sh\nif [ "$1 $2" = "-m venv" ]; then\n'
+      '  echo "# Issuer: CN=GlobalSign Root CA" > "${TMPDIR:-/tmp}/tmpcabundle"\n'
       '  exit 1\nfi\nexec "%s" "$@"\n' % sys.executable)
   leaves_a_file.chmod(0o755)
   _link_tools(folder)
   temporary = tmp_path / "tmp"
   temporary.mkdir()
-  env = {"PATH": str(folder), "HOME": str(tmp_path), "TMPDIR": str(temporary)}
-  result = subprocess.run(["make", "--no-print-directory", "-s", "BACKEND=" + BACKEND, "install",
-                           "VENV=" + str(tmp_path / "venv")], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=60)
+  result = _make(tmp_path, folder, "install", "VENV=" + str(tmp_path / "venv"), TMPDIR=str(temporary))
   assert result.returncode != 0 and "-m venv" in result.stdout, result.stderr
   assert os.listdir(temporary) == []
 
