@@ -186,13 +186,16 @@ def _both_ways(field: str, chosen: dict) -> tuple:
 def machine_signature() -> str:
   """What identifies this CPU to oneDNN, for caching timings: vendor, family, model, name, the
   feature flags its kernels may use (after any ONEDNN_MAX_CPU_ISA cap) and the cores this process
-  may run on."""
+  may run on; and TF_ENABLE_ONEDNN_OPTS where it is set (by the user, or on TensorFlow < 2.9 by
+  environment.cpu_variables), which chooses between TensorFlow's oneDNN and Eigen kernels."""
   fields = cpuinfo.first_processor()
   features = sorted(flag for flag in _cpu_flags() if flag.startswith(("avx", "amx", "fma", "f16c")))
   cores = cpuinfo.usable_cores()
-  return "%s family %s model %s (%s); %d cores; %s" % (
+  onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS")
+  return "%s family %s model %s (%s); %d cores; %s%s" % (
       fields.get("vendor_id", "?"), fields.get("cpu family", "?"), fields.get("model", "?"),
-      fields.get("model name", "?"), cores or 0, " ".join(features))
+      fields.get("model name", "?"), cores or 0, " ".join(features),
+      "" if onednn is None else "; TF_ENABLE_ONEDNN_OPTS=" + onednn)
 
 
 _THREAD_VARIABLES = ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")

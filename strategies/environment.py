@@ -20,22 +20,29 @@ from strategies import cpuinfo, registry
 _TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tensorflow-intel", "tf-nightly")
 # The XLA persistent cache flag exists in current TensorFlow; TF 2.6 aborts on any unknown TF_XLA_FLAGS.
 XLA_PERSISTENT_CACHE_SINCE = (2, 16)
+# TensorFlow runs oneDNN's CPU kernels by default since 2.9; the stock x86 wheels before it carry them
+# behind TF_ENABLE_ONEDNN_OPTS=1.
+ONEDNN_DEFAULT_SINCE = (2, 9)
+
+
+def installed_tensorflow() -> str:
+  """The version string of the installed TensorFlow distribution without importing it ("" if none)."""
+  try:
+    from importlib import metadata  # Python >= 3.8
+  except ImportError:  # pragma: no cover
+    return ""
+  for name in _TF_DISTRIBUTIONS:
+    try:
+      return metadata.version(name)
+    except metadata.PackageNotFoundError:
+      continue
+  return ""
 
 
 def installed_tensorflow_version():
   """(major, minor) of the installed TensorFlow without importing it; None if not found."""
-  try:
-    from importlib import metadata  # Python >= 3.8
-  except ImportError:  # pragma: no cover
-    return None
-  for name in _TF_DISTRIBUTIONS:
-    try:
-      match = re.match(r"(\d+)\.(\d+)", metadata.version(name))
-    except metadata.PackageNotFoundError:
-      continue
-    if match:
-      return int(match.group(1)), int(match.group(2))
-  return None
+  match = re.match(r"(\d+)\.(\d+)", installed_tensorflow())
+  return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 def _add_flag(variable: str, flag: str, replace_prefix: str = None) -> None:
@@ -99,6 +106,18 @@ def ipu_variables(config: RunConfig) -> None:
         "autoReport.all": "true", "autoReport.outputSerializedGraph": "false",
         "debug.allowOutOfMemory": "true"}, {"autoReport.directory": path})
     _merge_json_options("PVTI_OPTIONS", {"enable": "true"}, {"directory": path})
+
+
+def cpu_variables(config: RunConfig) -> None:
+  """oneDNN's CPU kernels on a stock TensorFlow older than 2.9, as newer ones run by default: on
+  TensorFlow 2.6.3 (the Poplar SDK's version, from PyPI) the default job's float32 step took 0.64x the
+  time with them (session 38, docs/PERFORMANCE.md). A user's own TF_ENABLE_ONEDNN_OPTS is kept.
+  Graphcore's wheels (versions "2.6.3+gc...") are left as built: their CPU work is an IPU run's host
+  side, and their build was not measured."""
+  del config  # the same for every CPU run
+  version = installed_tensorflow_version()
+  if version is not None and version < ONEDNN_DEFAULT_SINCE and "+gc" not in installed_tensorflow():
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 
 def _xla_cache_variables(config: RunConfig) -> None:

@@ -37,6 +37,7 @@ BACKENDS = {
 
 START_UP = {
     "ipu": "ipu_variables",
+    "cpu": "cpu_variables",
 }
 
 # Flag rules a backend imposes, checked when the flags are parsed (before TensorFlow loads): backend

@@ -99,6 +99,46 @@ def test_keras_is_version_2():
   assert os.environ["TF_USE_LEGACY_KERAS"] == "1"
 
 
+@pytest.mark.parametrize("version, user, expected", [
+    ("2.6.3", None, "1"),                               # the Poplar SDK's version, from PyPI
+    ("2.8.4", None, "1"),
+    ("2.6.3", "0", "0"),                                # the user's choice is kept
+    ("2.9.0", None, None), ("2.21.0", None, None),      # on by default there
+    ("2.6.3+gc3.1.0+246224+2b7af067dae+amd_znver1", None, None),  # Graphcore's wheel, left as built
+])
+def test_onednn_kernels_are_switched_on_where_tensorflow_had_them_off_by_default(monkeypatch, version, user,
+                                                                                  expected):
+  monkeypatch.setattr(environment, "installed_tensorflow", lambda: version)
+  monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
+  if user is not None:
+    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", user)
+  environment.cpu_variables(RunConfig(model="mnist", backend="cpu"))
+  assert os.environ.get("TF_ENABLE_ONEDNN_OPTS") == expected
+
+
+def test_the_machine_signature_names_tensorflows_kernel_set_where_it_is_chosen(monkeypatch):
+  """Autotune timings are keyed by the signature: timings of the Eigen kernels must not serve oneDNN's."""
+  monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
+  default = cpu.machine_signature()
+  assert "TF_ENABLE_ONEDNN_OPTS" not in default
+  monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "1")
+  assert cpu.machine_signature() == default + "; TF_ENABLE_ONEDNN_OPTS=1"
+
+
+def test_the_cpu_start_up_runs_for_the_cpu_and_auto_backends_with_the_installed_tensorflow():
+  """In a fresh process, as main.py runs it: set on the TensorFlow 2.6 stack (make test-tf26), not on
+  current TensorFlow, whose default it is; never for another backend."""
+  code = ("import os, sys; from run_config import RunConfig; from strategies import environment; "
+          "environment.prepare(RunConfig(model='mnist', backend=sys.argv[1])); "
+          "print(os.environ.get('TF_ENABLE_ONEDNN_OPTS'))")
+  env = {k: v for k, v in os.environ.items() if k != "TF_ENABLE_ONEDNN_OPTS"}
+  switched_on = environment.installed_tensorflow_version() < environment.ONEDNN_DEFAULT_SINCE
+  for backend, expected in (("cpu", switched_on), ("auto", switched_on), ("gpu", False)):
+    out = subprocess.run([sys.executable, "-c", code, backend], cwd=REPO_ROOT, env=env, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert out == ("1" if expected else "None"), (backend, out)
+
+
 def test_environment_refuses_to_run_after_tensorflow_import():
   with pytest.raises(RuntimeError, match="before TensorFlow is imported"):
     environment.prepare(RunConfig(model="mnist"))
