@@ -21,10 +21,10 @@ policy is select.py's (from POLICIES); POLICIES names a policy for every precisi
 
 The order is --backend=auto's preference: the first backend present wins (the CPU always is).
 
-A backend whose runtime reads environment variables once, when TensorFlow loads (Poplar's), cannot set
-them from its module, which imports TensorFlow: it names a TensorFlow-free function of
-`strategies/environment.py` in START_UP, which `environment.prepare` calls for `--backend=NAME` and
-for `--backend=auto`.
+A backend whose runtime reads environment variables once, when TensorFlow loads (Poplar's flags;
+TensorFlow's own switch to oneDNN's CPU kernels), cannot set them from its module, which imports
+TensorFlow: it names a TensorFlow-free function of `strategies/environment.py` in START_UP, which
+`environment.prepare` calls for `--backend=NAME` and for `--backend=auto`.
 """
 
 from strategies import pipeline_rules
