@@ -39,10 +39,14 @@ def installed_tensorflow() -> str:
   return ""
 
 
+def _major_minor(release: str):
+  match = re.match(r"(\d+)\.(\d+)", release)
+  return (int(match.group(1)), int(match.group(2))) if match else None
+
+
 def installed_tensorflow_version():
   """(major, minor) of the installed TensorFlow without importing it; None if not found."""
-  match = re.match(r"(\d+)\.(\d+)", installed_tensorflow())
-  return (int(match.group(1)), int(match.group(2))) if match else None
+  return _major_minor(installed_tensorflow())
 
 
 def _add_flag(variable: str, flag: str, replace_prefix: str = None) -> None:
@@ -115,8 +119,9 @@ def cpu_variables(config: RunConfig) -> None:
   Graphcore's wheels (versions "2.6.3+gc...") are left as built: their CPU work is an IPU run's host
   side, and their build was not measured."""
   del config  # the same for every CPU run
-  version = installed_tensorflow_version()
-  if version is not None and version < ONEDNN_DEFAULT_SINCE and "+gc" not in installed_tensorflow():
+  release = installed_tensorflow()  # one metadata lookup for both questions
+  version = _major_minor(release)
+  if version is not None and version < ONEDNN_DEFAULT_SINCE and "+gc" not in release:
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 
