@@ -27,12 +27,32 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from errors import OneLineArgumentParser, existing_file, report_missing_packages  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages("reference")  # before the first third-party import: one line where one is missing
 
+from model.designs import DESIGNS  # noqa: E402  plain data: no TensorFlow comes with it
+
+
+def parse_args():
+  parser = OneLineArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--data_path", type=existing_file, required=True, help="cellSpike .h5 file")
+  parser.add_argument("--design", default="ontra4", choices=sorted(DESIGNS))
+  parser.add_argument("--batch_size", type=int, default=192)
+  parser.add_argument("--windows", type=int, default=5, help="timed windows (the median is reported)")
+  parser.add_argument("--window_steps", type=int, default=30, help="training steps per window")
+  parser.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's default, "
+                      "all cores)")
+  parser.add_argument("--learning_rate", type=float, default=1e-3)
+  parser.add_argument("--bf16", action="store_true", help="mixed bfloat16: torch.autocast on the CPU "
+                      "(the reference's own AMP is CUDA float16, which a CPU does not have)")
+  return parser.parse_args()
+
+
+if __name__ == "__main__":  # before PyTorch's import (seconds): --help and a bad argument answer at once
+  _ARGS = parse_args()
+
 import h5py  # noqa: E402  pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
 import torch  # noqa: E402  pylint: disable=wrong-import-position
 from torch import nn  # noqa: E402  pylint: disable=wrong-import-position
 
-from model.designs import DESIGNS  # noqa: E402  plain data: no TensorFlow comes with it
 
 class ReferenceModel(nn.Module):
   """CNN + FC regressor with the reference's layer order and its reshape-not-transpose input."""
@@ -60,19 +80,6 @@ class ReferenceModel(nn.Module):
     return self.head(self.cnn(x).flatten(1))
 
 
-def parse_args():
-  parser = OneLineArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--data_path", type=existing_file, required=True, help="cellSpike .h5 file")
-  parser.add_argument("--design", default="ontra4", choices=sorted(DESIGNS))
-  parser.add_argument("--batch_size", type=int, default=192)
-  parser.add_argument("--windows", type=int, default=5, help="timed windows (the median is reported)")
-  parser.add_argument("--window_steps", type=int, default=30, help="training steps per window")
-  parser.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's default, "
-                      "all cores)")
-  parser.add_argument("--learning_rate", type=float, default=1e-3)
-  parser.add_argument("--bf16", action="store_true", help="mixed bfloat16: torch.autocast on the CPU "
-                      "(the reference's own AMP is CUDA float16, which a CPU does not have)")
-  return parser.parse_args()
 
 
 def load_batches(path: str, batch_size: int, count: int):
@@ -86,8 +93,7 @@ def load_batches(path: str, batch_size: int, count: int):
   return list(zip(frames.split(batch_size), targets.split(batch_size)))
 
 
-def main():
-  args = parse_args()
+def main(args):
   if args.threads:
     torch.set_num_threads(args.threads)
   torch.manual_seed(0)
@@ -118,4 +124,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  main(_ARGS)

@@ -27,12 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from errors import OneLineArgumentParser, existing_file, report_missing_packages  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages("reference")  # before the first third-party import: one line where one is missing
 
-import h5py  # noqa: E402  pylint: disable=wrong-import-position
-import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
-import torch  # noqa: E402  pylint: disable=wrong-import-position
-from torch import nn  # noqa: E402  pylint: disable=wrong-import-position
-
-from reference_torch import DESIGNS, ReferenceModel  # noqa: E402  pylint: disable=wrong-import-position
+from model.designs import DESIGNS  # noqa: E402  plain data: no TensorFlow comes with it
 
 
 def parse_args():
@@ -51,6 +46,19 @@ def parse_args():
   parser.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's default)")
   parser.add_argument("--bf16", action="store_true", help="mixed bfloat16 (torch.autocast on the CPU)")
   return parser.parse_args()
+
+
+if __name__ == "__main__":  # before PyTorch's import (seconds): --help and a bad argument answer at once
+  _ARGS = parse_args()
+
+import h5py  # noqa: E402  pylint: disable=wrong-import-position
+import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
+import torch  # noqa: E402  pylint: disable=wrong-import-position
+from torch import nn  # noqa: E402  pylint: disable=wrong-import-position
+
+from reference_torch import ReferenceModel  # noqa: E402  pylint: disable=wrong-import-position
+
+
 
 
 def load_split(path: str, split: str):
@@ -86,8 +94,7 @@ def validate(net, loss_fn, frames, targets, args) -> float:
   return total / len(frames)
 
 
-def main():
-  args = parse_args()
+def main(args):
   if args.threads:
     torch.set_num_threads(args.threads)
   torch.manual_seed(args.seed)
@@ -116,4 +123,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  main(_ARGS)

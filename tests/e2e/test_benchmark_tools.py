@@ -180,6 +180,17 @@ def test_the_argparse_tools_report_a_bad_argument_on_one_line(tool, args, messag
   assert result.stderr.splitlines() == ["%s: error: %s" % (tool, message)]    # no usage block before it
 
 
+@pytest.mark.parametrize("tool", ["reference_train.py", "reference_torch.py"])
+@pytest.mark.parametrize("args", [["--help"], ["--design=nope"]])
+def test_the_reference_tools_answer_help_and_a_bad_argument_before_importing_pytorch(tool, args):
+  code = ("import runpy, sys; sys.argv = [%r] + %r\n"
+          "try:\n  runpy.run_path(%r, run_name='__main__')\n"
+          "except SystemExit as stop:\n  print(stop.code, 'torch' in sys.modules)"
+          % (tool, args, os.path.join(REPO_ROOT, "tools", tool)))
+  result = subprocess.run([TORCH_PYTHON, "-c", code], capture_output=True, text=True, timeout=120)
+  assert result.stdout.splitlines()[-1] == ("0 False" if args == ["--help"] else "2 False"), result.stderr
+
+
 def test_parity_report_and_time_to_quality(tmp_path):
   from tools import parity  # pylint: disable=import-outside-toplevel
   source = write_cellspike(str(tmp_path / "d.h5"), sizes={"train": 64, "val": 32, "test": 16})
