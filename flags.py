@@ -191,6 +191,18 @@ def _define_placement_flags() -> None:
 FLOAT_FLAGS = ("learning_rate", "dropout", "lr_factor", "available_memory_proportion")
 
 
+def register_data_path_checks(flag_values: flags.FlagValues) -> None:
+  """--data_path's checks that read nothing, made as the flags are parsed: main.py's, and the benchmark
+  tools' (so that there too a wrong path is one line in these words, before TensorFlow's import)."""
+  flags.register_validator(
+      "data_path", lambda v: v is None or os.path.exists(v),
+      message="--data_path does not exist (give an existing file or folder)", flag_values=flag_values)
+  flags.register_validator(  # a FIFO or device would block or stream forever in open()
+      "data_path", lambda v: v is None or not os.path.exists(v) or os.path.isfile(v) or os.path.isdir(v),
+      message="--data_path is neither a regular file nor a folder (a pipe, socket or device cannot be read "
+              "as a dataset)", flag_values=flag_values)
+
+
 def _register_validators() -> None:
   for name in FLOAT_FLAGS:  # absl's bounds let NaN through (every comparison with it is false)
     _on.register_validator(name, lambda v: v is None or math.isfinite(v),
@@ -199,13 +211,7 @@ def _register_validators() -> None:
                            message="--learning_rate must be a positive number")
   _on.register_validator("dropout", lambda v: v is None or v < 1,
                            message="--dropout must be below 1 (a rate of 1 drops every unit)")
-  _on.register_validator(
-      "data_path", lambda v: v is None or os.path.exists(v),
-      message="--data_path does not exist (give an existing file or folder)")
-  _on.register_validator(  # a FIFO or device would block or stream forever in open()
-      "data_path", lambda v: v is None or not os.path.exists(v) or os.path.isfile(v) or os.path.isdir(v),
-      message="--data_path is neither a regular file nor a folder (a pipe, socket or device cannot be read "
-              "as a dataset)")
+  register_data_path_checks(_on.flag_values)
   _on.register_validator(
       "logdir", lambda v: v is None or not os.path.isfile(v),
       message="--logdir names an existing file; it must be a folder (it is created if missing)")

@@ -37,7 +37,7 @@ report_missing_packages()  # before the first third-party import: one line where
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
-from flags import PRECISIONS  # noqa: E402  pylint: disable=wrong-import-position
+from flags import PRECISIONS, register_data_path_checks  # noqa: E402  pylint: disable=wrong-import-position
 from model.designs import DESIGNS  # noqa: E402  pylint: disable=wrong-import-position
 
 flags.DEFINE_list("designs", ["ontra4", "dev"], "Neuron-Inverter designs to measure.")
@@ -83,6 +83,7 @@ def _all_in(valid, what: str):
   return check
 
 
+register_data_path_checks(flags.FLAGS)
 flags.register_validator("designs", _all_in(tuple(DESIGNS), "designs"))
 flags.register_validator("precisions", _all_in(PRECISIONS, "precisions"))
 flags.register_validator("skip", _all_in(SKIPPABLE, "parts"))

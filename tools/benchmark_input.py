@@ -30,6 +30,8 @@ report_missing_packages()  # before the first third-party import: one line where
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
 
+from flags import register_data_path_checks  # noqa: E402  pylint: disable=wrong-import-position
+
 FLAGS = flags.FLAGS
 
 # Published training rates of this network per device (samples/s): docs/PERFORMANCE.md and
@@ -51,6 +53,7 @@ def define_flags():
                        lower_bound=1)
   flags.DEFINE_bool("raw", True, "Also time raw h5py reads of the same rows (sequential, parallel).")
   flags.DEFINE_string("json", None, "Write the results to this JSON file.")
+  register_data_path_checks(flags.FLAGS)
 
 
 def peak_rss_mb() -> float:

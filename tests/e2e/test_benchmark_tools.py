@@ -260,15 +260,13 @@ def test_benchmark_names_an_unknown_value_before_measuring_anything(flag, expect
 
 
 @pytest.mark.parametrize("tool, args, expected", [
-    ("benchmark_input.py", ["--data_path=/nonexistent.h5"], "error: --data_path=/nonexistent.h5 does not exist"),
-    # An output file that cannot be written: said first, not after the whole benchmark.
-    ("benchmark_input.py", ["--data_path=/nonexistent.h5", "--json=/nonexistent/x.json"],
+    # An output file that cannot be written: said first, not after the whole benchmark (nor after
+    # finding that README.md is no cellSpike file).
+    ("benchmark_input.py", ["--data_path=README.md", "--json=/nonexistent/x.json"],
      "error: --json=/nonexistent/x.json: no folder /nonexistent exists; expected a file name in an existing "
      "folder"),
-    ("benchmark.py", ["--data_path=/nonexistent.h5", "--skip=reference", "--json=" + REPO_ROOT],
+    ("benchmark.py", ["--data_path=README.md", "--skip=reference", "--json=" + REPO_ROOT],
      "error: --json=%s is a folder; expected a file name" % REPO_ROOT),
-    ("benchmark.py", ["--data_path=/nonexistent.h5", "--skip=reference"],
-     "error: --data_path=/nonexistent.h5 does not exist"),
     ("benchmark_forms.py", ["--design=dev", "--precision=32.32", "--variant=bogus=1"],
      "error: --variant: unknown model option 'bogus'; options: "),
     ("benchmark_forms.py", ["--design=dev", "--precision=32.32", "--variant=channel_multiple=x"],
@@ -280,6 +278,18 @@ def test_the_benchmark_tools_report_a_user_error_on_one_line(tool, args, expecte
   assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
   errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and errors[0].startswith(expected), result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("tool", ["benchmark.py", "benchmark_input.py"])
+def test_the_benchmark_tools_check_data_path_as_main_does_before_importing_tensorflow(tool):
+  code = ("import runpy, sys; sys.argv = [%r, '--data_path=/nonexistent.h5']\n"
+          "try:\n  runpy.run_path(%r, run_name='__main__')\n"
+          "except SystemExit as stop:\n  print(stop.code, 'tensorflow' in sys.modules)"
+          % (tool, os.path.join(REPO_ROOT, "tools", tool)))
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert result.stdout.splitlines()[-1] == "2 False", result.stdout + result.stderr[-2000:]
+  assert result.stderr.splitlines() == ["%s: error: flag --data_path=/nonexistent.h5: --data_path does not "
+                                        "exist (give an existing file or folder)" % tool]
 
 
 def _fake_reference(tmp_path):
