@@ -58,6 +58,10 @@ def export_saved_model(net: tf.keras.Model, config: RunConfig, input_shape, num_
   names = [str(name) for name in par_names]
   plain.par_names = tf.function(lambda: tf.constant(names, dtype=tf.string), input_signature=[])
   os.makedirs(export_dir, exist_ok=True)
+  # Saving an uncompiled model, Keras 2 logs a warning that "the compiled metrics have yet to be built"
+  # (tf_keras' saving_utils.try_build_compiled_arguments): an inference copy has none to build. Compiled
+  # without loss or metrics, it has empty ones; include_optimizer=False keeps the optimizer out of the file.
+  plain.compile()
   # Keras' SavedModel writer: tf.saved_model.load needs nothing else, and Keras 2 can load_model it.
   plain.save(export_dir, save_format="tf", include_optimizer=False, signatures={"serving_default": serve})
   info = {"format": "TensorFlow SavedModel", "signature": "serving_default",
