@@ -80,8 +80,6 @@ class ReferenceModel(nn.Module):
     return self.head(self.cnn(x).flatten(1))
 
 
-
-
 def load_batches(path: str, batch_size: int, count: int):
   """`count` real training batches of the file as float32 tensors (fp16 files are cast, as there)."""
   with h5py.File(path, "r") as f:

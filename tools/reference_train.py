@@ -59,8 +59,6 @@ from torch import nn  # noqa: E402  pylint: disable=wrong-import-position
 from reference_torch import ReferenceModel  # noqa: E402  pylint: disable=wrong-import-position
 
 
-
-
 def load_split(path: str, split: str):
   with h5py.File(path, "r") as f:
     frames = torch.from_numpy(np.asarray(f[split + "_frames"], np.float32))

@@ -180,14 +180,20 @@ def test_the_argparse_tools_report_a_bad_argument_on_one_line(tool, args, messag
   assert result.stderr.splitlines() == ["%s: error: %s" % (tool, message)]    # no usage block before it
 
 
+def _run_until_exit(python, tool, args, module):
+  """Runs tools/`tool` as a program until it exits; its last stdout line is then its exit status and
+  whether it had imported `module` by then."""
+  code = ("import runpy, sys; sys.argv = [%r] + %r\n"
+          "try:\n  runpy.run_path(%r, run_name='__main__')\n"
+          "except SystemExit as stop:\n  print(stop.code, %r in sys.modules)"
+          % (tool, args, os.path.join(REPO_ROOT, "tools", tool), module))
+  return subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
+
+
 @pytest.mark.parametrize("tool", ["reference_train.py", "reference_torch.py"])
 @pytest.mark.parametrize("args", [["--help"], ["--design=nope"]])
 def test_the_reference_tools_answer_help_and_a_bad_argument_before_importing_pytorch(tool, args):
-  code = ("import runpy, sys; sys.argv = [%r] + %r\n"
-          "try:\n  runpy.run_path(%r, run_name='__main__')\n"
-          "except SystemExit as stop:\n  print(stop.code, 'torch' in sys.modules)"
-          % (tool, args, os.path.join(REPO_ROOT, "tools", tool)))
-  result = subprocess.run([TORCH_PYTHON, "-c", code], capture_output=True, text=True, timeout=120)
+  result = _run_until_exit(TORCH_PYTHON, tool, args, "torch")
   assert result.stdout.splitlines()[-1] == ("0 False" if args == ["--help"] else "2 False"), result.stderr
 
 
@@ -282,11 +288,7 @@ def test_the_benchmark_tools_report_a_user_error_on_one_line(tool, args, expecte
 
 @pytest.mark.parametrize("tool", ["benchmark.py", "benchmark_input.py"])
 def test_the_benchmark_tools_check_data_path_as_main_does_before_importing_tensorflow(tool):
-  code = ("import runpy, sys; sys.argv = [%r, '--data_path=/nonexistent.h5']\n"
-          "try:\n  runpy.run_path(%r, run_name='__main__')\n"
-          "except SystemExit as stop:\n  print(stop.code, 'tensorflow' in sys.modules)"
-          % (tool, os.path.join(REPO_ROOT, "tools", tool)))
-  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  result = _run_until_exit(sys.executable, tool, ["--data_path=/nonexistent.h5"], "tensorflow")
   assert result.stdout.splitlines()[-1] == "2 False", result.stdout + result.stderr[-2000:]
   assert result.stderr.splitlines() == ["%s: error: flag --data_path=/nonexistent.h5: --data_path does not "
                                         "exist (give an existing file or folder)" % tool]
