@@ -29,15 +29,25 @@ def test_one_cpu_replica_uses_the_default_strategy():
   assert backend.replicas == 1 and backend.label == "CPU"
 
 
-def test_two_cpu_replicas_use_mirrored_strategy_over_logical_devices():
+def test_two_cpu_replicas_keep_one_copy_of_the_variables_and_compute_on_two_logical_devices():
   backend = select.select_backend(RunConfig(model="mnist", backend="cpu", replicas=2))
-  assert isinstance(backend.strategy, tf.distribute.MirroredStrategy)
+  assert isinstance(backend.strategy, tf.distribute.experimental.CentralStorageStrategy)
+  with backend.strategy.scope():
+    variable = tf.Variable(1.0)
+  assert len(backend.strategy.experimental_local_results(variable)) == 1   # not one per replica
   assert backend.replicas == 2 and len(set(backend.devices)) == 2
   # tf.distribute splits a short global batch too: evaluation reads every sample (training never).
   assert eval_layout(backend.layout(16)).keeps_tail and not backend.layout(16).keeps_tail
   # The replicas really compute separately: each sees its own replica id.
   ids = backend.strategy.run(lambda: tf.distribute.get_replica_context().replica_id_in_sync_group)
   assert sorted(int(t) for t in backend.strategy.experimental_local_results(ids)) == [0, 1]
+
+
+def test_cpu_replicas_with_gradient_accumulation_keep_mirrored_strategy():
+  backend = select.select_backend(RunConfig(model="mnist", backend="cpu", replicas=2,
+                                            gradient_accumulation=2))
+  assert isinstance(backend.strategy, tf.distribute.MirroredStrategy)
+  assert backend.replicas == 2 and len(set(backend.devices)) == 2
 
 
 def test_jit_compile_is_refused_with_several_cpu_replicas_and_where_keras_lacks_it():

@@ -1,7 +1,7 @@
 """Evaluation with the moving statistics that the checkpoints hold, not each replica's own.
 
-Under tf.distribute's mirrored strategies (MirroredStrategy over CPU or GPU replicas,
-MultiWorkerMirroredStrategy), Keras' BatchNormalization keeps one copy of its moving mean and variance
+Under tf.distribute's mirrored strategies (MirroredStrategy over GPU replicas, or CPU replicas with
+gradient accumulation; MultiWorkerMirroredStrategy), Keras' BatchNormalization keeps one copy of its moving mean and variance
 per replica: a SyncOnRead variable with MEAN aggregation, each copy updated from its own replica's
 batches. Inside a replica (an evaluation step) a read returns that replica's copy; outside (a
 checkpoint, get_weights(), tools/predict.py's restored model) it returns the copies' mean. So a
@@ -11,6 +11,7 @@ the model it saved: on the main job's test split 0.1649 against 0.1646 for the s
 Setting every copy to the mean before each evaluation makes the reported losses those of the saved
 model. Training is unchanged: the training step normalises with each batch's own statistics, and the
 moving averages are linear in them, so the copies' mean evolves as before (up to float32 rounding).
+CPU replicas without accumulation (CentralStorageStrategy) keep a single copy: nothing to share there.
 """
 
 import tensorflow as tf
