@@ -248,8 +248,8 @@ def _ensure_logical_cpus(count: int) -> list:
 def _replicated_strategy(devices: list, gradient_accumulation: int):
   """The strategy of `devices`, logical CPUs of one memory: one copy of the variables, on the host,
   where MirroredStrategy would keep one per device and apply the optimizer to each. The default job
-  (4 x 48) trained 1.17x as fast in float32 with AVX2 code and about 1.2x in mixed bfloat16 on AMX
-  (docs/PERFORMANCE.md, session 39), with the same losses.
+  (4 x 48) trained up to 1.2x as fast on an AMX Xeon, in float32 with AVX2 code and in mixed bfloat16
+  (docs/PERFORMANCE.md, session 39), with the same losses to four digits.
 
   Gradient accumulation keeps MirroredStrategy: its micro-batch loop updates Keras' loss metric inside
   a tf.while_loop, and a metric variable kept on the host is updated there through merge_call, which

@@ -1,8 +1,8 @@
 """Evaluation with the moving statistics that the checkpoints hold, not each replica's own.
 
 Under tf.distribute's mirrored strategies (MirroredStrategy over GPU replicas, or CPU replicas with
-gradient accumulation; MultiWorkerMirroredStrategy), Keras' BatchNormalization keeps one copy of its moving mean and variance
-per replica: a SyncOnRead variable with MEAN aggregation, each copy updated from its own replica's
+gradient accumulation; MultiWorkerMirroredStrategy), Keras' BatchNormalization keeps one copy of its
+moving mean and variance per replica: a SyncOnRead variable with MEAN aggregation, each copy updated from its own replica's
 batches. Inside a replica (an evaluation step) a read returns that replica's copy; outside (a
 checkpoint, get_weights(), tools/predict.py's restored model) it returns the copies' mean. So a
 4-replica run evaluated each quarter of its validation and test samples with other statistics than
