@@ -6,6 +6,10 @@ G x micro-batch rows, and the training step walks through them one at a time: fo
 the gradients, and after the last one apply their mean. So the effective batch, the number of optimizer
 steps and per-micro-batch statistics (BatchNorm) match the IPU run, and memory holds one micro-batch of
 activations at a time.
+
+Under a mixed-float16 policy (GPUs), Keras wraps the optimizer in a LossScaleOptimizer: each micro-batch's
+loss is scaled before its float16 backward pass, as Keras' own training step does, and the mean gradient
+is unscaled once before the update.
 """
 
 import tensorflow as tf
@@ -26,11 +30,14 @@ def accumulated_gradients(model: tf.keras.Model, x, y, micro_batches: int):
   """
   xs, ys = split_micro_batches(x, micro_batches), split_micro_batches(y, micro_batches)
   variables = model.trainable_variables
+  scaler = _loss_scale_optimizer(model)
 
   def body(i, totals):
     with tf.GradientTape() as tape:
       predictions = model(xs[i], training=True)
       loss = model.compiled_loss(ys[i], predictions, regularization_losses=model.losses)
+      if scaler:  # float16 gradients this small would flush to zero unscaled
+        loss = scaler.get_scaled_loss(loss)
     gradients = tape.gradient(loss, variables)
     model.compiled_metrics.update_state(ys[i], predictions)
     return i + 1, [t + g for t, g in zip(totals, gradients)]
@@ -38,7 +45,14 @@ def accumulated_gradients(model: tf.keras.Model, x, y, micro_batches: int):
   # A graph loop, not an unrolled one: one micro-batch of activations is alive at a time.
   _, totals = tf.while_loop(lambda i, _: i < micro_batches, body,
                             (tf.constant(0), [tf.zeros_like(v) for v in variables]))
-  return [t / tf.cast(micro_batches, t.dtype) for t in totals]
+  means = [t / tf.cast(micro_batches, t.dtype) for t in totals]
+  return scaler.get_unscaled_gradients(means) if scaler else means
+
+
+def _loss_scale_optimizer(model: tf.keras.Model):
+  """The model's optimizer if it scales the loss (Keras' compile wraps it so under mixed_float16)."""
+  optimizer = getattr(model, "optimizer", None)
+  return optimizer if isinstance(optimizer, tf.keras.mixed_precision.LossScaleOptimizer) else None
 
 
 class AccumulatingModel(tf.keras.Model):

@@ -251,9 +251,9 @@ def _replicated_strategy(devices: list, gradient_accumulation: int):
   (4 x 48) trained up to 1.2x as fast on an AMX Xeon, in float32 with AVX2 code and in mixed bfloat16
   (docs/PERFORMANCE.md, session 39), with the same losses to four digits.
 
-  Gradient accumulation keeps MirroredStrategy: its micro-batch loop updates Keras' loss metric inside
-  a tf.while_loop, and a metric variable kept on the host is updated there through merge_call, which
-  TensorFlow refuses inside control flow."""
+  Gradient accumulation keeps MirroredStrategy: its micro-batch loop updates Keras' loss metric and
+  BatchNorm's moving statistics inside a tf.while_loop, and a variable kept on the host is updated
+  there through merge_call, which TensorFlow refuses inside control flow (both were seen)."""
   if gradient_accumulation == 1:
     return tf.distribute.experimental.CentralStorageStrategy(compute_devices=devices,
                                                             parameter_device=devices[0])

@@ -43,3 +43,26 @@ def test_one_accumulated_step_equals_one_large_batch_step():
     weights[name] = net.get_weights()
   for a, b in zip(weights["large"], weights["accumulated"]):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+
+def test_under_mixed_float16_each_micro_batch_loss_is_scaled_so_small_gradients_survive():
+  """A float32 output over a float16 hidden layer, with the loss weighted by 1e-7: the hidden layer's
+  gradients (about 1e-9) flush to zero in float16 unless the loss is scaled, as Keras' own training
+  step scales it under the LossScaleOptimizer that compile() adds for mixed_float16."""
+  tf.keras.mixed_precision.set_global_policy("mixed_float16")
+  inputs = tf.keras.Input((6,))
+  hidden = tf.keras.layers.Dense(8, activation="tanh")(inputs)
+  net = with_accumulation(tf.keras.Model(inputs, tf.keras.layers.Dense(3, dtype="float32")(hidden)), 4)
+  net.compile(optimizer="adam", loss="mse", loss_weights=1e-7)
+  assert isinstance(net.optimizer, tf.keras.mixed_precision.LossScaleOptimizer)
+  x, y = _batch()
+  accumulated = tf.function(lambda: accumulated_gradients(net, x, y, 4))()
+  with tf.GradientTape() as tape:
+    scaled = net.optimizer.get_scaled_loss(net.compiled_loss(y, net(x, training=True)))
+  full = net.optimizer.get_unscaled_gradients(tape.gradient(scaled, net.trainable_variables))
+  hidden_kernel = net.layers[1].kernel
+  assert [v.name for v in net.trainable_variables][0] == hidden_kernel.name
+  assert np.abs(full[0].numpy()).min() > 0
+  for a, b in zip(accumulated, full):  # float16 rounds each micro-batch's sums its own way
+    np.testing.assert_allclose(a.numpy(), b.numpy(), atol=0.02 * np.abs(b.numpy()).max())
