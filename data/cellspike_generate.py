@@ -127,7 +127,8 @@ class _Progress:
 
   The rate counts from when every worker has finished its first batch: those batches also carry the
   workers' start-up and, on a machine's first run, the kernel's compilation (about 4 s), which made
-  the first ETA twice too long.
+  the first ETA twice too long. Until a batch has finished after that point, a line gives no rate and
+  no time left: counted from the start, the first line of a make run said "331 s left" for 40 s.
   """
 
   def __init__(self, total: int, enabled: bool, workers: int = 1):
@@ -137,10 +138,10 @@ class _Progress:
     self.mark = None   # (time, samples done) when every worker had finished a batch
     self.tty = enabled and sys.stderr.isatty()
 
-  def rate(self, now: float) -> float:
-    """Samples per second since the mark; since the start until a batch has finished after it."""
+  def rate(self, now: float):
+    """Samples per second since the mark; None until a batch has finished after it."""
     if self.mark is None or now <= self.mark[0]:
-      return self.done / max(now - self.start, 1e-9)
+      return None
     return (self.done - self.mark[1]) / (now - self.mark[0])
 
   def update(self, domain: str, count: int, batches: int = 1):
@@ -156,9 +157,13 @@ class _Progress:
       return
     self.last = now
     rate = self.rate(now)
+    if rate is None and finished:  # all of it within the first batches: the whole run's rate
+      rate = self.done / max(now - self.start, 1e-9)
+    speed = ("%.1f samples/s, %.0f s left" % (rate, (self.total - self.done) / rate) if rate is not None
+             else "the workers are starting, rate and time left to follow")
     # The count runs over all splits; the split named is the one being made now.
-    line = "generating: %d/%d samples (%.0f%%), %.1f samples/s, %.0f s left (%s split)" % (
-        self.done, self.total, 100.0 * self.done / self.total, rate, (self.total - self.done) / rate, domain)
+    line = "generating: %d/%d samples (%.0f%%), %s (%s split)" % (
+        self.done, self.total, 100.0 * self.done / self.total, speed, domain)
     sys.stderr.write(("\r%s\033[K" % line) if self.tty else line + "\n")
     if finished and self.tty:
       sys.stderr.write("\n")

@@ -335,6 +335,22 @@ def test_progress_rate_leaves_out_the_workers_start_up(monkeypatch, capsys):
   assert "13000/30000 samples (43%), 1000.0 samples/s, 17 s left (train split)" in last, last
 
 
+def test_a_line_before_the_rate_is_measured_gives_no_time_left(monkeypatch, capsys):
+  """The first line of a make run came 10 s in, with the workers' first batches: its rate, counted
+  from the start, said 204 samples/s and 331 s left, where the generator then ran at 2,000."""
+  clock = [100.0]
+  monkeypatch.setattr(cellspike_generate.time, "time", lambda: clock[0])
+  progress = cellspike_generate._Progress(total=69632, enabled=True, workers=2)
+  clock[0] += 10.0
+  progress.update("train", 2048, batches=2)
+  clock[0] += 10.0
+  progress.update("train", 20480, batches=20)
+  first, second = capsys.readouterr().err.strip().splitlines()
+  assert first == ("generating: 2048/69632 samples (3%), the workers are starting, rate and time left to "
+                   "follow (train split)"), first
+  assert second == "generating: 22528/69632 samples (32%), 2048.0 samples/s, 23 s left (train split)", second
+
+
 def test_progress_rate_leaves_out_the_burst_of_batches_held_for_the_normalisation(monkeypatch, capsys):
   """The first batches are held until the normalisation's sample is complete and then written at once:
   counted one by one, the burst made the rate 34,603 samples/s against the 166 the generator wrote."""
