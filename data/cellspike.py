@@ -128,19 +128,22 @@ def _epoch_batches(plan: ShardPlan, epoch) -> tf.data.Dataset:
 def _shard_stream(source: ShardSource, plan: ShardPlan, first_epoch: int) -> tf.data.Dataset:
   """Endless (frames, targets) batches of one replica, epoch `first_epoch` onwards, in the stored dtype."""
   block_start = plan.block[0] - source.first_row
-  indices = tf.data.Dataset.range(first_epoch, 2**62).flat_map(lambda epoch: _epoch_batches(plan, epoch))
+  unconverted = splits_lib.unconverted  # 36 AutoGraph conversions less in a short main.py run
+  indices = tf.data.Dataset.range(first_epoch, 2**62).flat_map(
+      unconverted(lambda epoch: _epoch_batches(plan, epoch)))
   mapped = hdf5_native.mapped_file(source.frames.path, source.frames.file_size)
   if plan.whole_block:  # gathered once into host memory; every batch is then gathered from there
     block = tf.range(block_start, block_start + plan.block[1] - plan.block[0], dtype=tf.int64)
-    held = mapped.take(1).map(lambda data: (hdf5_native.gather_rows(source.frames, data, block),
-                                            hdf5_native.gather_rows(source.targets, data, block)))
+    held = mapped.take(1).map(unconverted(
+        lambda data: (hdf5_native.gather_rows(source.frames, data, block),
+                      hdf5_native.gather_rows(source.targets, data, block))))
     batches = tf.data.Dataset.zip((indices, held.cache().repeat())).map(
-        lambda rows, xy: (tf.gather(xy[0], rows), tf.gather(xy[1], rows)),
+        unconverted(lambda rows, xy: (tf.gather(xy[0], rows), tf.gather(xy[1], rows))),
         num_parallel_calls=_PARALLEL_GATHERS, deterministic=True)
   else:
     batches = tf.data.Dataset.zip((indices, mapped)).map(
-        lambda rows, data: (hdf5_native.gather_rows(source.frames, data, rows + block_start),
-                            hdf5_native.gather_rows(source.targets, data, rows + block_start)),
+        unconverted(lambda rows, data: (hdf5_native.gather_rows(source.frames, data, rows + block_start),
+                                        hdf5_native.gather_rows(source.targets, data, rows + block_start))),
         num_parallel_calls=_PARALLEL_GATHERS, deterministic=True)
   return batches.prefetch(_QUEUED_BATCHES)
 

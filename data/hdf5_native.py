@@ -111,6 +111,7 @@ def mapped_file(path: str, file_size: int) -> tf.data.Dataset:
   mapping for the iterator's life, so each page of the file is faulted in once, not once per batch.
   Frames and targets of a file share the mapping.
   """
+  @tf.autograph.experimental.do_not_convert  # no Python control flow: conversion is start-up time
   def map_file(_):
     mapped = tf.raw_ops.ImmutableConst(dtype=tf.uint8, shape=[file_size], memory_region_name=path)
     mapped.op._set_attr(_NOT_FOLDABLE_ATTR, attr_value_pb2.AttrValue(  # pylint: disable=protected-access

@@ -152,6 +152,11 @@ def count_steps(num_samples: int, step_rows: int, max_steps: int, name: str, mul
   return steps
 
 
+# The pipelines' functions branch only on Python values, never on tensors: AutoGraph's conversion of each
+# (it parses the function's source again) would only add start-up, about 0.4 s of a short main.py run.
+unconverted = tf.autograph.experimental.do_not_convert
+
+
 def split_from_arrays(arrays: Arrays, layout: BatchLayout, transform: Callable, shuffle: bool, seed: int,
                max_steps: int, name: str) -> Split:
   """Builds source -> shuffle -> batch -> transform -> take -> prefetch.
@@ -161,7 +166,7 @@ def split_from_arrays(arrays: Arrays, layout: BatchLayout, transform: Callable, 
   same static shape, which IPUs require and which keeps XLA from compiling a second program for a
   short last batch. A shuffled split orders each pass by a permutation drawn from (seed, pass) alone,
   so that a run resumed in epoch E reads exactly the batches an uninterrupted run reads there
-  (`Split.epochs_from`).
+  (`Split.epochs_from`). `transform` is traced without AutoGraph (`unconverted`): plain TensorFlow ops.
   """
   if layout.total_shards > layout.replicas:  # several processes: this one's contiguous part only
     per_shard = len(arrays.x) // layout.total_shards
@@ -180,11 +185,12 @@ def split_from_arrays(arrays: Arrays, layout: BatchLayout, transform: Callable, 
     else:
       batched = [tf.data.Dataset.from_tensor_slices((part.x, part.y)).batch(
           batch_rows, drop_remainder=not layout.keeps_tail) for part in parts]
-    dataset = combine_replicas(batched, layout.element_per_replica).map(transform, num_parallel_calls=2)
+    dataset = combine_replicas(batched, layout.element_per_replica).map(unconverted(transform),
+                                                                        num_parallel_calls=2)
     return dataset.take(steps * layout.elements_per_step)
 
   def stream(first_epoch: int) -> tf.data.Dataset:
-    passes = tf.data.Dataset.range(first_epoch, 2**62).flat_map(one_pass)
+    passes = tf.data.Dataset.range(first_epoch, 2**62).flat_map(unconverted(one_pass))
     return without_autotune(passes.prefetch(2))
 
   return Split(dataset=without_autotune(one_pass(0).prefetch(2)), steps=steps,
@@ -197,7 +203,8 @@ def _shuffled_batches(x, y, batch_rows: int, drop_remainder: bool, seed: tuple, 
   key = tf.stack([tf.constant(seed[0], tf.int64) * 1000003 + seed[1], tf.cast(epoch, tf.int64)])
   order = tf.argsort(tf.random.stateless_uniform([int(x.shape[0])], seed=key))
   batches = tf.data.Dataset.from_tensor_slices(order).batch(batch_rows, drop_remainder=drop_remainder)
-  return batches.map(lambda rows: (tf.gather(x, rows), tf.gather(y, rows)), num_parallel_calls=2)
+  return batches.map(unconverted(lambda rows: (tf.gather(x, rows), tf.gather(y, rows))),
+                     num_parallel_calls=2)
 
 
 def combine_replicas(streams: list, element_per_replica: bool, parallel_calls: int = 2) -> tf.data.Dataset:
@@ -209,7 +216,8 @@ def combine_replicas(streams: list, element_per_replica: bool, parallel_calls: i
         streams, tf.data.Dataset.range(len(streams)).repeat())
   # tf.distribute splits a global batch in order: replica r gets slice r.
   return tf.data.Dataset.zip(tuple(streams)).map(
-      lambda *parts: (tf.concat([p[0] for p in parts], 0), tf.concat([p[1] for p in parts], 0)),
+      unconverted(lambda *parts: (tf.concat([p[0] for p in parts], 0),
+                                  tf.concat([p[1] for p in parts], 0))),
       num_parallel_calls=parallel_calls, deterministic=True)
 
 

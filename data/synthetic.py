@@ -11,7 +11,7 @@ from typing import Callable
 
 import tensorflow as tf
 
-from data.splits import BatchLayout, Split, count_steps, without_autotune
+from data.splits import BatchLayout, Split, count_steps, unconverted, without_autotune
 
 SOURCE = "synthetic (random batches made once, no file reads)"
 
@@ -20,8 +20,8 @@ def _repeated(make_element: Callable, rows: int) -> tf.data.Dataset:
   """One element of `rows` rows, made inside the pipeline (not embedded in the graph), cached once
   per iterator and repeated. `rows` enters the map as a Python number, so the element's shape is
   static: IPU infeeds refuse an unknown batch dimension (IPUDataHandler._validate_dataset)."""
-  return without_autotune(tf.data.Dataset.from_tensors(0).map(lambda _: make_element(rows)).cache()
-                          .repeat())
+  element = tf.data.Dataset.from_tensors(0).map(unconverted(lambda _: make_element(rows)))
+  return without_autotune(element.cache().repeat())
 
 
 def synthetic_split(make_element: Callable, layout: BatchLayout, num_samples: int, max_steps: int,
