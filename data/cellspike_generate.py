@@ -139,10 +139,11 @@ class _Progress:
     self.tty = enabled and sys.stderr.isatty()
 
   def rate(self, now: float):
-    """Samples per second since the mark; None until a batch has finished after it."""
-    if self.mark is None or now <= self.mark[0]:
-      return None
-    return (self.done - self.mark[1]) / (now - self.mark[0])
+    """Samples per second since the mark; None until a batch has finished after it, unless all are
+    done within the first batches (then the whole run's rate)."""
+    if self.mark is not None and now > self.mark[0]:
+      return (self.done - self.mark[1]) / (now - self.mark[0])
+    return self.done / max(now - self.start, 1e-9) if self.done == self.total else None
 
   def update(self, domain: str, count: int, batches: int = 1):
     """`count` more samples, in `batches` batches: the first ones are written all at once after the
@@ -157,8 +158,6 @@ class _Progress:
       return
     self.last = now
     rate = self.rate(now)
-    if rate is None and finished:  # all of it within the first batches: the whole run's rate
-      rate = self.done / max(now - self.start, 1e-9)
     speed = ("%.1f samples/s, %.0f s left" % (rate, (self.total - self.done) / rate) if rate is not None
              else "the workers are starting, rate and time left to follow")
     # The count runs over all splits; the split named is the one being made now.

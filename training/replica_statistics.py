@@ -2,11 +2,12 @@
 
 Under tf.distribute's mirrored strategies (MirroredStrategy over GPU replicas, or CPU replicas with
 gradient accumulation; MultiWorkerMirroredStrategy), Keras' BatchNormalization keeps one copy of its
-moving mean and variance per replica: a SyncOnRead variable with MEAN aggregation, each copy updated from its own replica's
-batches. Inside a replica (an evaluation step) a read returns that replica's copy; outside (a
-checkpoint, get_weights(), tools/predict.py's restored model) it returns the copies' mean. So a
-4-replica run evaluated each quarter of its validation and test samples with other statistics than
-the model it saved: on the main job's test split 0.1649 against 0.1646 for the saved weights.
+moving mean and variance per replica: a SyncOnRead variable with MEAN aggregation, each copy updated
+from its own replica's batches. Inside a replica (an evaluation step) a read returns that replica's
+copy; outside (a checkpoint, get_weights(), tools/predict.py's restored model) it returns the copies'
+mean. So a 4-replica run evaluated each quarter of its validation and test samples with other
+statistics than the model it saved: on the main job's test split 0.1649 against 0.1646 for the saved
+weights.
 
 Setting every copy to the mean before each evaluation makes the reported losses those of the saved
 model. Training is unchanged: the training step normalises with each batch's own statistics, and the
