@@ -351,6 +351,25 @@ def test_a_line_before_the_rate_is_measured_gives_no_time_left(monkeypatch, caps
   assert second == "generating: 22528/69632 samples (32%), 2048.0 samples/s, 23 s left (train split)", second
 
 
+
+def test_batches_that_arrive_together_after_the_start_up_give_no_rate(monkeypatch, capsys):
+  """A make run's first line said 8629.8 samples/s and "7 s left", the next 2,457.7 and "17 s left":
+  the batches the workers had finished while the held ones were written arrived 0.24 s after the mark,
+  and their rate over that moment was taken for the generator's."""
+  clock = [100.0]
+  monkeypatch.setattr(cellspike_generate.time, "time", lambda: clock[0])
+  progress = cellspike_generate._Progress(total=69632, enabled=True, workers=2)
+  clock[0] += 9.8
+  progress.update("train", 4096, batches=4)    # the held batches, written once the mean/std are known
+  clock[0] += 0.24
+  progress.update("train", 2048, batches=2)    # finished meanwhile: a line is due, 10 s in
+  for _ in range(23):                          # then 1024 samples every 0.45 s
+    clock[0] += 0.45
+    progress.update("train", 1024)
+  first, second = capsys.readouterr().err.strip().splitlines()
+  assert first.startswith("generating: 6144/69632 samples (9%), the workers are starting,"), first
+  assert second == "generating: 29696/69632 samples (43%), 2417.4 samples/s, 17 s left (train split)", second
+
 def test_progress_rate_leaves_out_the_burst_of_batches_held_for_the_normalisation(monkeypatch, capsys):
   """The first batches are held until the normalisation's sample is complete and then written at once:
   counted one by one, the burst made the rate 34,603 samples/s against the 166 the generator wrote."""
