@@ -4,6 +4,7 @@ Call `prepare(config)` before the first `import tensorflow` of the process. It m
 TensorFlow imports itself, so the TensorFlow version is read from the installed package's metadata.
 """
 
+import atexit
 import contextlib
 import gc
 import glob
@@ -11,6 +12,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 
 from errors import UserError
 from run_config import RunConfig
@@ -156,6 +158,33 @@ def prepare(config: RunConfig) -> None:
     if config.backend in (kind, "auto"):
       globals()[function](config)
   _xla_cache_variables(config)
+  atexit.register(remove_autograph_bytecode)
+
+
+def remove_autograph_bytecode() -> None:
+  """Removes the bytecode files that Python's import wrote for AutoGraph's generated modules, and their
+  __pycache__ folder in the temporary folder if that is then empty (another process's files stay).
+
+  AutoGraph writes each function it converts (Keras' train and test steps among them) as a module
+  file into the temporary folder, imports it, and removes the file at exit. The import caches its
+  bytecode beside it, and nothing removed that: each `make run` left four files in $TMPDIR/__pycache__
+  on a machine that writes bytecode (without PYTHONDONTWRITEBYTECODE).
+  Run at exit (`prepare` registers it); the modules are found by where their source was.
+  """
+  temporary = os.path.realpath(tempfile.gettempdir())
+  folders = set()
+  for module in list(sys.modules.values()):
+    spec = getattr(module, "__spec__", None)
+    origin, cached = getattr(spec, "origin", None), getattr(spec, "cached", None)
+    if not (isinstance(origin, str) and isinstance(cached, str)):
+      continue
+    if os.path.dirname(os.path.realpath(origin)) == temporary:
+      with contextlib.suppress(OSError):
+        os.remove(cached)
+      folders.add(os.path.dirname(cached))
+  for folder in folders:
+    with contextlib.suppress(OSError):
+      os.rmdir(folder)
 
 
 # What TensorFlow's CUDA probe writes to stderr, from C++, on a machine that has no NVIDIA driver: the

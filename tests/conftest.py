@@ -20,6 +20,11 @@ from strategies import environment
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
   signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# The processes the tests start write Python's bytecode caches, as on a user's machine, even where the
+# suite itself runs without (PYTHONDONTWRITEBYTECODE=1, as in this project's sandbox): what a run leaves
+# in its temporary folder (AutoGraph's bytecode, strategies/environment.py) is then there to be seen.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 _CONFIG = RunConfig(model="mnist")
 environment.prepare(_CONFIG)
 

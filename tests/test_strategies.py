@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import tensorflow as tf
@@ -178,6 +179,34 @@ def test_tensorflows_import_is_kept_from_the_garbage_collector():
   assert paused == "True" and int(frozen) > 100000  # TensorFlow's objects: about 660,000 with 2.21
   assert (paused_again, unchanged, enabled, collected) == ("False", "True", "True", "True")
 
+
+def test_autographs_bytecode_is_removed_from_the_temporary_folder(tmp_path, monkeypatch):
+  """A function AutoGraph converts becomes a module in the temporary folder, whose bytecode Python's
+  import caches in its __pycache__, where it stayed after every run. The cleanup removes that bytecode
+  and the folder it emptied; what other processes left there stays, and so does a folder not empty."""
+  monkeypatch.setattr(sys, "dont_write_bytecode", False)      # as on a user's machine
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+  def count_down(n):
+    while n > 0:        # a loop on a tensor: AutoGraph converts it
+      n -= 1
+    return n
+
+  assert int(tf.autograph.to_graph(count_down)(tf.constant(3))) == 0
+  cache = tmp_path / "__pycache__"
+  assert len(list(cache.iterdir())) == 1, list(tmp_path.iterdir())
+  environment.remove_autograph_bytecode()
+  assert not cache.exists()
+
+  def halve(n):
+    if n > 1:           # a branch on a tensor
+      n //= 2
+    return n
+
+  tf.autograph.to_graph(halve)(tf.constant(2))
+  (cache / "another_process.cpython-38.pyc").write_bytes(b"")
+  environment.remove_autograph_bytecode()
+  assert [path.name for path in cache.iterdir()] == ["another_process.cpython-38.pyc"]
 
 @pytest.mark.parametrize("precision, kind, policy", [
     ("32.32", "cpu", "float32"), ("16.32", "cpu", "mixed_bfloat16"), ("16.16", "cpu", "bfloat16"),
