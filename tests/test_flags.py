@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import shlex
 import subprocess
 import sys
 
@@ -183,7 +184,7 @@ def test_help_lists_the_applications_flags_without_absls():
 def test_help_into_a_closed_pipe_is_quiet():
   """`main.py --help | head`: absl's help writes on after the reader has gone (here `true`, gone before
   the help is written); no BrokenPipeError traceback, and status 0."""
-  result = subprocess.run("%s main.py --help | true; echo status ${PIPESTATUS[0]}" % sys.executable,
+  result = subprocess.run("%s main.py --help | true; echo status ${PIPESTATUS[0]}" % shlex.quote(sys.executable),
                           shell=True, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
                           executable="/bin/bash")
   assert result.stdout.strip() == "status 0", result.stdout + result.stderr

@@ -9,9 +9,10 @@ import yaml
 
 from errors import UserError
 from run_config import RunConfig
+from training import summary as summary_module
 from training.summary import (RESUBMIT_VARIABLE, RUN_CONFIG_FILE, closing_report,
                               interrupted_report, load_run_config, python_command, resume_command,
-                              write_run_config, write_yaml)
+                              resume_line, tool_command, write_run_config, write_yaml)
 
 
 def test_resume_command_keeps_the_runs_flags_and_replaces_logdir_epochs_and_resume():
@@ -49,6 +50,22 @@ def test_the_reports_python_is_one_that_has_this_pythons_packages(tmp_path, monk
   monkeypatch.setattr("sys.executable", _python_in(other))                    # neither: the whole path
   assert python_command() == str(other / "python3")
 
+
+
+def test_pasted_commands_quote_paths_with_spaces(tmp_path, monkeypatch):
+  """A checkout or environment in a folder whose name has a space: each path stays one word."""
+  (tmp_path / "work").mkdir()
+  monkeypatch.chdir(tmp_path / "work")
+  monkeypatch.setenv("PATH", "")
+  python = _python_in(tmp_path / "my env" / "bin")   # outside the working folder: its whole path
+  monkeypatch.setattr("sys.executable", python)
+  monkeypatch.setattr(summary_module, "_TOOLS", "/opt/my app/tools")
+  assert shlex.split(python_command()) == [python]
+  assert shlex.split(tool_command("predict.py", "runs/a b")) == [python, "/opt/my app/tools/predict.py",
+                                                                  "--logdir", "runs/a b"]
+  line = resume_line(["/opt/my app/main.py", "--model=mnist"], "runs/a b", 4)
+  assert shlex.split(line) == [python, "/opt/my app/main.py", "--model=mnist", "--logdir=runs/a b", "--resume",
+                               "--epochs=4"]
 
 def test_closing_report_prints_a_resume_line_without_placeholders():
   summary = {"model": "mnist", "epochs": 2, "test_loss": 0.1, "test_accuracy": 0.9}

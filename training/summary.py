@@ -270,19 +270,20 @@ def _resume_flags(logdir: str, epochs: int) -> list:
 
 
 def python_command() -> str:
-  """How to call this Python in a command to paste: by its path relative to the working folder when it
-  lies there (`make run`'s .venv, which the user has not activated); by the name `python3` or `python`
-  when the PATH finds that name in this Python's own folder (an activated environment, a container's
-  interpreter); else by its whole path, since another `python` would lack this one's packages."""
+  """How to call this Python in a command to paste, quoted for the shell where its path needs it: by
+  its path relative to the working folder when it lies there (`make run`'s .venv, which the user has
+  not activated); by the name `python3` or `python` when the PATH finds that name in this Python's own
+  folder (an activated environment, a container's interpreter); else by its whole path, since another
+  `python` would lack this one's packages."""
   shown = shown_path(sys.executable)
   if shown != sys.executable:  # below the working folder
-    return shown
+    return shlex.quote(shown)
   folder = os.path.dirname(os.path.abspath(sys.executable))
   for name in ("python3", "python"):
     found = shutil.which(name)
     if found and os.path.dirname(os.path.abspath(found)) == folder:
       return name
-  return sys.executable
+  return shlex.quote(sys.executable)
 
 
 _TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
@@ -290,7 +291,8 @@ _TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 def tool_command(tool: str, logdir: str) -> str:
   """The command that runs `tools/<tool>` on `logdir`, as the user can paste it here."""
-  return "%s %s --logdir %s" % (python_command(), shown_path(os.path.join(_TOOLS, tool)), shlex.quote(logdir))
+  return "%s %s --logdir %s" % (python_command(), shlex.quote(shown_path(os.path.join(_TOOLS, tool))),
+                                shlex.quote(logdir))
 
 
 RUN_CONFIG_FILE = "run_config.yaml"

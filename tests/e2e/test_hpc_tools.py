@@ -253,8 +253,8 @@ def test_local_cluster_writes_a_slurm_conf_for_this_node(tmp_path):
   """The conf the one-node cluster runs on (tools/slurm/local_cluster.sh; `make test-slurm` starts it)."""
   script = os.path.join(TOOLS, "slurm", "local_cluster.sh")
   # The script's functions (everything above its `case` dispatcher), then write_conf alone.
-  subprocess.run(["bash", "-c", 'source <(sed "/^case /,\\$d" %s) && write_conf %s' % (script, tmp_path)],
-                 check=True)
+  subprocess.run(["bash", "-c", 'source <(sed "/^case /,\\$d" "$1") && write_conf "$2"', "bash", script,
+                  str(tmp_path)], check=True)
   conf = dict(line.split("=", 1) for line in (tmp_path / "slurm.conf").read_text().splitlines()
               if "=" in line and not line.startswith("#") and not line.startswith(("NodeName", "PartitionName")))
   assert conf["AuthInfo"] == "socket=%s/munge.socket" % tmp_path

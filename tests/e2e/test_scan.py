@@ -37,9 +37,14 @@ def test_a_serial_scan_reports_every_point_and_lists_the_failed_one(tmp_path):
                  *_main_args(data_path))
   assert result.returncode == 1, result.stdout + result.stderr
   assert "error: 1 of 3 scan points did not finish: replicas2_lr-1" in result.stdout
-  # Each point's line starts with an interpreter, so it can be pasted: the tool's own, as a user types it.
-  assert re.search(r"^point 0 \(replicas2_lr0.001\): \S*python[\d.]* \S+main.py ", result.stdout, re.M), \
-      result.stdout
+  # Each point's line starts with an interpreter, so it can be pasted: the tool's own, as a user types it,
+  # and the words are quoted for the shell (a checkout in a folder whose name has a space).
+  line = next(line for line in result.stdout.splitlines() if line.startswith("point 0 (replicas2_lr0.001): "))
+  words = shlex.split(line.split(": ", 1)[1])
+  assert re.fullmatch(r"\S*python[\d.]*", words[0]) and words[1] == os.path.join(REPO_ROOT, "main.py"), line
+  assert words[2:-2] == _main_args(data_path) + [
+      "--learning_rate=0.001", "--replicas=2", "--logdir=" + os.path.join(scan_dir, "replicas2_lr0.001")], line
+  assert words[-2:] == [">", os.path.join(scan_dir, "replicas2_lr0.001.log")], line
   table = yaml.safe_load(open(os.path.join(scan_dir, "scan.yaml")))
   rows = {row["name"]: row for row in table["points"]}
   assert sorted(rows) == ["replicas2_lr-1", "replicas2_lr0.001", "replicas2_lr0.003"]
