@@ -351,7 +351,6 @@ def test_a_line_before_the_rate_is_measured_gives_no_time_left(monkeypatch, caps
   assert second == "generating: 22528/69632 samples (32%), 2048.0 samples/s, 23 s left (train split)", second
 
 
-
 def test_batches_that_arrive_together_after_the_start_up_give_no_rate(monkeypatch, capsys):
   """A make run's first line said 8629.8 samples/s and "7 s left", the next 2,457.7 and "17 s left":
   the batches the workers had finished while the held ones were written arrived 0.24 s after the mark,
@@ -369,6 +368,7 @@ def test_batches_that_arrive_together_after_the_start_up_give_no_rate(monkeypatc
   first, second = capsys.readouterr().err.strip().splitlines()
   assert first.startswith("generating: 6144/69632 samples (9%), the workers are starting,"), first
   assert second == "generating: 29696/69632 samples (43%), 2417.4 samples/s, 17 s left (train split)", second
+
 
 def test_progress_rate_leaves_out_the_burst_of_batches_held_for_the_normalisation(monkeypatch, capsys):
   """The first batches are held until the normalisation's sample is complete and then written at once:

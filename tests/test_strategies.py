@@ -208,6 +208,7 @@ def test_autographs_bytecode_is_removed_from_the_temporary_folder(tmp_path, monk
   environment.remove_autograph_bytecode()
   assert [path.name for path in cache.iterdir()] == ["another_process.cpython-38.pyc"]
 
+
 @pytest.mark.parametrize("precision, kind, policy", [
     ("32.32", "cpu", "float32"), ("16.32", "cpu", "mixed_bfloat16"), ("16.16", "cpu", "bfloat16"),
     ("16.32", "gpu", "mixed_float16"), ("16.32", "ipu", "mixed_float16"), ("16.16", "ipu", "float16"),

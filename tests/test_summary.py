@@ -51,7 +51,6 @@ def test_the_reports_python_is_one_that_has_this_pythons_packages(tmp_path, monk
   assert python_command() == str(other / "python3")
 
 
-
 def test_pasted_commands_quote_paths_with_spaces(tmp_path, monkeypatch):
   """A checkout or environment in a folder whose name has a space: each path stays one word."""
   (tmp_path / "work").mkdir()
@@ -66,6 +65,7 @@ def test_pasted_commands_quote_paths_with_spaces(tmp_path, monkeypatch):
   line = resume_line(["/opt/my app/main.py", "--model=mnist"], "runs/a b", 4)
   assert shlex.split(line) == [python, "/opt/my app/main.py", "--model=mnist", "--logdir=runs/a b", "--resume",
                                "--epochs=4"]
+
 
 def test_closing_report_prints_a_resume_line_without_placeholders():
   summary = {"model": "mnist", "epochs": 2, "test_loss": 0.1, "test_accuracy": 0.9}
