@@ -51,11 +51,32 @@ def _raise_pending(signum, frame):
     _raise_stop(_pending[0])
 
 
+def _caused_by_a_stop(error) -> bool:
+  """Whether `error` is a stop or comes from one. A stop raised while C code had called back into Python
+  comes out as a SystemError ("returned a result with an exception set") whose cause is the stop: seen
+  in TensorFlow's nest.flatten when SIGTERM reached a worker setting up its data."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    if isinstance(error, KeyboardInterrupt):
+      return True
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
+  return False
+
+
 def _quiet_lost_stops(unraisable, report=sys.__unraisablehook__):
   """sys.unraisablehook: a stop dropped in a finalizer is raised again (_stop_on_signal), so Python's
   "Exception ignored ... KeyboardInterrupt" traceback would only mislead; anything else is reported."""
-  if not (_pending and isinstance(unraisable.exc_value, KeyboardInterrupt)):
+  if not (_pending and _caused_by_a_stop(unraisable.exc_value)):
     report(unraisable)
+
+
+def _quiet_printed_stops(exc_type, exc_value, exc_traceback, report=sys.__excepthook__):
+  """sys.excepthook, which C code's PyErr_Print also calls: a stop that TensorFlow's C++ caught from
+  the Python it called back (a SystemError caused by the stop, after which the process went on) was
+  printed as a traceback before the one line of the stop; anything else is reported."""
+  if not (_pending and _caused_by_a_stop(exc_value)):
+    report(exc_type, exc_value, exc_traceback)
 
 
 def leave_interrupts_to_the_parent():
@@ -77,6 +98,7 @@ def reported_on_one_line(status: int = 1):
     previous = {signum: signal.signal(signum, _stop_on_signal) for signum in _STOP_SIGNALS}
     previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, _raise_pending)
   previous_hook, sys.unraisablehook = sys.unraisablehook, _quiet_lost_stops
+  previous_excepthook, sys.excepthook = sys.excepthook, _quiet_printed_stops
   try:
     yield
   except UserError as error:
@@ -92,7 +114,7 @@ def reported_on_one_line(status: int = 1):
     sys.stderr.write("\ninterrupted by %s\n" % ("SIGTERM" if terminated else "SIGINT (Ctrl-C)"))
     sys.exit(128 + (signal.SIGTERM if terminated else signal.SIGINT))
   finally:
-    sys.unraisablehook = previous_hook
+    sys.unraisablehook, sys.excepthook = previous_hook, previous_excepthook
     if previous:
       signal.setitimer(signal.ITIMER_REAL, 0)
       _pending[:] = []

@@ -1,12 +1,16 @@
 """errors.py's checks of user-given paths, which tools run before their work: a mistyped or unwritable
 output path is one line at once, not a traceback after minutes of work."""
 
+import ctypes
 import os
+import signal
 import subprocess
 import sys
+import types
 
 import pytest
 
+import errors
 from errors import UserError, check_output_path
 from tests.support.helpers import REPO_ROOT
 
@@ -46,3 +50,36 @@ def test_output_into_a_pipe_whose_reader_left_ends_quietly():
   process.stdout.close()  # the reader leaves, as head does
   stderr = process.stderr.read().decode()
   assert process.wait(timeout=60) == 1 and stderr == ""
+
+
+def test_a_stop_that_c_code_caught_and_printed_is_no_traceback(monkeypatch, capfd):
+  """SIGTERM while TensorFlow's C++ had called back into Python: the stop came out as a SystemError
+  caused by it, which the C++ printed (PyErr_Print calls sys.excepthook) before the stop's one line.
+  While a stop is pending, such errors are not printed; other errors are."""
+  monkeypatch.setattr(errors, "_pending", [signal.SIGTERM])
+  monkeypatch.setattr(sys, "excepthook", errors._quiet_printed_stops)
+  caught_stop = (b"import errors\ntry:\n  raise errors.Terminated()\nexcept KeyboardInterrupt as stop:\n"
+                 b"  raise SystemError('returned a result with an exception set') from stop\n")
+  assert ctypes.pythonapi.PyRun_SimpleString(caught_stop) == -1   # C code's PyErr_Print of the error
+  assert capfd.readouterr().err == ""
+  assert ctypes.pythonapi.PyRun_SimpleString(b"raise SystemError('another error')\n") == -1
+  assert "SystemError: another error" in capfd.readouterr().err
+
+
+def test_a_stop_lost_in_a_finalizer_is_no_traceback_even_as_the_cause_of_another_error(monkeypatch):
+  monkeypatch.setattr(errors, "_pending", [signal.SIGTERM])
+  reported = []
+  try:
+    try:
+      raise errors.Terminated()
+    except KeyboardInterrupt as stop:
+      raise SystemError("returned a result with an exception set") from stop
+  except SystemError as error:
+    caused = error
+  other = ValueError("another error")
+  for exc_value in (errors.Terminated(), caused, other):
+    errors._quiet_lost_stops(types.SimpleNamespace(exc_value=exc_value), report=reported.append)
+  assert [unraisable.exc_value for unraisable in reported] == [other]
+  monkeypatch.setattr(errors, "_pending", [])   # no stop pending: everything is reported
+  errors._quiet_lost_stops(types.SimpleNamespace(exc_value=caused), report=reported.append)
+  assert reported[-1].exc_value is caused
