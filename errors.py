@@ -182,15 +182,16 @@ def missing_package_message(module: str, environment: str = "application") -> st
     for venv, target in venvs:
       venv_python = os.path.join(venv, "bin", "python")
       if os.path.exists(venv_python):
-        return "%s: run it with %s, the environment `%s` made" % (found, shlex.quote(shown_path(venv_python)),
-                                                                   target)
+        shown = shlex.quote(shown_path(venv_python))
+        return "%s: run it with %s, the environment `%s` made" % (found, shown, target)
   if package == "tensorflow":
     return ("%s: `make install` installs TensorFlow's CPU build into .venv (`BACKEND=gpu make install` the "
             "CUDA one, into .venv-gpu); on a Graphcore host, install the Poplar SDK's TensorFlow wheel "
             "(README, 'Installing for each backend')" % found)
   folder, target = _ENVIRONMENTS[environment][0]
   return "%s: `%s` creates %s with %s; then run %s %s" % (
-      found, target, folder, _CONTENTS[environment], os.path.join(folder, "bin", "python"), shlex.quote(program))
+      found, target, folder, _CONTENTS[environment], os.path.join(folder, "bin", "python"),
+      shlex.quote(program))
 
 
 def report_missing_packages(environment: str = "application") -> None:

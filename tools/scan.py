@@ -203,7 +203,7 @@ def run_point(scan_dir: str, grid: dict, point: dict) -> int:
   command = point_command(scan_dir, grid, point)
   log_path = os.path.join(scan_dir, point["name"] + ".log")
   # The interpreter as a user would type it, so that the line can be pasted to run the point alone.
-  shown = " ".join([python_command()] + [shlex.quote(word) for word in command[1:]])
+  shown = "%s %s" % (python_command(), shlex.join(command[1:]))  # shlex.join: Python >= 3.8
   print("point %d (%s): %s > %s" % (point["index"], point["name"], shown, shlex.quote(log_path)), flush=True)
   started = time.time()
   with open(log_path, "a") as log:
