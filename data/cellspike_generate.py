@@ -123,7 +123,7 @@ def _simulated(batches, workers: int):
 
 
 class _Progress:
-  """One status line on stderr: rewritten in place on a terminal, else a new line every 10 s.
+  """One status line on stderr: a bar rewritten in place on a terminal, else a new line every 10 s.
 
   The rate counts from when every worker has finished its first batch: those batches also carry the
   workers' start-up and, on a machine's first run, the kernel's compilation (about 4 s), which made
@@ -162,15 +162,29 @@ class _Progress:
       return
     self.last = now
     rate = self.rate(now)
-    speed = ("%.1f samples/s, %.0f s left" % (rate, (self.total - self.done) / rate) if rate is not None
-             else "the workers are starting, rate and time left to follow")
-    # The count runs over all splits; the split named is the one being made now.
-    line = "generating: %d/%d samples (%.0f%%), %s (%s split)" % (
-        self.done, self.total, 100.0 * self.done / self.total, speed, domain)
-    sys.stderr.write(("\r%s\033[K" % line) if self.tty else line + "\n")
-    if finished and self.tty:
-      sys.stderr.write("\n")
+    if self.tty:
+      sys.stderr.write("\r%s\033[K%s" % (self.bar_line(domain, rate), "\n" if finished else ""))
+    else:
+      speed = ("%.1f samples/s, %.0f s left" % (rate, (self.total - self.done) / rate) if rate is not None
+               else "the workers are starting, rate and time left to follow")
+      # The count runs over all splits; the split named is the one being made now.
+      sys.stderr.write("generating: %d/%d samples (%.0f%%), %s (%s split)\n" % (
+          self.done, self.total, 100.0 * self.done / self.total, speed, domain))
     sys.stderr.flush()
+
+  def bar_line(self, domain: str, rate) -> str:
+    """The terminal's line: a bar and the shorter words, within the terminal's width (shutil: $COLUMNS,
+    else the terminal's, else 80). A carriage return goes back to the start of the terminal's last row
+    only: the file's line (105 columns) wrapped in a 100-column terminal, and each rewrite left a row."""
+    speed = ("%.0f/s, %.0f s left" % (rate, (self.total - self.done) / rate) if rate is not None
+             else "workers starting")
+    words = " %.0f%% %d/%d samples, %s split, %s" % (100.0 * self.done / self.total, self.done, self.total,
+                                                      domain, speed)
+    columns = shutil.get_terminal_size().columns
+    width = max(10, min(30, columns - 1 - len("generating []") - len(words)))
+    filled = width * self.done // self.total
+    bar = "=" * filled + (">" if filled < width else "") + "." * (width - filled - 1)
+    return ("generating [%s]%s" % (bar[:width], words))[:columns - 1]
 
 
 # The meta yaml's keys that the loaders read (data/cellspike_file.py): the same for every generated cell.

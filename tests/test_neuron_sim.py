@@ -426,3 +426,29 @@ def test_processes_that_start_together_generate_the_built_in_dataset_once(tmp_pa
   assert second.returncode == 0, err
   assert "Generating the built-in dataset" not in err and "Using the built-in generated dataset" in err, err
   assert out.strip() == path
+
+
+@pytest.mark.parametrize("columns", [80, 100, 60])
+def test_on_a_terminal_the_status_line_is_a_bar_within_its_width(monkeypatch, capsys, columns):
+  """A carriage return goes back to the start of the terminal's last row only: in a 100-column
+  terminal the 105-column line wrapped, and each rewrite left a row behind (13 in a make run)."""
+  clock = [100.0]
+  monkeypatch.setattr(cellspike_generate.time, "time", lambda: clock[0])
+  monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+  monkeypatch.setenv("COLUMNS", str(columns))
+  progress = cellspike_generate._Progress(total=69632, enabled=True, workers=2)
+  for _ in range(67):
+    clock[0] += 0.5
+    progress.update("train" if progress.done < 65536 else "val", 1024)
+  clock[0] += 0.5
+  progress.update("test", 1024)
+  err = capsys.readouterr().err
+  assert err.endswith("\033[K\n") and err.count("\n") == 1, err[-200:]
+  lines = [part.replace("\033[K", "").rstrip("\n") for part in err.split("\r") if part]
+  assert len(lines) == 68 and max(len(line) for line in lines) <= columns - 1, max(lines, key=len)
+  assert lines[0].startswith("generating [>.........")
+  if columns < 80:
+    return   # the bar at its narrowest, the words cut at the width
+  assert lines[0].endswith("] 1% 1024/69632 samples, train split, workers starting"), lines[0]
+  assert lines[33].endswith("] 50% 34816/69632 samples, train split, 2048/s, 17 s left"), lines[33]
+  assert lines[-1].endswith("=] 100% 69632/69632 samples, test split, 2048/s, 0 s left"), lines[-1]

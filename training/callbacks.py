@@ -1,6 +1,7 @@
 """Keras callbacks that report what a person watching a run wants to know: compile time and speed."""
 
 import os
+import shutil
 import time
 
 import tensorflow as tf
@@ -49,19 +50,71 @@ def epoch_step(epoch: int) -> int:
   return max(epoch - 1, 0)
 
 
-class RunProgbar(tf.keras.callbacks.ProgbarLogger):
-  """Keras' progress bar, headed with the run's epoch count. The rest of an epoch that a resumed run
-  trains is a fit of its own (training/loop.py `_fit`), which Keras' own bar would head "Epoch 2/2"
-  before the next fit's "Epoch 3/3". Given among a fit's callbacks, it replaces Keras' default bar.
-  Its last update shows the losses and metrics, not the BOOKKEEPING_KEYS, which the epoch line after it
-  gives."""
+class FittedProgbar(tf.keras.utils.Progbar):
+  """Keras' progress bar, its bar narrowed so that the line it redraws fits the terminal.
 
-  def __init__(self, epochs: int):
+  Keras redraws the line with backspaces and a carriage return, which reach back to the start of the
+  terminal's last row only: a longer line wraps, and each redraw then leaves a row behind. In an
+  80-column terminal the default job's line ("  51/341 [====...] - ETA: 1:05 - loss: 0.2707 - mae:
+  0.4332") is 81 columns while the epoch has over a minute left, so a float32 epoch on a 2-core CPU
+  scrolled 50 rows of bars. The bar (30 columns at most, as Keras draws it; 10 at least) gets what the
+  count, the longest time left ("h:mm:ss") and the values (as wide as the widest so far, and a column
+  more) leave of the width. The last update, which ends its line, keeps the bar of the others.
+  """
+
+  MIN_BAR, MAX_BAR = 10, 30
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self._value_widths = {}   # name: the widest value Keras has shown for it, in characters
+
+  def update(self, current, values=None, finalize=None):
+    last = finalize if finalize is not None else self.target is not None and current >= self.target
+    if self.verbose == 1 and self.target is not None and not (last and self._value_widths):
+      self.width = self.fitted_width(values or [])
+    super().update(current, values, finalize)
+
+  def fitted_width(self, values) -> int:
+    """The bar's width for a line with `values` (Keras' (name, value) pairs) in the terminal's width
+    (shutil: $COLUMNS, else the terminal's, else 80)."""
+    for name, value in values:
+      self._value_widths[name] = max(self._value_widths.get(name, 0), len(_as_keras_shows(value)))
+    digits = len(str(self.target))
+    others = (len("%s/%s [] - ETA: 0:00:00" % ("0" * digits, "0" * digits))
+              + sum(len(" - %s: " % name) + width + 1 for name, width in self._value_widths.items()))
+    room = shutil.get_terminal_size().columns - 1 - others
+    return max(self.MIN_BAR, min(self.MAX_BAR, room))
+
+
+def _as_keras_shows(value) -> str:
+  """A metric's value as Keras' Progbar writes it: 4 decimals, or 4 in the exponent form below 1e-3."""
+  try:
+    number = float(value)
+  except (TypeError, ValueError):
+    return str(value)
+  return ("%.4f" if abs(number) > 1e-3 else "%.4e") % number
+
+
+class RunProgbar(tf.keras.callbacks.ProgbarLogger):
+  """Keras' progress bar, headed with the run's epoch count and fitted to the terminal (FittedProgbar).
+  The rest of an epoch that a resumed run trains is a fit of its own (training/loop.py `_fit`), which
+  Keras' own bar would head "Epoch 2/2" before the next fit's "Epoch 3/3". Given among a fit's or an
+  evaluation's callbacks, it replaces Keras' default bar. Its last update in an epoch shows the losses
+  and metrics, not the BOOKKEEPING_KEYS, which the epoch line after it gives."""
+
+  def __init__(self, epochs=None):
     super().__init__(count_mode="steps")
     self.run_epochs = epochs
 
   def set_params(self, params):
-    super().set_params(dict(params, epochs=self.run_epochs))
+    super().set_params(params if self.run_epochs is None else dict(params, epochs=self.run_epochs))
+
+  def _maybe_init_progbar(self):  # Keras' hook that makes the bar (keras 2.6 and tf_keras callbacks.py)
+    if self.progbar is None:
+      self.progbar = FittedProgbar(target=self.target, verbose=self.verbose,
+                                   stateful_metrics=set(self.stateful_metrics),
+                                   unit_name="step" if self.use_steps else "sample")
+    super()._maybe_init_progbar()
 
   def on_epoch_end(self, epoch, logs=None):
     shown = {key: value for key, value in (logs or {}).items() if key not in BOOKKEEPING_KEYS}

@@ -581,7 +581,7 @@ def _test(net, config, backend, splits, checkpointing, outdir, last_epoch, stop_
   try:
     test_results = _evaluate_test(net, backend, splits,
                                   verbose=logs.evaluate_verbosity(config.progress, backend.is_chief),
-                                  callbacks=[stop_test])
+                                  callbacks=[stop_test, callbacks_lib.RunProgbar()])
   except interrupt_lib.TrainingInterrupted as stop:
     stop = stop.with_traceback(None)
     interrupt_lib.log_interrupted(stop, config.logdir)

@@ -557,11 +557,12 @@ class _Extension:
     are recorded in CALLS ("evaluate"), so that tests can tell one replica's figures from all of them.
     Batch-level callbacks are not called; the test-begin and test-end ones are.
     """
-    del kwargs  # batch_size, verbose, ...; tf_keras' fit also asks for its cached dataset
+    verbose = kwargs.pop("verbose", 1)
+    del kwargs  # batch_size, ...; tf_keras' fit also asks for its cached dataset
     if y is not None:
       raise TypeError("the stand-in runs tf.data datasets of (x, y), as the application passes them")
     replicas, inferred, per_execution = self.check_inference(_keras_steps(x, steps))
-    callbacks = _callback_list(callbacks, self.model)
+    callbacks = _callback_list(callbacks, self.model, verbose=verbose, steps=inferred)
     callbacks.on_test_begin()
     per_replica = [self._keras["evaluate"](x.shard(replicas, r), steps=inferred, verbose=0,
                                            return_dict=True) for r in range(replicas)]
@@ -594,11 +595,15 @@ class _Extension:
     return tf.nest.map_structure(combine, outputs)
 
 
-def _callback_list(callbacks, model):
+def _callback_list(callbacks, model, **params):
+  """Keras' CallbackList; given `params` (verbose, steps), as Keras' evaluate makes it: with a progress
+  bar unless verbose is 0, and the parameters that a bar among `callbacks` reads."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   if isinstance(callbacks, tf.keras.callbacks.CallbackList):
     return callbacks
-  return tf.keras.callbacks.CallbackList(callbacks, model=model)
+  if params:
+    params = dict(params, add_progbar=params["verbose"] != 0, epochs=1)
+  return tf.keras.callbacks.CallbackList(callbacks, model=model, **params)
 
 
 def inject_keras_extensions(model):
