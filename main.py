@@ -11,6 +11,7 @@ The application's flags are listed below (`--helpfull` adds absl's); README.md h
 # start-up environment, then `train_and_evaluate(config)` (tests call it too). A UserError anywhere
 # below becomes one line on stderr and exit status 1. The docstring above is absl's --help text.
 
+import dataclasses
 import sys
 
 from errors import (ignore_stops_while_exiting, parse_flags, refuse_arguments, report_missing_packages,
@@ -26,12 +27,16 @@ from training import logs  # noqa: E402  pylint: disable=wrong-import-position
 FLAGS = absl_flags.FLAGS
 
 
-def train_and_evaluate(config) -> dict:
+def train_and_evaluate(config, dated_logdir: bool = False) -> dict:
   """Everything after the flags: the backend, training and test, the --predict report, the closing
   report (or, after a graceful stop, the command that continues the run). TensorFlow's start-up
-  environment must already be set (`environment.prepare`). Returns the run's summary; a problem is
-  a UserError."""
+  environment must already be set (`environment.prepare`). `dated_logdir`: config.logdir is the dated
+  default, which the run makes its own (another name if another run took it). Returns the run's
+  summary; a problem is a UserError."""
   config, backend = environment.start_backend(config)  # imports TensorFlow
+  from training import run_folder  # pylint: disable=import-outside-toplevel
+  if dated_logdir and backend.is_chief:
+    config = dataclasses.replace(config, logdir=run_folder.make_new(config.logdir))
   from analysis.evaluation import check_report_possible, report  # pylint: disable=import-outside-toplevel
   from training.loop import run  # pylint: disable=import-outside-toplevel
   from training.interrupt import TrainingInterrupted  # pylint: disable=import-outside-toplevel
@@ -62,7 +67,7 @@ def main(argv):
   with reported_on_one_line():
     config = flags.to_config(FLAGS, command_line=sys.argv[1:])
     environment.prepare(config)
-    train_and_evaluate(config)
+    train_and_evaluate(config, dated_logdir=FLAGS.logdir is None)
     ignore_stops_while_exiting()  # finished and reported: a signal must not make it look killed
 
 

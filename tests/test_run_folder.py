@@ -71,3 +71,13 @@ def test_an_empty_or_new_folder_is_claimed(tmp_path):
   (tmp_path / "checkpoints").mkdir()
   run_folder.claim(str(tmp_path), resume=False)
   run_folder.release(str(tmp_path))
+
+
+def test_a_dated_folder_taken_by_another_run_gets_the_next_free_name(tmp_path):
+  dated = str(tmp_path / "logs" / "mnist" / "20261127-091653")
+  assert [run_folder.make_new(dated) for _ in range(3)] == [dated, dated + "-2", dated + "-3"]
+  assert run_folder.is_new(dated + "-2") and run_folder.is_new(dated + "-4")
+  assert not run_folder.is_new(str(tmp_path / "logs"))
+  (tmp_path / "file").write_text("")
+  with pytest.raises(UserError, match=r"--logdir=.*file/logs/x is not a writable folder \(Not a directory\)"):
+    run_folder.make_new(str(tmp_path / "file" / "logs" / "x"))

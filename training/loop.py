@@ -376,7 +376,7 @@ def run(config: RunConfig, backend: Backend) -> dict:
   info = model.get_model_info(config.model)
   outdir = backend.output_dir(config.logdir)
   scratch = outdir != config.logdir  # another process's: the chief writes the run's folder
-  new_folder = not os.path.exists(outdir)
+  new_folder = run_folder.is_new(outdir)
   prepare_logdir(outdir)
   # The writer locks the folder and refuses to start over an earlier run before it reads data or
   # builds anything: the first run's data generation alone takes minutes on a slow CPU. The lock file

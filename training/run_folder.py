@@ -14,6 +14,7 @@
 """
 
 import fcntl
+import itertools
 import os
 import socket
 
@@ -27,6 +28,30 @@ RUN_MARKERS = ("run_config.yaml", "summary.yaml")  # what makes a folder a run's
 SAVED_MARKERS = ("summary.yaml",)  # with the checkpoints, what a new run there would replace
 
 _held = {}  # logdir -> open lock file, kept open (and so locked) until the process exits
+_made = set()  # the folders make_new created in this process: new to its run, though they exist
+
+
+def make_new(logdir: str) -> str:
+  """Creates the folder `logdir`, or `logdir-2`, `logdir-3`... where another process made it first
+  (`os.mkdir` fails on a folder that exists, so two processes never get the same one); returns the
+  name made."""
+  try:
+    os.makedirs(os.path.dirname(logdir) or ".", exist_ok=True)
+    for count in itertools.count(1):
+      name = logdir if count == 1 else "%s-%d" % (logdir, count)
+      try:
+        os.mkdir(name)
+      except FileExistsError:
+        continue
+      _made.add(os.path.abspath(name))
+      return name
+  except OSError as error:
+    raise UserError("--logdir=%s is not a writable folder (%s)" % (logdir, error.strerror)) from None
+
+
+def is_new(logdir: str) -> bool:
+  """Whether `logdir` holds nothing of an earlier run: it does not exist yet, or make_new made it."""
+  return not os.path.exists(logdir) or os.path.abspath(logdir) in _made
 
 
 def holds_run(logdir: str) -> bool:

@@ -357,3 +357,24 @@ def test_a_run_whose_validation_loss_is_never_finite_fails(tmp_path):
                                       r"epoch was checkpointed.*huge_val.h5"):
     _run(_config(path, logdir))
   assert not os.path.exists(os.path.join(logdir, "summary.yaml"))
+
+
+def test_runs_started_in_the_same_second_without_a_logdir_each_make_a_folder_of_their_own(
+    tmp_path, data_file, monkeypatch, capsys):
+  """Without --logdir the folder is logs/<model>/<date-time> (flags.py): of three runs sent to the
+  background at once, the two later ones stopped with "--logdir=... is in use by pid ...", a flag that
+  their users had not given."""
+  import main  # pylint: disable=import-outside-toplevel
+  monkeypatch.chdir(tmp_path)
+  dated = os.path.join("logs", "neuron_inverter", "20261127-091653")
+  config = _config(data_file, dated, epochs=1)
+  first = main.train_and_evaluate(config, dated_logdir=True)
+  second = main.train_and_evaluate(config, dated_logdir=True)
+  assert first["weights_sha256"] == second["weights_sha256"]
+  assert sorted(os.listdir(os.path.dirname(dated))) == ["20261127-091653", "20261127-091653-2"]
+  assert os.path.isfile(dated + "-2/summary.yaml")
+  assert "Run finished: %s-2\n" % dated in capsys.readouterr().out
+  with pytest.raises(UserError, match="missing.h5"):   # a run that fails leaves no folder
+    main.train_and_evaluate(dataclasses.replace(config, data_path=str(tmp_path / "missing.h5")),
+                            dated_logdir=True)
+  assert sorted(os.listdir(os.path.dirname(dated))) == ["20261127-091653", "20261127-091653-2"]
