@@ -22,17 +22,54 @@ class UserError(Exception):
 
 
 class Terminated(KeyboardInterrupt):
-  """SIGTERM (scancel, a batch system's time limit, `kill`) where nothing handles it gracefully: it
-  unwinds the program as Ctrl-C does, so that what the program was writing is removed (the built-in
-  dataset's temporary file, a run folder still empty) and its worker processes are stopped."""
+  """SIGTERM (scancel, a batch system's time limit, `kill`) or SIGHUP (the terminal closed) where
+  nothing handles it gracefully: it unwinds the program as Ctrl-C does, so that what the program was
+  writing is removed (the built-in dataset's temporary file, a run folder still empty) and its worker
+  processes are stopped."""
+
+  def __init__(self, signum: int = signal.SIGTERM):
+    super().__init__()
+    self.signum = signum
 
 
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# How the one line of a stop names its signal.
+SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM",
+                signal.SIGHUP: "SIGHUP (the terminal closed)"}
 _pending = []  # the signal whose stop has not reached reported_on_one_line yet
+_terminal_outputs = []  # stdout's and stderr's descriptors that were a terminal when the handlers were set
 
 
 def _raise_stop(signum):
-  raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+  raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
+def terminal_outputs() -> list:
+  """The descriptors of stdout and stderr that are a terminal: asked before a hang-up, after which a
+  terminal no longer says it is one."""
+  return [fd for fd in (1, 2) if os.isatty(fd)]
+
+
+def leave_a_closed_terminal(outputs) -> None:
+  """After SIGHUP: the descriptors among `outputs` (terminal_outputs' from before) that are no terminal
+  any more, closed by the hang-up, write to /dev/null from now on. Every write to them fails (EIO), and
+  the stop that SIGHUP asks for (its checkpoint, its exit status) must not fail at the next line or
+  progress bar. A SIGHUP sent while the terminal is open (`kill -HUP`) leaves the output as it is."""
+  closed = [fd for fd in outputs if not os.isatty(fd)]
+  if not closed:
+    return
+  null = os.open(os.devnull, os.O_WRONLY)
+  try:
+    for fd in closed:
+      os.dup2(null, fd)
+  finally:
+    os.close(null)
+
+
+def handles(signum: int) -> bool:
+  """Whether a program should handle `signum`: not SIGHUP when it was started ignoring it (nohup, whose
+  user wants the run to outlive the terminal)."""
+  return signum != signal.SIGHUP or signal.getsignal(signum) != signal.SIG_IGN
 
 
 def _stop_on_signal(signum, frame):
@@ -42,6 +79,8 @@ def _stop_on_signal(signum, frame):
   del frame
   _pending[:] = [signum]
   signal.setitimer(signal.ITIMER_REAL, 0.5, 0.5)
+  if signum == signal.SIGHUP:
+    leave_a_closed_terminal(_terminal_outputs)
   _raise_stop(signum)
 
 
@@ -82,20 +121,23 @@ def _quiet_printed_stops(exc_type, exc_value, exc_traceback, report=sys.__except
 def leave_interrupts_to_the_parent():
   """Initializer of a multiprocessing.Pool's workers. A terminal's Ctrl-C reaches the whole foreground
   process group, and each worker it found in Python code printed its own KeyboardInterrupt traceback;
-  the parent, which reports the stop in one line (reported_on_one_line), ends its pool itself."""
+  the parent, which reports the stop in one line (reported_on_one_line), ends its pool itself. So
+  does the SIGHUP of a terminal that closes."""
   signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
 @contextlib.contextmanager
 def reported_on_one_line(status: int = 1):
   """Runs the block; a UserError from it becomes one `error: ...` line on stderr and exit `status`.
-  Ctrl-C or SIGTERM where nothing handles it (before training, or in a tool; training itself stops
-  gracefully with a checkpoint) becomes one line too, and exit status 128 + the signal's number (130,
-  143), as a shell reports it. Without this, SIGTERM would end the process where it stands."""
+  Ctrl-C, SIGTERM or SIGHUP where nothing handles it (before training, or in a tool; training itself
+  stops gracefully with a checkpoint) becomes one line too, and exit status 128 + the signal's number
+  (130, 143, 129), as a shell reports it. Without this, SIGTERM would end the process where it stands."""
   in_main_thread = threading.current_thread() is threading.main_thread()  # handlers can only be set there
   previous = {}
   if in_main_thread:
-    previous = {signum: signal.signal(signum, _stop_on_signal) for signum in _STOP_SIGNALS}
+    _terminal_outputs[:] = terminal_outputs()
+    previous = {signum: signal.signal(signum, _stop_on_signal) for signum in _STOP_SIGNALS if handles(signum)}
     previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, _raise_pending)
   previous_hook, sys.unraisablehook = sys.unraisablehook, _quiet_lost_stops
   previous_excepthook, sys.excepthook = sys.excepthook, _quiet_printed_stops
@@ -105,14 +147,14 @@ def reported_on_one_line(status: int = 1):
     sys.stderr.write("error: %s\n" % error)
     sys.exit(status)
   except KeyboardInterrupt as interrupt:
-    terminated = isinstance(interrupt, Terminated)
+    signum = interrupt.signum if isinstance(interrupt, Terminated) else signal.SIGINT
     if in_main_thread:  # a second signal must not interrupt the exit (training/interrupt.py does the same)
       signal.setitimer(signal.ITIMER_REAL, 0)
-      for signum in _STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
+      for other in _STOP_SIGNALS:
+        signal.signal(other, signal.SIG_IGN)
       previous = {}
-    sys.stderr.write("\ninterrupted by %s\n" % ("SIGTERM" if terminated else "SIGINT (Ctrl-C)"))
-    sys.exit(128 + (signal.SIGTERM if terminated else signal.SIGINT))
+    sys.stderr.write("\ninterrupted by %s\n" % SIGNAL_NAMES[signum])
+    sys.exit(128 + signum)
   finally:
     sys.unraisablehook, sys.excepthook = previous_hook, previous_excepthook
     if previous:
@@ -125,8 +167,8 @@ def reported_on_one_line(status: int = 1):
 
 
 def ignore_stops_while_exiting() -> None:
-  """For an entry point whose work is done and written (its last line printed): SIGINT and SIGTERM are
-  ignored for the rest of the exit, which tears TensorFlow down for about a second. A signal then
+  """For an entry point whose work is done and written (its last line printed): SIGINT, SIGTERM and
+  SIGHUP are ignored for the rest of the exit, which tears TensorFlow down for about a second. A signal then
   would end a finished run with the status of a killed one, which a requeue script reads as
   "interrupted". Ignored, not handled: Python resets the handlers it installed to the default action
   early in its shutdown, and keeps SIG_IGN (SIGKILL still ends the process)."""
@@ -136,7 +178,8 @@ def ignore_stops_while_exiting() -> None:
 
 
 def with_one_line_errors(main):
-  """An absl `main` whose UserErrors, Ctrl-C and SIGTERM are reported as `reported_on_one_line` does."""
+  """An absl `main` whose UserErrors, Ctrl-C, SIGTERM and SIGHUP are reported as `reported_on_one_line`
+  does."""
   def main_reporting_on_one_line(argv):
     with reported_on_one_line():
       return main(argv)

@@ -83,3 +83,20 @@ def test_a_stop_lost_in_a_finalizer_is_no_traceback_even_as_the_cause_of_another
   monkeypatch.setattr(errors, "_pending", [])   # no stop pending: everything is reported
   errors._quiet_lost_stops(types.SimpleNamespace(exc_value=caused), report=reported.append)
   assert reported[-1].exc_value is caused
+
+
+def test_after_a_hang_up_the_output_that_went_to_the_terminal_goes_to_dev_null():
+  """Every write to a closed terminal fails (EIO): the stop that its SIGHUP asks for must not fail on the
+  next line. A terminal still open (`kill -HUP`) keeps the output."""
+  master, slave = os.openpty()
+  try:
+    errors.leave_a_closed_terminal([slave])
+    os.write(slave, b"still shown")
+    assert os.read(master, 100) == b"still shown"
+  finally:
+    os.close(master)
+  with pytest.raises(OSError):
+    os.write(slave, b"x")
+  errors.leave_a_closed_terminal([slave])
+  assert os.write(slave, b"to /dev/null") == len(b"to /dev/null") and not os.isatty(slave)
+  os.close(slave)

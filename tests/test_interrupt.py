@@ -57,18 +57,22 @@ def test_interrupt_flag_ignores_more_signals_while_the_process_exits_on_one():
       signal.signal(signum, handler)
 
 
-def test_sigterm_outside_training_unwinds_and_exits_143_on_one_line(tmp_path):
+@pytest.mark.parametrize("signum, line", [(signal.SIGTERM, "SIGTERM"), (signal.SIGHUP, "SIGHUP (the terminal closed)")])
+def test_sigterm_or_sighup_outside_training_unwinds_and_exits_128_plus_its_number_on_one_line(tmp_path, signum,
+                                                                                            line):
   """What main.py and the tools run in: SIGTERM where training's flag is not installed unwinds the
-  program as Ctrl-C does (its `finally` blocks remove what it was writing), one line, status 143."""
+  program as Ctrl-C does (its `finally` blocks remove what it was writing), one line, status 143; and
+  so does SIGHUP, with status 129, where its default action ended the process on the spot."""
   marker = tmp_path / "unwound"
   code = ("import os, signal, sys, time; sys.path.insert(0, %r); from errors import reported_on_one_line\n"
+          "signal.signal(signal.SIGHUP, signal.SIG_DFL)\n"
           "with reported_on_one_line():\n"
           "  try:\n"
-          "    os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)\n"
+          "    os.kill(os.getpid(), %d); time.sleep(30)\n"
           "  finally:\n"
-          "    open(%r, 'w').close()\n" % (REPO_ROOT, str(marker)))
+          "    open(%r, 'w').close()\n" % (REPO_ROOT, signum, str(marker)))
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-  assert (result.returncode, result.stderr) == (143, "\ninterrupted by SIGTERM\n")
+  assert (result.returncode, result.stderr) == (128 + signum, "\ninterrupted by %s\n" % line)
   assert marker.exists()
 
 

@@ -28,7 +28,8 @@ import time
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-from errors import parse_flags, report_missing_packages  # noqa: E402  pylint: disable=wrong-import-position
+from errors import (handles, leave_a_closed_terminal, parse_flags, report_missing_packages,  # noqa: E402
+                    terminal_outputs)  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
 
 import yaml  # noqa: E402  pylint: disable=wrong-import-position
@@ -225,21 +226,26 @@ def _run_passing_on_stops(command, log):
   """Runs a point's main.py and waits for it; returns (its exit status, the stop signal or None).
 
   The run has a session of its own, so a terminal's Ctrl-C reaches the scan alone, which passes the
-  first Ctrl-C or SIGTERM on and waits while the run saves its checkpoint. (subprocess.call would kill
-  it 0.25 s after a Ctrl-C, in the middle of that save, and the scan would end in a traceback.)"""
+  first Ctrl-C, SIGTERM or SIGHUP on and waits while the run saves its checkpoint. (subprocess.call
+  would kill it 0.25 s after a Ctrl-C, in the middle of that save, and the scan would end in a
+  traceback. Unhandled, the SIGHUP of a terminal that closes ended the scan and left the run training
+  on its own.)"""
   # In the user's folder, as main.py would run there: relative paths after `--` (--data_path,
   # --flagfile, --stage_dir) mean what they meant where the scan was typed. main.py is named by its
   # absolute path, so it finds its modules from anywhere; a Slurm point runs in the submit folder
   # (tools/slurm/scan.sbatch), which is where `--mode=slurm` ran.
   child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-  stops = []
+  stops, outputs = [], terminal_outputs()
 
   def pass_on(signum, frame):
     del frame
+    if signum == signal.SIGHUP:
+      leave_a_closed_terminal(outputs)
     if not stops:
       stops.append(signum)
       child.send_signal(signum)
-  previous = {signum: signal.signal(signum, pass_on) for signum in (signal.SIGINT, signal.SIGTERM)}
+  previous = {signum: signal.signal(signum, pass_on) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+              if handles(signum)}
   try:
     return child.wait(), (stops[0] if stops else None)
   finally:

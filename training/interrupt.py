@@ -1,7 +1,11 @@
-"""Graceful stop on SIGTERM / SIGINT: save a checkpoint at the next safe point, exit, `--resume` later.
+"""Graceful stop on SIGTERM / SIGINT / SIGHUP: save a checkpoint at the next safe point, exit, `--resume`
+later.
 
 Slurm sends SIGTERM at the time limit (then SIGKILL after `KillWait`, 30 s by default; ask for an
 earlier warning with `sbatch --signal=TERM@120`), srun forwards it to every task, and Ctrl-C is SIGINT.
+A terminal that closes (an ssh connection lost) sends SIGHUP: the output that went to it goes to
+/dev/null from then on (`errors.leave_a_closed_terminal`), and the run stops as on SIGTERM, exit status
+129. Started under nohup, which ignores SIGHUP, a run keeps it ignored and trains on.
 
 Design:
 - The signal handler only records the signal (and writes one line with `os.write`, which is safe in a
@@ -46,9 +50,10 @@ import threading
 import tensorflow as tf
 from absl import logging
 
+from errors import handles, leave_a_closed_terminal, terminal_outputs
 from training.checkpoints import in_run_folder
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class TrainingInterrupted(SystemExit):
@@ -65,7 +70,8 @@ class TrainingInterrupted(SystemExit):
 
 
 class InterruptFlag:
-  """Records SIGTERM/SIGINT while installed (a context manager); the handler does nothing else."""
+  """Records SIGTERM/SIGINT/SIGHUP while installed (a context manager); the handler does nothing else
+  (but for SIGHUP, move the output off a closed terminal)."""
 
   # What a signal does in each phase of the run, as the handler's line says it.
   MESSAGES = {
@@ -83,11 +89,14 @@ class InterruptFlag:
     self.signum = None
     self.phase = "training"  # set by the loop as it moves on (MESSAGES)
     self._previous = {}
+    self._terminal_outputs = []
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+      self._terminal_outputs = terminal_outputs()
       for signum in SIGNALS:
-        self._previous[signum] = signal.signal(signum, self._handle)
+        if handles(signum):
+          self._previous[signum] = signal.signal(signum, self._handle)
     return self
 
   def __exit__(self, exc_type, exc, tb):
@@ -104,6 +113,8 @@ class InterruptFlag:
 
   def _handle(self, signum, frame):
     del frame
+    if signum == signal.SIGHUP:
+      leave_a_closed_terminal(self._terminal_outputs)
     name = signal.Signals(signum).name
     if self.signum is None:
       self.signum = signum

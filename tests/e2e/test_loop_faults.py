@@ -12,10 +12,12 @@ import json
 import os
 import random
 import re
+import select
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -470,3 +472,82 @@ def _group_alive(group: int) -> bool:
   except ProcessLookupError:
     return False
   return True
+
+
+# A login's terminal: the process leads a new session (start_new_session) and takes the pseudo-terminal on
+# its stdin as its controlling terminal, with SIGHUP's default action, as a shell gives it.
+_IN_A_TERMINAL = ("import fcntl, os, signal, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                  "signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+                  "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+
+
+class _Terminal:
+  """The master side of a pseudo-terminal, read in a thread as a terminal emulator reads it; `close`
+  hangs it up, as a lost ssh connection does."""
+
+  def __init__(self):
+    self.master, self.slave = os.openpty()
+    self.chunks, self._done = [], threading.Event()
+    self._reader = threading.Thread(target=self._read, daemon=True)
+    self._reader.start()
+
+  def _read(self):
+    while not self._done.is_set():
+      if select.select([self.master], [], [], 0.05)[0]:
+        try:
+          self.chunks.append(os.read(self.master, 65536))
+        except OSError:
+          return
+
+  def text(self) -> str:
+    return b"".join(self.chunks).decode(errors="replace")
+
+  def hang_up(self):
+    self._done.set()
+    self._reader.join()
+    os.close(self.master)
+
+
+def test_a_closed_terminal_stops_training_with_a_checkpoint_and_status_129(tmp_path, data_file):
+  """A terminal that closes sends SIGHUP, whose default action ended the run where it stood, losing the
+  epoch's steps; and each write to the closed terminal fails (EIO), the progress bar's first."""
+  logdir = str(tmp_path / "run")
+  terminal = _Terminal()
+  env = dict(os.environ, PYTHONUNBUFFERED="1", TERM="xterm")
+  env.pop("TF_USE_LEGACY_KERAS", None)
+  command = [sys.executable, "-c", _IN_A_TERMINAL, "-c", WITH_DEFAULT_SIGINT,
+             os.path.join(REPO_ROOT, "main.py"), *ARGS, "--data_path=" + data_file, "--logdir=" + logdir,
+             "--epochs=%d" % EPOCHS]
+  process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdin=terminal.slave, stdout=terminal.slave,
+                             stderr=terminal.slave, start_new_session=True)
+  os.close(terminal.slave)
+  try:
+    deadline = time.monotonic() + 90
+    while not re.search(r"Compilation and first step done.*\n.*\d+/%d \[" % STEPS, terminal.text()):
+      assert process.poll() is None and time.monotonic() < deadline, terminal.text()[-3000:]
+      time.sleep(0.02)
+    terminal.hang_up()
+    status = process.wait(timeout=60)
+  finally:
+    if process.poll() is None:
+      process.kill()
+      process.wait()
+  assert status == 128 + signal.SIGHUP, terminal.text()[-3000:]
+  state = last_state(logdir)
+  assert (state["epoch"], state["step"]) > (0, 0) and state["epoch"] < EPOCHS, state
+  assert not os.path.exists(os.path.join(logdir, "summary.yaml"))
+  output = run_to_end(logdir, data_file, "--epochs=%d" % EPOCHS, "--resume")
+  assert "Traceback" not in output and summary_of(logdir)["epochs"] == EPOCHS, output[-3000:]
+
+
+def test_under_nohup_a_hang_up_is_ignored_and_the_run_trains_on(tmp_path, data_file):
+  logdir = str(tmp_path / "run")
+  job = Job(logdir, data_file, "--epochs=2", prefix=("nohup",))
+  try:
+    job.wait_for(lambda: "Compilation and first step done" in job.output(), what="the first step")
+    os.killpg(job.process.pid, signal.SIGHUP)
+    status = job.wait(60)
+    output = job.output()
+  finally:
+    job.close()
+  assert status == 0 and "Run finished" in output and "SIGHUP" not in output, output[-3000:]

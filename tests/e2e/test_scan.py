@@ -281,3 +281,29 @@ def test_distinct_rates_get_distinct_folders():
   grid = scan.make_grid(["0.0012345671", "0.0012345679", "1", "5e-05"], ["1"], [])
   assert [point["name"] for point in grid["points"]] == [
       "replicas1_lr0.0012345671", "replicas1_lr0.0012345679", "replicas1_lr1", "replicas1_lr5e-05"]
+
+
+def test_a_hang_up_stops_the_point_with_a_checkpoint_and_the_scan_with_status_129(tmp_path):
+  """The points run in sessions of their own: a closing terminal's SIGHUP reaches the scan alone, which
+  it used to end on the spot, the point training on without it."""
+  data_path = write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 128, "val": 32, "test": 32})
+  scan_dir = str(tmp_path / "scan")
+  args = ["--scan_dir=" + scan_dir, "--learning_rates=1e-3", "--replicas=1", "--"] + [
+      arg for arg in _main_args(data_path) if not arg.startswith(("--epochs", "--steps_per_epoch"))] + [
+      "--epochs=2", "--steps_per_epoch=400"]
+  env = {k: v for k, v in os.environ.items() if k not in ("TF_USE_LEGACY_KERAS", "TF2_BEHAVIOR")}
+  with_default_sighup = ("import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+                         "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+  scan = subprocess.Popen([sys.executable, "-c", with_default_sighup, SCAN] + args, cwd=REPO_ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  log = os.path.join(scan_dir, "replicas1_lr0.001.log")
+  deadline = time.time() + 120
+  while not (os.path.exists(log) and "first step done" in open(log).read()):
+    assert scan.poll() is None and time.time() < deadline, scan.communicate()
+    time.sleep(0.1)
+  scan.send_signal(signal.SIGHUP)
+  out, err = scan.communicate(timeout=120)
+  assert scan.returncode == 129, out + err
+  assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted by SIGHUP: the scan "
+                                                                            "stopped"), err
+  assert "Training interrupted by SIGHUP" in open(log).read()  # a graceful stop, with its checkpoint
