@@ -311,12 +311,14 @@ def _run_title(results: dict) -> str:
 
 
 def format_table(results: dict) -> str:
-  """The short per-parameter table printed by the tools."""
-  lines = ["%-3s %-28s %9s %8s %9s %9s  %s" % ("#", "parameter", "MSE", "r", "res.mean", "res.std",
-                                                 "verdict")]
+  """The short per-parameter table printed by the tools: within 80 columns (its rows were 84, and
+  wrapped in a terminal of that width), the name column as wide as the longest name (28 at most)."""
+  width = max([len("parameter")] + [len(p["name"][:28]) for p in results["parameters"]])
+  lines = ["%-3s %-*s %7s %7s %8s %8s  %s" % ("#", width, "parameter", "MSE", "r", "res.mean", "res.std",
+                                              "verdict")]
   for p in results["parameters"]:
-    lines.append("%-3d %-28s %9.4f %8.3f %9.4f %9.4f  %s" % (
-        p["index"], p["name"][:28], p["mse"], p["pearson_r"], p["residual_mean"], p["residual_std"],
+    lines.append("%-3d %-*s %7.4f %7.3f %8.4f %8.4f  %s" % (
+        p["index"], width, p["name"][:28], p["mse"], p["pearson_r"], p["residual_mean"], p["residual_std"],
         p["verdict"]))
   counts = results["verdict_counts"]
   lines.append("%s split, %d samples: MSE %.4f (mean predictor %.4f); %d learned, %d weak, %d not learned "

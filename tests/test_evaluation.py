@@ -128,3 +128,18 @@ def test_learning_rate_axis_follows_the_schedule(tmp_path, lr, schedule, scale):
   assert history.get("lr_schedule") == schedule
   assert plots.lr_axis_scale(history) == scale
   assert os.path.isfile(plots.plot_training_curves(history, str(tmp_path)))
+
+
+def test_the_parameter_table_fits_80_columns_with_the_built_in_cells_names():
+  """Its rows were 84 columns: in an 80-column terminal "not learned" wrapped after "not lea"."""
+  from data import neuron_sim  # pylint: disable=import-outside-toplevel
+  rng = np.random.RandomState(2)
+  truth = rng.uniform(-1, 1, size=(2000, neuron_sim.NUM_PAR))
+  prediction = truth * np.linspace(1.0, 0.0, neuron_sim.NUM_PAR) - 0.125 + rng.normal(0, 0.5, truth.shape)
+  figures = evaluation.compute_metrics(truth, prediction, neuron_sim.PAR_NAMES)
+  table = evaluation.format_table(dict(figures, split="test")).splitlines()
+  rows = table[:-1]   # the last line is a sentence, which a terminal may wrap
+  assert len(rows) == 1 + neuron_sim.NUM_PAR and max(len(row) for row in rows) <= 80, max(rows, key=len)
+  assert {row.split(None, 6)[-1] for row in rows[1:]} == {"learned", "weak", "not learned"}
+  widest = max(neuron_sim.PAR_NAMES, key=len)
+  assert any(row.startswith("%-3s %s " % (neuron_sim.PAR_NAMES.index(widest), widest)) for row in rows), rows
