@@ -13,6 +13,18 @@ _CACHE_ROOT = os.path.join(
 DEFAULT_DATA_CACHE = _CACHE_ROOT
 DEFAULT_EXECUTABLE_CACHE = os.path.join(_CACHE_ROOT, "executables")
 
+
+def cache_hint(path: str) -> str:
+  """For the message of a cache folder that cannot be made: where a default one comes from ($XDG_CACHE_HOME,
+  else ~/.cache) and how to move them all (the user may know neither the flags nor the folder, and
+  naming one flag led to the other's error in the next run). Empty for a folder given by flag."""
+  if not os.path.abspath(path).startswith(os.path.abspath(_CACHE_ROOT)):
+    return ""
+  xdg = os.environ.get("XDG_CACHE_HOME")
+  source = "XDG_CACHE_HOME=%s" % xdg if xdg else "~/.cache, HOME=%s" % os.path.expanduser("~")
+  return ("; it is the default, under %s: set XDG_CACHE_HOME to a writable folder, or pass --cache_dir and "
+          "--data_cache" % source)
+
 # --autotune: "auto" times the forms only for runs of at least AUTOTUNE_MIN_STEPS training steps. The
 # timing costs about 120 steps' time (19 s for the 4 float32 forms of the default job on a Zen 4 under
 # an AVX2 cap), once per machine and batch layout: later runs read the result. Short runs (tests, smoke

@@ -31,7 +31,7 @@ from data import splits as splits_lib
 from data.splits import BatchLayout, Split, Splits, count_steps, eval_layout
 from errors import UserError
 from strategies.cpuinfo import usable_cores  # plain Python: the cores this process may use
-from run_config import RunConfig
+from run_config import RunConfig, cache_hint
 
 # 65,536 training samples: with 16,384 the 3M-parameter ontra4 over-fits from epoch ~9 and recovers
 # only 6 of the 15 conductances (r >= 0.7); with 65,536 it recovers 9, among them every parameter that
@@ -273,8 +273,8 @@ def _check_cache_folder(data_cache: str, folder: str) -> None:
   try:
     os.makedirs(folder, exist_ok=True)
   except OSError as error:
-    raise UserError("--data_cache=%s: cannot create %s for the built-in dataset (%s)"
-                    % (data_cache, folder, error.strerror)) from None
+    raise UserError("--data_cache=%s: cannot create %s for the built-in dataset (%s%s)"
+                    % (data_cache, folder, error.strerror, cache_hint(folder))) from None
   if not os.access(folder, os.W_OK | os.X_OK):
     raise UserError("--data_cache=%s: cannot write the built-in dataset into %s (permission denied)"
                     % (data_cache, folder))

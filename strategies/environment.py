@@ -15,7 +15,7 @@ import sys
 import tempfile
 
 from errors import UserError
-from run_config import RunConfig
+from run_config import RunConfig, cache_hint
 from stderr_lines import DroppedLines
 from strategies import cpuinfo, registry
 
@@ -80,10 +80,7 @@ def _make_dir(path: str, flag: str) -> str:
   try:
     os.makedirs(path, exist_ok=True)
   except OSError as error:
-    # The defaults live under $XDG_CACHE_HOME (run_config.py): name it, as the user may not know the flag.
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    hint = "; it is under XDG_CACHE_HOME=%s" % xdg if xdg and path.startswith(os.path.abspath(xdg)) else ""
-    raise UserError("%s=%s cannot be created (%s%s)" % (flag, path, error.strerror, hint)) from None
+    raise UserError("%s=%s cannot be created (%s%s)" % (flag, path, error.strerror, cache_hint(path))) from None
   return os.path.abspath(path)
 
 

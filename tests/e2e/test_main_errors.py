@@ -422,6 +422,30 @@ def test_a_data_cache_that_cannot_hold_the_builtin_dataset_is_one_error_line(tmp
     assert logdir.exists() == given and (not given or set(os.listdir(logdir)) <= {".lock"})
 
 
+@pytest.mark.parametrize("where", ["HOME", "XDG_CACHE_HOME"])
+def test_a_home_where_the_caches_cannot_be_made_is_one_line_that_says_how_to_move_them(tmp_path, where):
+  """A container's or service account's home may not be writable: the line names where the default
+  caches come from and the variable that moves them, all of them at once (the flag named alone was
+  --cache_dir, after which the next run failed on --data_cache)."""
+  not_a_folder = tmp_path / "a_file"
+  not_a_folder.write_text("")
+  env = {"HOME": str(not_a_folder), "XDG_CACHE_HOME": ""}
+  if where == "XDG_CACHE_HOME":
+    env = {"XDG_CACHE_HOME": str(not_a_folder)}
+  result = run_main(*BASE_ARGS, "--epochs=1", "--logdir=%s" % (tmp_path / "run"), env=env)
+  root = not_a_folder / ".cache" if where == "HOME" else not_a_folder
+  source = "~/.cache, HOME=%s" % not_a_folder if where == "HOME" else "XDG_CACHE_HOME=%s" % not_a_folder
+  hint = ("(Not a directory; it is the default, under %s: set XDG_CACHE_HOME to a writable folder, or pass "
+          "--cache_dir and --data_cache)" % source)
+  assert_one_line_error(result, "--data_cache=%s: cannot create %s for the built-in dataset %s" % (
+      root / "neuron_inverter", root / "neuron_inverter" / "cellspike-v3-seed0", hint))
+  # On a backend that keeps an executable cache its folder is made first: the same hint.
+  result = run_main(*BASE_ARGS, "--epochs=1", "--logdir=%s" % (tmp_path / "run"), "--data_path=%s" % tmp_path,
+                    "--jit_compile", env=env)
+  xla_cache = root / "neuron_inverter" / "executables" / "xla"
+  assert_one_line_error(result, "--cache_dir=%s cannot be created %s" % (xla_cache, hint))
+
+
 def test_a_read_only_data_cache_is_one_error_line(tmp_path):
   """The dataset's folder exists but cannot be written: a real read-only bind mount (in a private
   mount namespace), which stops root too."""
