@@ -32,9 +32,9 @@ _made = set()  # the folders make_new created in this process: new to its run, t
 
 
 def make_new(logdir: str) -> str:
-  """Creates the folder `logdir`, or `logdir-2`, `logdir-3`... where another process made it first
-  (`os.mkdir` fails on a folder that exists, so two processes never get the same one); returns the
-  name made."""
+  """Creates the folder `logdir` (the dated default), or `logdir-2`, `logdir-3`... where another process
+  made it first (`os.mkdir` fails on a folder that exists, so two processes never get the same one);
+  returns the name made."""
   try:
     os.makedirs(os.path.dirname(logdir) or ".", exist_ok=True)
     for count in itertools.count(1):
@@ -46,7 +46,8 @@ def make_new(logdir: str) -> str:
       _made.add(os.path.abspath(name))
       return name
   except OSError as error:
-    raise UserError("--logdir=%s is not a writable folder (%s)" % (logdir, error.strerror)) from None
+    raise UserError("cannot make the run folder %s, the default without --logdir (%s): pass "
+                    "--logdir=<a writable folder>" % (logdir, error.strerror)) from None
 
 
 def is_new(logdir: str) -> bool:
