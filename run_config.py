@@ -18,7 +18,8 @@ def cache_hint(path: str) -> str:
   """For the message of a cache folder that cannot be made: where a default one comes from ($XDG_CACHE_HOME,
   else ~/.cache) and how to move them all (the user may know neither the flags nor the folder, and
   naming one flag led to the other's error in the next run). Empty for a folder given by flag."""
-  if not os.path.abspath(path).startswith(os.path.abspath(_CACHE_ROOT)):
+  root = os.path.abspath(_CACHE_ROOT)
+  if not (os.path.abspath(path) + os.sep).startswith(root + os.sep):
     return ""
   xdg = os.environ.get("XDG_CACHE_HOME")
   source = "XDG_CACHE_HOME=%s" % xdg if xdg else "~/.cache, HOME=%s" % os.path.expanduser("~")

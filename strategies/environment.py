@@ -80,7 +80,8 @@ def _make_dir(path: str, flag: str) -> str:
   try:
     os.makedirs(path, exist_ok=True)
   except OSError as error:
-    raise UserError("%s=%s cannot be created (%s%s)" % (flag, path, error.strerror, cache_hint(path))) from None
+    raise UserError("%s=%s cannot be created (%s%s)" % (flag, path, error.strerror,
+                                                       cache_hint(path))) from None
   return os.path.abspath(path)
 
 

@@ -57,9 +57,9 @@ def test_interrupt_flag_ignores_more_signals_while_the_process_exits_on_one():
       signal.signal(signum, handler)
 
 
-@pytest.mark.parametrize("signum, line", [(signal.SIGTERM, "SIGTERM"), (signal.SIGHUP, "SIGHUP (the terminal closed)")])
-def test_sigterm_or_sighup_outside_training_unwinds_and_exits_128_plus_its_number_on_one_line(tmp_path, signum,
-                                                                                            line):
+@pytest.mark.parametrize("signum, line", [(signal.SIGTERM, "SIGTERM"),
+                                          (signal.SIGHUP, "SIGHUP (the terminal closed)")])
+def test_sigterm_or_sighup_outside_training_unwinds_and_exits_on_one_line(tmp_path, signum, line):
   """What main.py and the tools run in: SIGTERM where training's flag is not installed unwinds the
   program as Ctrl-C does (its `finally` blocks remove what it was writing), one line, status 143; and
   so does SIGHUP, with status 129, where its default action ended the process on the spot."""

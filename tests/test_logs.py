@@ -228,6 +228,6 @@ def test_the_bar_redraws_within_the_terminals_width_and_its_last_line_keeps_ever
   drawn, last = [line for line in redraws if "ETA: " in line], redraws[-1]
   assert any("ETA: 1:" in line for line in drawn)   # over a minute left: the widest lines
   assert max(len(line) for line in drawn) <= columns - 1, drawn[0]
-  bar_width = lambda line: len(re.search(r"\[([=>.]*)\]", line).group(1))  # pylint: disable=unnecessary-lambda-assignment
-  assert bar_width(last) == bar_width(drawn[0]) == min(30, columns - 1 - 7 - 15 - 16 - 15 - 3)
+  bar_widths = [len(re.search(r"\[([=>.]*)\]", line).group(1)) for line in (last, drawn[0])]
+  assert bar_widths == [min(30, columns - 1 - 7 - 15 - 16 - 15 - 3)] * 2
   assert last.endswith("val_mae: 0.3286\n") and last.startswith("341/341 ["), last

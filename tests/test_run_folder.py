@@ -79,6 +79,6 @@ def test_a_dated_folder_taken_by_another_run_gets_the_next_free_name(tmp_path):
   assert run_folder.is_new(dated + "-2") and run_folder.is_new(dated + "-4")
   assert not run_folder.is_new(str(tmp_path / "logs"))
   (tmp_path / "file").write_text("")
-  with pytest.raises(UserError, match=r"cannot make the run folder .*file/logs/x, the default without --logdir "
-                                     r"\(Not a directory\): pass --logdir=<a writable folder>$"):
+  with pytest.raises(UserError, match=r"cannot make the run folder .*file/logs/x, the default without "
+                                     r"--logdir \(Not a directory\): pass --logdir=<a writable folder>$"):
     run_folder.make_new(str(tmp_path / "file" / "logs" / "x"))

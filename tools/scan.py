@@ -244,8 +244,8 @@ def _run_passing_on_stops(command, log):
     if not stops:
       stops.append(signum)
       child.send_signal(signum)
-  previous = {signum: signal.signal(signum, pass_on) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-              if handles(signum)}
+  previous = {signum: signal.signal(signum, pass_on)
+              for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) if handles(signum)}
   try:
     return child.wait(), (stops[0] if stops else None)
   finally:

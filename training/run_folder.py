@@ -14,7 +14,6 @@
 """
 
 import fcntl
-import itertools
 import os
 import socket
 
@@ -35,13 +34,15 @@ def make_new(logdir: str) -> str:
   """Creates the folder `logdir` (the dated default), or `logdir-2`, `logdir-3`... where another process
   made it first (`os.mkdir` fails on a folder that exists, so two processes never get the same one);
   returns the name made."""
+  name, count = logdir, 1
   try:
     os.makedirs(os.path.dirname(logdir) or ".", exist_ok=True)
-    for count in itertools.count(1):
-      name = logdir if count == 1 else "%s-%d" % (logdir, count)
+    while True:
       try:
         os.mkdir(name)
       except FileExistsError:
+        count += 1
+        name = "%s-%d" % (logdir, count)
         continue
       _made.add(os.path.abspath(name))
       return name

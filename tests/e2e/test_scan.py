@@ -80,25 +80,37 @@ def test_a_scan_folder_that_cannot_be_written_is_one_error_line(tmp_path):
                                         % (scan_dir, scan_dir)]
 
 
-def test_ctrl_c_stops_the_point_with_a_checkpoint_and_the_scan_continues_it(tmp_path):
-  """Ctrl-C on a serial scan: the running point's main.py stops gracefully (its checkpoint saved, not
-  killed mid-save), the scan ends in one line with status 130, and the same command resumes it."""
+# SIGHUP's default action, as a terminal's login shell gives it (pytest's processes may ignore it).
+_WITH_DEFAULT_SIGHUP = ("import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+                        "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+
+
+def _scan_signalled_in_its_first_point(tmp_path, signum, learning_rates):
+  """A serial scan signalled once its first point has trained a step; returns (its args, exit status,
+  stdout, stderr, the point's log)."""
   data_path = write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 128, "val": 32, "test": 32})
   scan_dir = str(tmp_path / "scan")
-  args = ["--scan_dir=" + scan_dir, "--learning_rates=1e-3,2e-3", "--replicas=1", "--"] + [
+  args = ["--scan_dir=" + scan_dir, "--learning_rates=" + learning_rates, "--replicas=1", "--"] + [
       arg for arg in _main_args(data_path) if not arg.startswith(("--epochs", "--steps_per_epoch"))] + [
       "--epochs=2", "--steps_per_epoch=400"]
   env = {k: v for k, v in os.environ.items() if k not in ("TF_USE_LEGACY_KERAS", "TF2_BEHAVIOR")}
-  scan = subprocess.Popen([sys.executable, SCAN] + args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+  scan = subprocess.Popen([sys.executable, "-c", _WITH_DEFAULT_SIGHUP, SCAN] + args, cwd=REPO_ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   log = os.path.join(scan_dir, "replicas1_lr0.001.log")
   deadline = time.time() + 120
   while not (os.path.exists(log) and "first step done" in open(log).read()):
     assert scan.poll() is None and time.time() < deadline, scan.communicate()
     time.sleep(0.1)
-  scan.send_signal(signal.SIGINT)
+  scan.send_signal(signum)
   out, err = scan.communicate(timeout=120)
-  assert scan.returncode == 130, out + err
+  return args, scan.returncode, out, err, log
+
+
+def test_ctrl_c_stops_the_point_with_a_checkpoint_and_the_scan_continues_it(tmp_path):
+  """Ctrl-C on a serial scan: the running point's main.py stops gracefully (its checkpoint saved, not
+  killed mid-save), the scan ends in one line with status 130, and the same command resumes it."""
+  args, status, out, err, log = _scan_signalled_in_its_first_point(tmp_path, signal.SIGINT, "1e-3,2e-3")
+  assert status == 130, out + err
   assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted by SIGINT: the scan "
                                                                             "stopped"), err
   assert "Training interrupted by SIGINT" in open(log).read()  # a graceful stop, with its checkpoint
@@ -286,24 +298,8 @@ def test_distinct_rates_get_distinct_folders():
 def test_a_hang_up_stops_the_point_with_a_checkpoint_and_the_scan_with_status_129(tmp_path):
   """The points run in sessions of their own: a closing terminal's SIGHUP reaches the scan alone, which
   it used to end on the spot, the point training on without it."""
-  data_path = write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 128, "val": 32, "test": 32})
-  scan_dir = str(tmp_path / "scan")
-  args = ["--scan_dir=" + scan_dir, "--learning_rates=1e-3", "--replicas=1", "--"] + [
-      arg for arg in _main_args(data_path) if not arg.startswith(("--epochs", "--steps_per_epoch"))] + [
-      "--epochs=2", "--steps_per_epoch=400"]
-  env = {k: v for k, v in os.environ.items() if k not in ("TF_USE_LEGACY_KERAS", "TF2_BEHAVIOR")}
-  with_default_sighup = ("import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
-                         "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
-  scan = subprocess.Popen([sys.executable, "-c", with_default_sighup, SCAN] + args, cwd=REPO_ROOT, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  log = os.path.join(scan_dir, "replicas1_lr0.001.log")
-  deadline = time.time() + 120
-  while not (os.path.exists(log) and "first step done" in open(log).read()):
-    assert scan.poll() is None and time.time() < deadline, scan.communicate()
-    time.sleep(0.1)
-  scan.send_signal(signal.SIGHUP)
-  out, err = scan.communicate(timeout=120)
-  assert scan.returncode == 129, out + err
+  _, status, out, err, log = _scan_signalled_in_its_first_point(tmp_path, signal.SIGHUP, "1e-3")
+  assert status == 129, out + err
   assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted by SIGHUP: the scan "
                                                                             "stopped"), err
   assert "Training interrupted by SIGHUP" in open(log).read()  # a graceful stop, with its checkpoint
