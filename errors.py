@@ -37,25 +37,26 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM",
                 signal.SIGHUP: "SIGHUP (the terminal closed)"}
 _pending = []  # the signal whose stop has not reached reported_on_one_line yet
-_terminal_outputs = []  # stdout's and stderr's descriptors that were a terminal when the handlers were set
+_terminal_outputs = set()  # stdout's and stderr's descriptors that were a terminal when handlers were set
 
 
 def _raise_stop(signum):
   raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
 
 
-def terminal_outputs() -> list:
-  """The descriptors of stdout and stderr that are a terminal: asked before a hang-up, after which a
-  terminal no longer says it is one."""
-  return [fd for fd in (1, 2) if os.isatty(fd)]
+def remember_terminal_outputs() -> None:
+  """Notes which of stdout and stderr are a terminal, for leave_a_closed_terminal: asked when a SIGHUP
+  handler is set, before any hang-up, after which a terminal no longer says it is one."""
+  _terminal_outputs.update(fd for fd in (1, 2) if os.isatty(fd))
 
 
-def leave_a_closed_terminal(outputs) -> None:
-  """After SIGHUP: the descriptors among `outputs` (terminal_outputs' from before) that are no terminal
-  any more, closed by the hang-up, write to /dev/null from now on. Every write to them fails (EIO), and
-  the stop that SIGHUP asks for (its checkpoint, its exit status) must not fail at the next line or
-  progress bar. A SIGHUP sent while the terminal is open (`kill -HUP`) leaves the output as it is."""
-  closed = [fd for fd in outputs if not os.isatty(fd)]
+def leave_a_closed_terminal(outputs=None) -> None:
+  """After SIGHUP: the descriptors among `outputs` (by default, those remember_terminal_outputs noted)
+  that are no terminal any more, closed by the hang-up, write to /dev/null from now on. Every write to
+  them fails (EIO), and the stop that SIGHUP asks for (its checkpoint, its exit status) must not fail at
+  the next line or progress bar. A SIGHUP sent while the terminal is open (`kill -HUP`) leaves the
+  output as it is."""
+  closed = [fd for fd in (_terminal_outputs if outputs is None else outputs) if not os.isatty(fd)]
   if not closed:
     return
   null = os.open(os.devnull, os.O_WRONLY)
@@ -80,7 +81,7 @@ def _stop_on_signal(signum, frame):
   _pending[:] = [signum]
   signal.setitimer(signal.ITIMER_REAL, 0.5, 0.5)
   if signum == signal.SIGHUP:
-    leave_a_closed_terminal(_terminal_outputs)
+    leave_a_closed_terminal()
   _raise_stop(signum)
 
 
@@ -136,7 +137,7 @@ def reported_on_one_line(status: int = 1):
   in_main_thread = threading.current_thread() is threading.main_thread()  # handlers can only be set there
   previous = {}
   if in_main_thread:
-    _terminal_outputs[:] = terminal_outputs()
+    remember_terminal_outputs()
     previous = {signum: signal.signal(signum, _stop_on_signal) for signum in _STOP_SIGNALS if handles(signum)}
     previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, _raise_pending)
   previous_hook, sys.unraisablehook = sys.unraisablehook, _quiet_lost_stops

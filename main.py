@@ -53,7 +53,7 @@ def train_and_evaluate(config, dated_logdir: bool = False) -> dict:
     raise
   try:
     report(config, backend)  # --predict: sum_pred.yaml and figures into <logdir>/predict
-  except KeyboardInterrupt:  # Ctrl-C or SIGTERM (errors.Terminated): one line follows (reported_on_one_line)
+  except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP (errors.Terminated): one line follows (reported_on_one_line)
     print_how_to_continue("\nThe run is finished (summary.yaml), its --predict report is not. ")
     raise
   if backend.is_chief and not config.compile_only:

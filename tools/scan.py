@@ -28,8 +28,8 @@ import time
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-from errors import (handles, leave_a_closed_terminal, parse_flags, report_missing_packages,  # noqa: E402
-                    terminal_outputs)  # noqa: E402  pylint: disable=wrong-import-position
+from errors import (handles, leave_a_closed_terminal, parse_flags, remember_terminal_outputs,  # noqa: E402
+                    report_missing_packages)  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
 
 import yaml  # noqa: E402  pylint: disable=wrong-import-position
@@ -235,12 +235,13 @@ def _run_passing_on_stops(command, log):
   # absolute path, so it finds its modules from anywhere; a Slurm point runs in the submit folder
   # (tools/slurm/scan.sbatch), which is where `--mode=slurm` ran.
   child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-  stops, outputs = [], terminal_outputs()
+  stops = []
+  remember_terminal_outputs()
 
   def pass_on(signum, frame):
     del frame
     if signum == signal.SIGHUP:
-      leave_a_closed_terminal(outputs)
+      leave_a_closed_terminal()
     if not stops:
       stops.append(signum)
       child.send_signal(signum)

@@ -50,7 +50,7 @@ import threading
 import tensorflow as tf
 from absl import logging
 
-from errors import handles, leave_a_closed_terminal, terminal_outputs
+from errors import handles, leave_a_closed_terminal, remember_terminal_outputs
 from training.checkpoints import in_run_folder
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -89,11 +89,10 @@ class InterruptFlag:
     self.signum = None
     self.phase = "training"  # set by the loop as it moves on (MESSAGES)
     self._previous = {}
-    self._terminal_outputs = []
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():  # handlers can only be set there
-      self._terminal_outputs = terminal_outputs()
+      remember_terminal_outputs()
       for signum in SIGNALS:
         if handles(signum):
           self._previous[signum] = signal.signal(signum, self._handle)
@@ -114,7 +113,7 @@ class InterruptFlag:
   def _handle(self, signum, frame):
     del frame
     if signum == signal.SIGHUP:
-      leave_a_closed_terminal(self._terminal_outputs)
+      leave_a_closed_terminal()
     name = signal.Signals(signum).name
     if self.signum is None:
       self.signum = signum

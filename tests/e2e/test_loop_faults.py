@@ -28,7 +28,7 @@ import yaml
 from errors import UserError
 from run_config import RunConfig
 from tests.support.cellspike_files import write_cellspike
-from tests.support.helpers import REPO_ROOT, WITH_DEFAULT_SIGINT, can_mount_tmpfs
+from tests.support.helpers import REPO_ROOT, WITH_DEFAULT_SIGHUP, WITH_DEFAULT_SIGINT, can_mount_tmpfs
 from tests.support.training_parts import free_ports, readable_state, with_first_callback
 from training.checkpoints import read_index
 
@@ -476,9 +476,7 @@ def _group_alive(group: int) -> bool:
 
 # A login's terminal: the process leads a new session (start_new_session) and takes the pseudo-terminal on
 # its stdin as its controlling terminal, with SIGHUP's default action, as a shell gives it.
-_IN_A_TERMINAL = ("import fcntl, os, signal, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
-                  "signal.signal(signal.SIGHUP, signal.SIG_DFL); "
-                  "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+_IN_A_TERMINAL = "import fcntl, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); " + WITH_DEFAULT_SIGHUP
 
 
 class _Terminal:

@@ -13,7 +13,7 @@ import yaml
 
 from analysis.events import read_hparams
 from tests.support.cellspike_files import write_cellspike
-from tests.support.helpers import REPO_ROOT, assert_one_line_error
+from tests.support.helpers import REPO_ROOT, WITH_DEFAULT_SIGHUP, assert_one_line_error
 from tools import scan
 
 SCAN = os.path.join(REPO_ROOT, "tools", "scan.py")
@@ -80,11 +80,6 @@ def test_a_scan_folder_that_cannot_be_written_is_one_error_line(tmp_path):
                                         % (scan_dir, scan_dir)]
 
 
-# SIGHUP's default action, as a terminal's login shell gives it (pytest's processes may ignore it).
-_WITH_DEFAULT_SIGHUP = ("import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
-                        "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
-
-
 def _scan_signalled_in_its_first_point(tmp_path, signum, learning_rates):
   """A serial scan signalled once its first point has trained a step; returns (its args, exit status,
   stdout, stderr, the point's log)."""
@@ -94,7 +89,7 @@ def _scan_signalled_in_its_first_point(tmp_path, signum, learning_rates):
       arg for arg in _main_args(data_path) if not arg.startswith(("--epochs", "--steps_per_epoch"))] + [
       "--epochs=2", "--steps_per_epoch=400"]
   env = {k: v for k, v in os.environ.items() if k not in ("TF_USE_LEGACY_KERAS", "TF2_BEHAVIOR")}
-  scan = subprocess.Popen([sys.executable, "-c", _WITH_DEFAULT_SIGHUP, SCAN] + args, cwd=REPO_ROOT, env=env,
+  scan = subprocess.Popen([sys.executable, "-c", WITH_DEFAULT_SIGHUP, SCAN] + args, cwd=REPO_ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   log = os.path.join(scan_dir, "replicas1_lr0.001.log")
   deadline = time.time() + 120

@@ -17,6 +17,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 # WITH_DEFAULT_SIGINT program args...`), which restores the default first.
 WITH_DEFAULT_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
                        "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+# SIGHUP's default action, as a terminal's login shell gives it (pytest's processes may ignore it).
+WITH_DEFAULT_SIGHUP = ("import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+                       "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
 
 def run_main(*args, timeout=300, prefix=(), env=None, one_stream=False):
   """Runs `python main.py ARGS` as a user would (after a `prefix` command such as `unshare`, with `env`
