@@ -52,7 +52,7 @@ SHELL := /bin/bash
 # lines on a first install here. They are counted into one line; everything else pip prints is kept.
 PIP_INSTALL = @echo '$(1)/bin/python -m pip install --quiet $(2)'; $(1)/bin/python -m pip install --quiet $(2) 2>&1 | awk '/^WARNING: Location .* is ignored: it is neither a file nor a directory/ {n++; next} {print; fflush()} END {if (n) printf "pip: left out %d warning%s that an index location of the pip configuration does not exist (pip config list shows them)\n", n, (n == 1 ? "" : "s")}'
 
-.PHONY: help install run test test-unit test-slurm test-tf26 bench bench-reference parity print-python clean
+.PHONY: help install installed-venv installed-reference-venv run test test-unit test-slurm test-tf26 bench bench-reference parity print-python clean
 .DEFAULT_GOAL := help
 
 help:
@@ -68,7 +68,19 @@ help:
 	@echo "make clean        remove the environments"
 	@echo "Variables: BACKEND=cpu|gpu|tf26, PYTHON=/path/to/python3.X, TEST_WORKERS=N; README.md has the rest."
 
-install: $(VENV)/.installed-$(BACKEND)
+# One install into an environment at a time. `make run` and `make test` started together in a fresh clone
+# would otherwise both create .venv and run pip in it: the second failed at once ("No module named pip",
+# the venv being half made). The other make waits, then finds the environment made. $(1) is the
+# environment, $(2) the target that makes it. The lock is the file $(1).lock, held by the shell that runs
+# the inner make (descriptor 9), so it goes when that ends however it ends. Without flock (util-linux),
+# and in a dry run (make -n), no lock.
+one_install_at_a_time = $(if $(findstring n,$(firstword -$(MAKEFLAGS))),,if command -v flock >/dev/null; then exec 9>"$(1).lock" && { flock -n 9 || { echo "waiting for the other make that is installing into $(1)"; flock 9; }; }; fi;) $(MAKE) --no-print-directory -f $(firstword $(MAKEFILE_LIST)) $(2)
+
+install:
+	+@$(call one_install_at_a_time,$(VENV),installed-venv)
+
+installed-venv: $(VENV)/.installed-$(BACKEND)
+	@:
 
 $(VENV)/.installed-$(BACKEND): requirements.txt requirements-$(BACKEND).txt requirements-dev.txt
 	$(call make_venv,$(VENV),$(BACKEND),PYTHON)
@@ -80,7 +92,7 @@ $(VENV)/.installed-$(BACKEND): requirements.txt requirements-$(BACKEND).txt requ
 run: install
 	$(PY) main.py --model=neuron_inverter --replicas=4 $(RUN_ARGS)
 
-test: install $(REFERENCE_VENV)/.installed
+test: install bench-reference
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 # The fast tier: everything but tests/e2e (which runs main.py and the tools as processes, as a user does).
@@ -94,7 +106,11 @@ test-slurm: install
 	$(PY) -m pytest -q -m slurm tests/e2e/test_slurm.py
 
 # The reference PyTorch model for side-by-side benchmarks, in an environment of its own.
-bench-reference: $(REFERENCE_VENV)/.installed
+bench-reference:
+	+@$(call one_install_at_a_time,$(REFERENCE_VENV),installed-reference-venv)
+
+installed-reference-venv: $(REFERENCE_VENV)/.installed
+	@:
 
 $(REFERENCE_VENV)/.installed: requirements-reference.txt
 	$(call make_venv,$(REFERENCE_VENV),reference,REFERENCE_PYTHON)
@@ -118,4 +134,4 @@ print-python:
 	@echo $(PYTHON)
 
 clean:
-	rm -rf .venv .venv-gpu .venv-tf26 $(REFERENCE_VENV) .pytest_cache
+	rm -rf .venv .venv-gpu .venv-tf26 $(REFERENCE_VENV) .venv*.lock .pytest_cache

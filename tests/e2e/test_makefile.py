@@ -146,3 +146,41 @@ def test_an_environment_of_another_backend_is_refused_before_pip(tmp_path):
                     "remove it (rm -rf %s) and run make again, or name another folder with VENV=" % (
                         venv, BACKEND, venv)], result.stderr
   assert "pip install" not in result.stdout and not (venv / (".installed-" + BACKEND)).exists()
+
+
+def _slow_installing_python(folder, log):
+  """A Python whose `-m venv` takes a second and makes an environment of the same program, and whose
+  `-m pip install` takes half a second; each writes a line to `log`. Version checks go to this Python."""
+  script = folder / THIS_PYTHON
+  script.write_text(
+      '#!/bin/sh\n'
+      'if [ "$1 $2" = "-m venv" ]; then\n'
+      '  echo "venv $3" >> "{log}"; {sleep} 1; {mkdir} -p "$3/bin"; {cp} "$0" "$3/bin/python"; exit 0\n'
+      'elif [ "$1 $2 $3" = "-m pip install" ]; then\n'
+      '  echo "pip start" >> "{log}"; {sleep} 0.5; echo "pip end" >> "{log}"; exit 0\n'
+      'fi\nexec "{python}" "$@"\n'.format(log=log, python=sys.executable, **{
+          tool: shutil.which(tool) for tool in ("sleep", "mkdir", "cp")}))
+  script.chmod(0o755)
+
+
+@pytest.mark.skipif(shutil.which("flock") is None, reason="flock (util-linux) is not installed")
+def test_two_makes_started_together_install_once(tmp_path):
+  """`make run` and `make test` typed into two terminals of a fresh clone: both found no environment, both
+  ran `-m venv`, and the second failed in pip on the half-made one. Now the second waits, then finds it."""
+  folder = _bin(tmp_path, [])
+  log = tmp_path / "install.log"
+  _slow_installing_python(folder, log)
+  _link_tools(folder)
+  for tool in ("flock", "awk", "touch"):
+    (folder / tool).symlink_to(shutil.which(tool))
+  venv = tmp_path / "venv"
+  env = {"PATH": str(folder), "HOME": str(tmp_path)}
+  command = ["make", "--no-print-directory", "-s", "BACKEND=" + BACKEND, "install", "VENV=" + str(venv)]
+  makes = [subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True) for _ in range(2)]
+  outputs = [make.communicate(timeout=60) for make in makes]
+  assert [make.returncode for make in makes] == [0, 0], outputs
+  assert log.read_text().splitlines() == ["venv %s" % venv] + ["pip start", "pip end"] * 2
+  waited = [out for out, _ in outputs if "waiting for the other make that is installing into %s" % venv in out]
+  assert len(waited) == 1, outputs
+  assert (venv / (".installed-" + BACKEND)).exists()
