@@ -308,11 +308,23 @@ def refuse_arguments(argv) -> None:
                       "lists them)" % ("" if len(argv) == 2 else "s", " ".join(argv[1:])))
 
 
-def check_output_path(flag: str, path: str, folder: bool = False) -> None:
+def check_output_path(flag: str, path: str, folder: bool = False, default: bool = False) -> None:
   """Before a tool's work: that `path`, given as `flag`, can be written -- a file in an existing folder,
   or with `folder` a folder (created with its parents if missing). A mistyped or unwritable path is
-  then a UserError at once, not a traceback after the work is done. Nothing is created here."""
-  given = "%s=%s" % (flag, path)
+  then a UserError at once, not a traceback after the work is done. Nothing is created here.
+  `default`: the user did not give `flag` and `path` is its default, which the error says (with how to
+  choose another), instead of naming a flag the user never typed as if they had."""
+  if not default:
+    _check_writable("%s=%s" % (flag, path), path, folder)
+    return
+  try:
+    _check_writable("the default %s=%s" % (flag, path), path, folder)
+  except UserError as error:
+    raise UserError("%s; pass %s=<a writable %s>" % (error, flag, "folder" if folder else "file")) from None
+
+
+def _check_writable(given: str, path: str, folder: bool) -> None:
+  """check_output_path's checks; `given` names the path in the errors."""
   if os.path.exists(path) and os.path.isdir(path) != folder:
     raise UserError("%s is a %s; expected %s" % (given, "folder" if os.path.isdir(path) else "file",
                                                  "a folder (created if missing)" if folder else "a file name"))

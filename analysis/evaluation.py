@@ -237,10 +237,12 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
                     % config.model)
   if split not in SPLIT_KEYS:
     raise UserError("unknown split %r; valid splits: test, validation, train" % split)
+  # Before the evaluation, not in os.makedirs after it.
+  check_output_path("--outdir", outdir or os.path.join(config.logdir, PREDICT_DIR), folder=True,
+                    default=outdir is None)
   outdir = outdir or os.path.join(config.logdir, PREDICT_DIR)
-  for flag, folder in (("--outdir", outdir), ("--export_dir", export_dir)):
-    if folder:  # before the evaluation, not in os.makedirs after it
-      check_output_path(flag, folder, folder=True)
+  if export_dir:
+    check_output_path("--export_dir", export_dir, folder=True)
   checkpoint = checkpoints_lib.best_or_last(config.logdir)
   state = checkpoints_lib.peek_state(checkpoint, purpose="predict")
   info, data_split = _eval_split(config, backend, split, max_samples)

@@ -34,6 +34,14 @@ def test_output_paths_are_checked_before_the_work(tmp_path, flag, path, folder, 
   assert str(error.value) == message.format(**names)
 
 
+def test_an_output_path_that_is_a_default_is_named_as_one(tmp_path):
+  (tmp_path / "a_file").write_text("x")
+  with pytest.raises(UserError) as error:
+    check_output_path("--out", str(tmp_path / "a_file" / "sub"), folder=True, default=True)
+  assert str(error.value) == ("the default --out={0}/a_file/sub: {0}/a_file is not a folder, so no folder can "
+                              "be created below it; pass --out=<a writable folder>".format(tmp_path))
+
+
 def test_output_paths_that_can_be_written_pass_and_nothing_is_created(tmp_path):
   check_output_path("--outdir", str(tmp_path / "new" / "deeper"), folder=True)
   check_output_path("--json", str(tmp_path / "x.json"))

@@ -67,7 +67,8 @@ def parse_args(argv=None):
   parser = OneLineArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--data_path", type=existing_file, default=None,
                       help="cellSpike .h5 file (default: the built-in generated dataset, made on first use)")
-  parser.add_argument("--out", default="parity", help="folder for the slice, the runs and the report")
+  parser.add_argument("--out", default=None, help="folder for the slice, the runs and the report "
+                      "(default: parity)")
   parser.add_argument("--epochs", type=int, default=6)
   parser.add_argument("--seeds", type=_seeds, default="0,1,2", help="comma-separated seeds, one run of each "
                       "side each")
@@ -87,6 +88,8 @@ def parse_args(argv=None):
                       "quality (default: the reference's mean best)")
   parser.add_argument("--reference_python", default=os.path.join(REPO, ".venv-torch", "bin", "python"))
   args = parser.parse_args(argv)
+  args.out_is_default = args.out is None  # an error about it then says it is the default
+  args.out = args.out or "parity"
   args.schedules = args.schedules.split(",")
   unknown = sorted(set(args.schedules) - {"plateau", "cosine"})
   if unknown:
@@ -132,7 +135,7 @@ def _cellspike_file(path: str, named: str):
 
 def check_before_training(args) -> None:
   """What would fail only after the reference trained (or later): said first, in one line."""
-  check_output_path("--out", args.out, folder=True)
+  check_output_path("--out", args.out, folder=True, default=args.out_is_default)
   found = shutil.which(args.reference_python)  # a path, or a program on the PATH (python3)
   if found is None or os.path.isdir(found):
     raise UserError("--reference_python=%s: no such program; expected the Python of the reference's "

@@ -257,6 +257,17 @@ def test_an_output_folder_that_cannot_be_made_is_refused_before_evaluating(tmp_p
       flag, folder, blocker)
 
 
+def test_the_default_output_folder_is_named_as_the_default(tmp_path):
+  """A run folder the user may read but not write (a colleague's): the error named `--outdir=...`, a
+  flag the user never typed. Here a file where the report's folder would go blocks it, as root too."""
+  (tmp_path / "predict").write_text("not a folder")
+  config = RunConfig(model="neuron_inverter", backend="cpu", logdir=str(tmp_path))
+  with pytest.raises(UserError) as error:
+    evaluation.evaluate_run(config, _cpu_backend())
+  assert str(error.value) == ("the default --outdir=%s is a file; expected a folder (created if missing); "
+                              "pass --outdir=<a writable folder>" % (tmp_path / "predict"))
+
+
 def _cpu_backend():
   from strategies import select  # pylint: disable=import-outside-toplevel
   return select.select_backend(RunConfig(model="neuron_inverter", backend="cpu"))
