@@ -35,10 +35,12 @@ endif
 # Recipe lines that create the virtual environment $(1) for requirements-$(2).txt with the Python named
 # by the variable $(3), or say in one line why they cannot. A venv that fails half-way (Debian's python3
 # without its python3.X-venv package leaves one with a python and no pip) is removed: kept, the next
-# make would take it for made and fail in pip.
+# make would take it for made and fail in pip. So is one that a stopped make left without pip (Ctrl-C
+# during the seconds of `-m venv`, where the removal above does not run): found by the next make.
 # `-m venv` runs in a temporary folder of its own (TMPDIR), removed after it: the ensurepip of Python 3.8
 # and 3.9 leaves a copy of pip's CA bundle (275 KB) in the temporary folder at every environment made.
 define make_venv
+	@test -x $(1)/bin/python && ! $(1)/bin/python -m pip --version >/dev/null 2>&1 && { echo "$(1) has no pip: an earlier make stopped while making it; removing it to make it again"; rm -rf $(1); }; true
 	@test -x $(1)/bin/python || $(call is_one_of,$($(3)),$(PYTHON_VERSIONS_$(2))) || { echo "error: requirements-$(2).txt needs Python $(PYTHON_VERSIONS_$(2)) (the versions its TensorFlow or PyTorch has wheels for), and $(if $($(3)),$(3)=$($(3)) is $$($($(3)) -V 2>&1),none of them was found: python3 is $$(python3 -V 2>&1 || echo missing)); install one (your system's python$(firstword $(PYTHON_VERSIONS_$(2))) package, or pyenv install $(firstword $(PYTHON_VERSIONS_$(2)))), or name it: make $(3)=/path/to/python3.X" >&2; exit 1; }
 	@test -x $(1)/bin/python || { echo "$($(3)) -m venv $(1)"; ( tmp=$$(mktemp -d) && TMPDIR=$$tmp $($(3)) -m venv $(1); status=$$?; rm -rf "$$tmp"; exit $$status ); } || { rm -rf $(1); echo "error: $($(3)) -m venv $(1) failed (its reason above); the partial $(1) was removed, so that make can run again once that is fixed" >&2; exit 1; }
 	@$(call is_one_of,$(1)/bin/python,$(PYTHON_VERSIONS_$(2))) || { echo "error: $(1) has $$($(1)/bin/python -V 2>&1), but requirements-$(2).txt needs Python $(PYTHON_VERSIONS_$(2)): remove it (rm -rf $(1)) and run make again" >&2; exit 1; }

@@ -163,16 +163,24 @@ def _slow_installing_python(folder, log):
   script.chmod(0o755)
 
 
-@pytest.mark.skipif(shutil.which("flock") is None, reason="flock (util-linux) is not installed")
-def test_two_makes_started_together_install_once(tmp_path):
-  """`make run` and `make test` typed into two terminals of a fresh clone: both found no environment, both
-  ran `-m venv`, and the second failed in pip on the half-made one. Now the second waits, then finds it."""
+def _bin_that_installs(tmp_path):
+  """A PATH folder whose Python installs as _slow_installing_python does, with the tools of the install
+  recipe (flock where it exists); and the install log."""
   folder = _bin(tmp_path, [])
   log = tmp_path / "install.log"
   _slow_installing_python(folder, log)
   _link_tools(folder)
   for tool in ("flock", "awk", "touch"):
-    (folder / tool).symlink_to(shutil.which(tool))
+    if shutil.which(tool):
+      (folder / tool).symlink_to(shutil.which(tool))
+  return folder, log
+
+
+@pytest.mark.skipif(shutil.which("flock") is None, reason="flock (util-linux) is not installed")
+def test_two_makes_started_together_install_once(tmp_path):
+  """`make run` and `make test` typed into two terminals of a fresh clone: both found no environment, both
+  ran `-m venv`, and the second failed in pip on the half-made one. Now the second waits, then finds it."""
+  folder, log = _bin_that_installs(tmp_path)
   venv = tmp_path / "venv"
   env = {"PATH": str(folder), "HOME": str(tmp_path)}
   command = ["make", "--no-print-directory", "-s", "BACKEND=" + BACKEND, "install", "VENV=" + str(venv)]
@@ -184,3 +192,18 @@ def test_two_makes_started_together_install_once(tmp_path):
   waited = [out for out, _ in outputs if "waiting for the other make that is installing into %s" % venv in out]
   assert len(waited) == 1, outputs
   assert (venv / (".installed-" + BACKEND)).exists()
+
+
+def test_a_venv_left_without_pip_by_a_stopped_make_is_made_again(tmp_path):
+  """Ctrl-C during `-m venv` (seconds, in ensurepip) leaves bin/python and no pip, and the removal on
+  failure does not run: the next make took the venv for made and failed with "No module named pip"."""
+  folder, log = _bin_that_installs(tmp_path)
+  venv = tmp_path / "venv"
+  (venv / "bin").mkdir(parents=True)
+  (venv / "bin" / "python").write_text('#!/bin/sh\n[ "$1 $2" = "-m pip" ] && { echo "No module named pip" >&2; '
+                                       'exit 1; }\nexec "%s" "$@"\n' % sys.executable)
+  (venv / "bin" / "python").chmod(0o755)
+  result = _make(tmp_path, folder, "install", "VENV=" + str(venv))
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "%s has no pip: an earlier make stopped while making it; removing it" % venv in result.stdout
+  assert log.read_text().splitlines() == ["venv %s" % venv, "pip start", "pip end", "pip start", "pip end"]
