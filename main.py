@@ -27,12 +27,14 @@ from training import logs  # noqa: E402  pylint: disable=wrong-import-position
 FLAGS = absl_flags.FLAGS
 
 
-def train_and_evaluate(config, dated_logdir: bool = False) -> dict:
+def train_and_evaluate(config, dated_logdir: bool = False, then_exit: bool = False) -> dict:
   """Everything after the flags: the backend, training and test, the --predict report, the closing
   report (or, after a graceful stop, the command that continues the run). TensorFlow's start-up
   environment must already be set (`environment.prepare`). `dated_logdir`: config.logdir is the dated
-  default, which the run makes its own (another name if another run took it). Returns the run's
-  summary; a problem is a UserError."""
+  default, which the run makes its own (another name if another run took it). `then_exit`: the process
+  ends after the closing report, so stop signals are ignored from just before it: one sent as its last
+  line is read (a time limit) could otherwise land before the exit began and make the finished run
+  look killed. Returns the run's summary; a problem is a UserError."""
   config, backend = environment.start_backend(config)  # imports TensorFlow
   from training import run_folder  # pylint: disable=import-outside-toplevel
   if dated_logdir and backend.is_chief:
@@ -56,6 +58,8 @@ def train_and_evaluate(config, dated_logdir: bool = False) -> dict:
   except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP (errors.Terminated): one line follows (reported_on_one_line)
     print_how_to_continue("\nThe run is finished (summary.yaml), its --predict report is not. ")
     raise
+  if then_exit:
+    ignore_stops_while_exiting()  # finished, and written: a signal must not make it look killed
   if backend.is_chief and not config.compile_only:
     print(summary_lib.closing_report(summary, config.logdir, sys.argv, backend.world_size), flush=True)
   return summary
@@ -67,8 +71,7 @@ def main(argv):
   with reported_on_one_line():
     config = flags.to_config(FLAGS, command_line=sys.argv[1:])
     environment.prepare(config)
-    train_and_evaluate(config, dated_logdir=FLAGS.logdir is None)
-    ignore_stops_while_exiting()  # finished and reported: a signal must not make it look killed
+    train_and_evaluate(config, dated_logdir=FLAGS.logdir is None, then_exit=True)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,17 @@ evaluation or a prediction pass runs (stderr_lines.DroppedLines).
 Whether Keras draws its progress bar is chosen here too (--progress).
 """
 
+import contextlib
 import logging as python_logging
 import os
+import shlex
+import socket
 import sys
+import time
 
 from absl import logging
+
+from errors import UserError
 
 # Lines TensorFlow's C++ core prints while it builds a step's or an input's graph (a first step, a
 # validation, the test), that no user can act on; each seen on TF 2.21 in the main job's log:
@@ -63,6 +69,37 @@ def setup() -> None:
   if not any(isinstance(f, _OwnInfoOnly) for f in handler.filters):
     handler.addFilter(_OwnInfoOnly())
   handler.setFormatter(ShortPrefix())
+
+
+# The run folder's copy of the log (copied_to_file): the same lines as on stderr, without the progress
+# bars, the summary table and the closing report, which summary.yaml holds.
+LOG_FILE = "log.txt"
+
+
+@contextlib.contextmanager
+def copied_to_file(path: str):
+  """Appends the log's lines to the file `path` while the block runs, after a line with the command
+  and the process, and an error that ends it (its one `error:` line goes to stderr only otherwise).
+  Kept beside the run's checkpoints, the log says what happened where the terminal is gone: a run
+  whose ssh connection dropped stops with its `--resume` line (SIGHUP) written to a terminal that no
+  longer exists. A resumed run appends."""
+  handler = python_logging.FileHandler(path, mode="a", encoding="utf-8")
+  handler.setFormatter(ShortPrefix())
+  handler.addFilter(_OwnInfoOnly())
+  handler.stream.write("# %s (pid %d on %s, %s)\n" % (
+      " ".join(shlex.quote(part) for part in [os.path.basename(sys.argv[0])] + sys.argv[1:]), os.getpid(),
+      socket.gethostname(), time.strftime("%Y-%m-%d %H:%M:%S")))
+  logger = logging.get_absl_logger()
+  logger.addHandler(handler)
+  try:
+    yield
+  except Exception as error:  # a graceful stop (SystemExit) logs its own line
+    handler.stream.write("error: %s\n" % (error if isinstance(error, UserError) else "%s: %s" % (
+        type(error).__name__, error)))
+    raise
+  finally:
+    logger.removeHandler(handler)
+    handler.close()
 
 
 def shows_bar(progress: str, is_chief: bool, stdout=None) -> bool:

@@ -12,6 +12,7 @@
 Backend specifics stay behind `backend`.
 """
 
+import contextlib
 import hashlib
 import math
 import os
@@ -387,12 +388,13 @@ def run(config: RunConfig, backend: Backend) -> dict:
   try:
     if not scratch:
       run_folder.claim(config.logdir, config.resume)
-    try:
-      summary = _train_and_test(config, backend, info, outdir, started)
-    except tf.errors.UnavailableError as error:
-      if backend.world_size == 1:
-        raise
-      raise UserError(_lost_process(error, backend.world_size, config.logdir)) from None
+    with logs.copied_to_file(os.path.join(outdir, logs.LOG_FILE)) if not scratch else contextlib.nullcontext():
+      try:
+        summary = _train_and_test(config, backend, info, outdir, started)
+      except tf.errors.UnavailableError as error:
+        if backend.world_size == 1:
+          raise
+        raise UserError(_lost_process(error, backend.world_size, config.logdir)) from None
   except BaseException:
     if new_folder and not scratch:
       run_folder.remove_if_unused(config.logdir)

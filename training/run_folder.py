@@ -21,6 +21,7 @@ from absl import logging
 
 from errors import UserError
 from training import checkpoints
+from training.logs import LOG_FILE
 
 LOCK_FILE = ".lock"
 RUN_MARKERS = ("run_config.yaml", "summary.yaml")  # what makes a folder a run's: predict reads it
@@ -121,12 +122,14 @@ def claim(logdir: str, resume: bool) -> None:
 
 def remove_if_unused(logdir: str) -> None:
   """Removes `logdir`, which this run created, if the run failed before writing anything into it but
-  its lock: a bad command must not leave an empty timestamped folder behind for every try."""
+  its lock and its log: a bad command must not leave a timestamped folder behind for every try (its
+  error is on stderr)."""
   release(logdir)
   try:
-    if set(os.listdir(logdir)) <= {LOCK_FILE}:
-      if os.path.exists(os.path.join(logdir, LOCK_FILE)):
-        os.remove(os.path.join(logdir, LOCK_FILE))
+    if set(os.listdir(logdir)) <= {LOCK_FILE, LOG_FILE}:
+      for name in (LOCK_FILE, LOG_FILE):
+        if os.path.exists(os.path.join(logdir, name)):
+          os.remove(os.path.join(logdir, name))
       os.rmdir(logdir)
   except OSError:
     pass  # another process wrote into it meanwhile, or it is gone: nothing of ours to clean

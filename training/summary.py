@@ -19,6 +19,7 @@ from absl import logging
 import flags
 import model
 from errors import UserError, shown_path
+from training.logs import LOG_FILE
 from run_config import RunConfig
 
 REQUIRED_KEYS = ("model", "backend", "replicas", "global_batch_size", "epochs", "train_loss",
@@ -218,7 +219,7 @@ def _outputs(logdir: str) -> str:
   """What the run folder holds, as the closing report lists it (only what is there)."""
   def present(*names):
     return [name for name in names if os.path.exists(os.path.join(logdir, *name.split("/")))]
-  parts = present("summary.yaml", "run_config.yaml")
+  parts = present("summary.yaml", "run_config.yaml", LOG_FILE)
   checkpoints = [name.split("/")[1] for name in present("checkpoints/last", "checkpoints/best")]
   if checkpoints:
     parts.append("checkpoints/{%s}" % ",".join(checkpoints) if len(checkpoints) > 1

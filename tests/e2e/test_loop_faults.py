@@ -534,6 +534,11 @@ def test_a_closed_terminal_stops_training_with_a_checkpoint_and_status_129(tmp_p
   state = last_state(logdir)
   assert (state["epoch"], state["step"]) > (0, 0) and state["epoch"] < EPOCHS, state
   assert not os.path.exists(os.path.join(logdir, "summary.yaml"))
+  # The stop's line went to a terminal that is gone: the run folder's log keeps it.
+  with open(os.path.join(logdir, "log.txt")) as f:
+    log = f.read()
+  assert "Training interrupted by SIGHUP in epoch %d" % (state["epoch"] + 1) in log, log
+  assert "--resume --logdir=%s (exit status 129)" % logdir in log
   output = run_to_end(logdir, data_file, "--epochs=%d" % EPOCHS, "--resume")
   assert "Traceback" not in output and summary_of(logdir)["epochs"] == EPOCHS, output[-3000:]
 

@@ -29,6 +29,7 @@ from absl.testing import flagsaver
 import flags
 import main
 from errors import UserError, parse_flags
+from training.logs import LOG_FILE
 from tests.support.cellspike_files import write_cellspike, write_meta_yaml
 from tests.support.helpers import (REPO_ROOT, WITH_DEFAULT_SIGINT, assert_one_line_error, can_mount_tmpfs,
                                    hold_lock, run_main)
@@ -80,15 +81,20 @@ def snapshot(folder):
         continue
       path = os.path.join(root, name)
       with open(path, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
+        content = f.read()
       stat = os.stat(path)
-      state[os.path.relpath(path, folder)] = (stat.st_size, stat.st_mtime_ns, digest)
+      state[os.path.relpath(path, folder)] = content if name == LOG_FILE else (
+          stat.st_size, stat.st_mtime_ns, hashlib.sha256(content).hexdigest())
   return state
 
 
 def assert_untouched(folder, before):
+  """Nothing of `before` changed, but the run folder's log, which may only have grown (a failed start
+  appends its lines and its error)."""
   after = snapshot(folder)
-  changed = sorted(path for path in set(before) | set(after) if before.get(path) != after.get(path))
+  changed = sorted(path for path in set(before) | set(after) if before.get(path) != after.get(path)
+                   and not (os.path.basename(path) == LOG_FILE and after.get(path, b"").startswith(
+                       before.get(path, b""))))
   assert not changed, "a failed run changed the earlier outputs in %s: %s" % (folder, changed)
 
 
@@ -418,8 +424,12 @@ def test_a_data_cache_that_cannot_hold_the_builtin_dataset_is_one_error_line(tmp
       logdir.mkdir()
     result = run_main(*BASE_ARGS, "--epochs=1", "--data_cache=%s" % cache, "--logdir=%s" % logdir)
     assert_one_line_error(result, "--data_cache=%s: cannot create %s" % (cache, cache / "cellspike-v3-seed0"))
-    # The run folder it made, with nothing in it but its lock, is gone; one the user made stays.
-    assert logdir.exists() == given and (not given or set(os.listdir(logdir)) <= {".lock"})
+    # The run folder it made, with nothing in it but its lock and log, is gone; one the user made stays,
+    # with the log of the failed start.
+    assert logdir.exists() == given and (not given or set(os.listdir(logdir)) <= {".lock", LOG_FILE})
+    if given:
+      assert (logdir / LOG_FILE).read_text().splitlines()[-1].startswith(
+          "error: --data_cache=%s: cannot create %s" % (cache, cache / "cellspike-v3-seed0"))
 
 
 @pytest.mark.parametrize("where", ["HOME", "XDG_CACHE_HOME"])

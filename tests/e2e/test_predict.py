@@ -120,7 +120,7 @@ def test_main_predict_writes_the_report(trained_run):
       (sum_pred["checkpoint_epoch"] - 1, pytest.approx(sum_pred["mse"], rel=1e-6))]
   # The closing report lists the folder as it is, and the report tool for this regression model.
   closing = result.stdout[result.stdout.index("Run finished: " + logdir):]
-  assert ("outputs: summary.yaml, run_config.yaml, checkpoints/{last,best}, TensorBoard events (train/, "
+  assert ("outputs: summary.yaml, run_config.yaml, log.txt, checkpoints/{last,best}, TensorBoard events (train/, "
           "validation/, test/, the settings for the HParams tab), predict/ (figures, sum_pred.yaml, "
           "TensorBoard images)") in closing
   assert "tools/predict.py --logdir " + logdir in closing

@@ -9,6 +9,7 @@ tests/test_interrupt.py, mid-training stops through real processes in tests/e2e/
 
 import dataclasses
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import h5py
 import numpy as np
 import pytest
 import tensorflow as tf
+from absl import logging
 
 from errors import UserError
 from run_config import RunConfig
@@ -378,3 +380,25 @@ def test_runs_started_in_the_same_second_without_a_logdir_each_make_a_folder_of_
     main.train_and_evaluate(dataclasses.replace(config, data_path=str(tmp_path / "missing.h5")),
                             dated_logdir=True)
   assert sorted(os.listdir(os.path.dirname(dated))) == ["20261127-091653", "20261127-091653-2"]
+
+
+def test_the_run_folder_keeps_its_log_and_the_error_that_ended_it(tmp_path, data_file):
+  """A run's lines went to the terminal only: where it is gone (a lost ssh connection) nothing said how
+  the run ended. log.txt has each start's command, the log's lines and an error that ended a start."""
+  logdir = str(tmp_path / "run")
+  verbosity = logging.get_verbosity()
+  logging.set_verbosity(logging.INFO)  # as main.py's (training/logs.py)
+  try:
+    _run(_config(data_file, logdir))
+    with pytest.raises(UserError) as error:
+      _run(_config(data_file, logdir, resume=True))  # it finished its 2 epochs
+  finally:
+    logging.set_verbosity(verbosity)
+  with open(os.path.join(logdir, "log.txt")) as f:
+    lines = f.read().splitlines()
+  starts = [index for index, line in enumerate(lines) if line.startswith("# ")]
+  assert len(starts) == 2 and starts[0] == 0 and "(pid %d on " % os.getpid() in lines[0], lines
+  first, second = lines[:starts[1]], lines[starts[1]:]
+  assert any(re.match(r"I\d{4} [\d:]{8} callbacks\.py:\d+\] Epoch 2/2 took ", line) for line in first), first
+  assert any("Wrote %s/summary.yaml" % logdir in line for line in first), first
+  assert second[-1] == "error: %s" % error.value, second
