@@ -238,9 +238,9 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
   if split not in SPLIT_KEYS:
     raise UserError("unknown split %r; valid splits: test, validation, train" % split)
   # Before the evaluation, not in os.makedirs after it.
-  check_output_path("--outdir", outdir or os.path.join(config.logdir, PREDICT_DIR), folder=True,
-                    default=outdir is None)
+  default_outdir = outdir is None
   outdir = outdir or os.path.join(config.logdir, PREDICT_DIR)
+  check_output_path("--outdir", outdir, folder=True, default=default_outdir)
   if export_dir:
     check_output_path("--export_dir", export_dir, folder=True)
   checkpoint = checkpoints_lib.best_or_last(config.logdir)

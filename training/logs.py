@@ -71,8 +71,8 @@ def setup() -> None:
   handler.setFormatter(ShortPrefix())
 
 
-# The run folder's copy of the log (copied_to_file): the same lines as on stderr, without the progress
-# bars, the summary table and the closing report, which summary.yaml holds.
+# The run folder's copy of the log (copied_to_file): the log's lines, not the progress bars, the model's
+# table or the closing report (summary.yaml holds the results).
 LOG_FILE = "log.txt"
 
 

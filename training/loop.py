@@ -388,7 +388,9 @@ def run(config: RunConfig, backend: Backend) -> dict:
   try:
     if not scratch:
       run_folder.claim(config.logdir, config.resume)
-    with logs.copied_to_file(os.path.join(outdir, logs.LOG_FILE)) if not scratch else contextlib.nullcontext():
+    # The writer's folder keeps the log; the other processes' folders are removed at their end.
+    logged = contextlib.nullcontext() if scratch else logs.copied_to_file(os.path.join(outdir, logs.LOG_FILE))
+    with logged:
       try:
         summary = _train_and_test(config, backend, info, outdir, started)
       except tf.errors.UnavailableError as error:

@@ -19,8 +19,8 @@ from absl import logging
 import flags
 import model
 from errors import UserError, shown_path
-from training.logs import LOG_FILE
 from run_config import RunConfig
+from training.logs import LOG_FILE
 
 REQUIRED_KEYS = ("model", "backend", "replicas", "global_batch_size", "epochs", "train_loss",
                  "val_loss", "test_loss", "samples_per_sec_per_replica", "compile_seconds",
