@@ -147,8 +147,16 @@ def reported_on_one_line(status: int = 1):
   except UserError as error:
     sys.stderr.write("error: %s\n" % error)
     sys.exit(status)
-  except KeyboardInterrupt as interrupt:
-    signum = interrupt.signum if isinstance(interrupt, Terminated) else signal.SIGINT
+  except BaseException as interrupt:  # pylint: disable=broad-except
+    if isinstance(interrupt, KeyboardInterrupt):
+      signum = interrupt.signum if isinstance(interrupt, Terminated) else signal.SIGINT
+    elif isinstance(interrupt, Exception) and _pending:
+      # A stop raised inside C code that had called back into Python can come out as another error:
+      # a SystemError caused by it, or a bare TypeError with no cause (TensorFlow 2.6's nest.flatten,
+      # Ctrl-C while --autotune built its models). With a stop pending, it is the stop.
+      signum = _pending[0]
+    else:
+      raise
     if in_main_thread:  # a second signal must not interrupt the exit (training/interrupt.py does the same)
       signal.setitimer(signal.ITIMER_REAL, 0)
       for other in _STOP_SIGNALS:

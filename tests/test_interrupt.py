@@ -114,6 +114,25 @@ def test_a_finished_program_ignores_signals_while_it_exits():
   assert (result.returncode, result.stdout, result.stderr) == (0, "finished\n", "")
 
 
+@pytest.mark.parametrize("error, status, stderr", [
+    # TensorFlow 2.6's nest.flatten when Ctrl-C reached it: a bare TypeError, no cause, a stop pending.
+    ("TypeError()", 128 + signal.SIGINT, "\ninterrupted by SIGINT (Ctrl-C)\n"),
+    # No stop pending: an error is an error.
+    (None, 1, "ValueError: a bug"),
+])
+def test_an_error_that_a_pending_stop_became_in_c_code_is_the_stop(error, status, stderr):
+  code = ("import os, signal, sys; sys.path.insert(0, %r); import errors\n"
+          "with errors.reported_on_one_line():\n" % REPO_ROOT)
+  if error:
+    code += ("  try:\n    os.kill(os.getpid(), signal.SIGINT)\n  except KeyboardInterrupt:\n"
+             "    raise %s from None\n" % error)
+  else:
+    code += "  raise ValueError('a bug')\n"
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert result.returncode == status and stderr in result.stderr, result.stderr
+  assert ("Traceback" in result.stderr) == (error is None)
+
+
 def test_reported_on_one_line_restores_the_sigterm_handler():
   previous = signal.getsignal(signal.SIGTERM)
   with errors.reported_on_one_line():
