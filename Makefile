@@ -91,8 +91,13 @@ $(VENV)/.installed-$(BACKEND): requirements.txt requirements-$(BACKEND).txt requ
 	$(call PIP_INSTALL,$(VENV),-r requirements-$(BACKEND).txt -r requirements.txt -r requirements-dev.txt)
 	touch $@
 
+# `make -C <clone> run` leaves the user's shell in its own folder, which make receives as PWD, and bash
+# (SHELL) resets PWD to the clone: given back, it has main.py print whole paths in the commands it
+# suggests at its end (errors.shown_path), which relative ones would not work there.
+from_shell_folder = $(if $(filter-out $(CURDIR),$(PWD)),PWD='$(PWD)' )
+
 run: install
-	$(PY) main.py --model=neuron_inverter --replicas=4 $(RUN_ARGS)
+	$(from_shell_folder)$(PY) main.py --model=neuron_inverter --replicas=4 $(RUN_ARGS)
 
 test: install bench-reference
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal

@@ -206,9 +206,23 @@ def _is_own_module(package: str) -> bool:
 
 def shown_path(path: str) -> str:
   """`path` as a command to paste shows it: relative to the working folder when it lies below it, else
-  as given (used in messages here and in the closing report's commands, training/summary.py)."""
+  as given (used in messages here and in the closing report's commands, training/summary.py); whole,
+  when the user's shell is in another folder than this process."""
+  if _shell_is_elsewhere():
+    return os.path.abspath(path)
   relative = os.path.relpath(path)
   return path if relative == os.pardir or relative.startswith(os.pardir + os.sep) else relative
+
+
+def _shell_is_elsewhere() -> bool:
+  """Whether the folder of the shell that started us (PWD, which shells keep) is not our working folder:
+  `make -C <clone> run` runs the application in the clone while the user's shell stays where it was,
+  and a path relative to the clone would not work there."""
+  shell = os.environ.get("PWD")
+  try:
+    return bool(shell) and not os.path.samefile(shell, os.curdir)
+  except OSError:  # PWD names no folder (any more): nothing to compare with
+    return False
 
 
 # The environments `make` builds for each program: where each is and the command that builds it (the

@@ -49,6 +49,14 @@ def _temporary_files_under_basetemp(tmp_path_factory):
   yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _shell_in_the_working_folder():
+  """The tests run as if typed in a shell in pytest's working folder, also under `make -C <clone>
+  test`: the paths in pasted commands depend on where the user's shell is (errors.shown_path)."""
+  os.environ["PWD"] = os.getcwd()
+  yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh_keras_session():
   yield

@@ -9,6 +9,7 @@ import yaml
 
 from errors import UserError
 from run_config import RunConfig
+from tests.support.helpers import work_in
 from training import summary as summary_module
 from training.summary import (RESUBMIT_VARIABLE, RUN_CONFIG_FILE, closing_report,
                               interrupted_report, load_run_config, python_command, resume_command,
@@ -40,8 +41,7 @@ def _python_in(folder):
 def test_the_reports_python_is_one_that_has_this_pythons_packages(tmp_path, monkeypatch):
   """Pasted commands must run with this Python: `python` on the PATH may be another one, or none."""
   work, environment, other = tmp_path / "work", tmp_path / "env" / "bin", tmp_path / "other" / "bin"
-  work.mkdir()
-  monkeypatch.chdir(work)
+  work_in(work, monkeypatch)
   monkeypatch.setenv("PATH", str(environment))
   monkeypatch.setattr("sys.executable", _python_in(work / ".venv" / "bin"))   # make run's .venv
   assert python_command() == os.path.join(".venv", "bin", "python3")
@@ -53,8 +53,7 @@ def test_the_reports_python_is_one_that_has_this_pythons_packages(tmp_path, monk
 
 def test_pasted_commands_quote_paths_with_spaces(tmp_path, monkeypatch):
   """A checkout or environment in a folder whose name has a space: each path stays one word."""
-  (tmp_path / "work").mkdir()
-  monkeypatch.chdir(tmp_path / "work")
+  work_in(tmp_path / "work", monkeypatch)
   monkeypatch.setenv("PATH", "")
   python = _python_in(tmp_path / "my env" / "bin")   # outside the working folder: its whole path
   monkeypatch.setattr("sys.executable", python)
@@ -65,6 +64,29 @@ def test_pasted_commands_quote_paths_with_spaces(tmp_path, monkeypatch):
   line = resume_line(["/opt/my app/main.py", "--model=mnist"], "runs/a b", 4)
   assert shlex.split(line) == [python, "/opt/my app/main.py", "--model=mnist", "--logdir=runs/a b", "--resume",
                                "--epochs=4"]
+
+
+def test_commands_name_whole_paths_when_the_users_shell_is_in_another_folder(tmp_path, monkeypatch):
+  """`make -C <clone> run` runs the application in the clone while the shell stays elsewhere: paths
+  relative to the clone would not work there."""
+  work = tmp_path / "clone"
+  work_in(work, monkeypatch)
+  monkeypatch.setenv("PATH", "")
+  monkeypatch.setattr("sys.executable", _python_in(work / ".venv" / "bin"))
+  monkeypatch.setattr(summary_module, "_TOOLS", str(work / "tools"))
+  summary = {"model": "neuron_inverter", "epochs": 3, "best_val_loss": 0.2, "best_val_epoch": 3,
+             "val_loss": 0.2}
+  relative = closing_report(summary, "logs/run", [str(work / "main.py"), "--model=neuron_inverter"])
+  assert "  .venv/bin/python3 tools/predict.py --logdir logs/run\n" in relative
+  assert "  .venv/bin/python3 main.py --model=neuron_inverter --logdir=logs/run --resume" in relative
+  monkeypatch.setenv("PWD", str(tmp_path))   # the shell that ran `make -C clone run`
+  whole = closing_report(summary, "logs/run", [str(work / "main.py"), "--model=neuron_inverter"])
+  assert "Run finished: %s\n" % (work / "logs" / "run") in whole
+  assert "  {0}/.venv/bin/python3 {0}/tools/predict.py --logdir {0}/logs/run\n".format(work) in whole
+  assert "  {0}/.venv/bin/python3 {0}/main.py --model=neuron_inverter --logdir={0}/logs/run --resume".format(
+      work) in whole
+  assert interrupted_report(["main.py"], "logs/run", 5).endswith(
+      "{0}/.venv/bin/python3 {0}/main.py --logdir={0}/logs/run --resume --epochs=5".format(work))
 
 
 def test_closing_report_prints_a_resume_line_without_placeholders():

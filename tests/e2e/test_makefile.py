@@ -207,3 +207,24 @@ def test_a_venv_left_without_pip_by_a_stopped_make_is_made_again(tmp_path):
   assert result.returncode == 0, result.stdout + result.stderr
   assert "%s has no pip: an earlier make stopped while making it; removing it" % venv in result.stdout
   assert log.read_text().splitlines() == ["venv %s" % venv, "pip start", "pip end", "pip start", "pip end"]
+
+
+def test_make_run_from_another_folder_tells_main_py_where_the_shell_is(tmp_path):
+  """`make -C <clone> run` leaves the user's shell in its own folder: main.py is given it as PWD (which
+  bash, the recipes' shell, would set to the clone), so that the commands it prints at its end name
+  whole paths (errors.shown_path). Run in the clone itself, PWD is the clone."""
+  venv = tmp_path / "venv"
+  (venv / "bin").mkdir(parents=True)
+  # A Python script, not sh: sh, too, would set PWD to its working folder.
+  (venv / "bin" / "python").write_text('#!%s\nimport os\nprint("main.py started from " + os.environ["PWD"])\n'
+                                       % sys.executable)
+  (venv / "bin" / "python").chmod(0o755)
+  (venv / (".installed-" + BACKEND)).touch()  # newer than the requirements files: nothing to install
+  for shell_folder in (tmp_path, REPO_ROOT):
+    result = subprocess.run(["make", "-s", "-C", REPO_ROOT, "run", "BACKEND=" + BACKEND, "VENV=" + str(venv)],
+                            cwd=shell_folder, env={**os.environ, "PWD": str(shell_folder)},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    started = result.stdout.splitlines()[-1]
+    assert started.startswith("main.py started from /"), result.stdout
+    assert os.path.samefile(started.split(" from ", 1)[1], shell_folder), result.stdout

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import errors
-from tests.support.helpers import REPO_ROOT, assert_one_line_error
+from tests.support.helpers import REPO_ROOT, assert_one_line_error, work_in
 
 # Runs a program with tensorflow (alone) unimportable, as in a venv where only requirements.txt went in.
 _WITHOUT_TENSORFLOW = """
@@ -89,7 +89,7 @@ def test_the_line_names_the_environment_of_another_backend(tmp_path, monkeypatch
   python.parent.mkdir(parents=True)
   python.write_text("")
   monkeypatch.setattr(errors, "_REPO_ROOT", str(tmp_path))
-  monkeypatch.chdir(tmp_path)
+  work_in(tmp_path, monkeypatch)
   message = errors.missing_package_message("absl.flags")
   assert message.endswith("has no module 'absl', which %s needs: run it with .venv-gpu/bin/python, the "
                           "environment `BACKEND=gpu make install` made" % errors.shown_path(

@@ -25,7 +25,7 @@ from absl import logging
 from errors import UserError
 from run_config import RunConfig
 from tests.support.cellspike_files import write_cellspike
-from tests.support.helpers import REPO_ROOT
+from tests.support.helpers import REPO_ROOT, work_in
 from tests.support.training_parts import with_first_callback
 from training import loop
 from training import summary as summary_lib
@@ -367,7 +367,7 @@ def test_runs_started_in_the_same_second_without_a_logdir_each_make_a_folder_of_
   background at once, the two later ones stopped with "--logdir=... is in use by pid ...", a flag that
   their users had not given."""
   import main  # pylint: disable=import-outside-toplevel
-  monkeypatch.chdir(tmp_path)
+  work_in(tmp_path, monkeypatch)
   dated = os.path.join("logs", "neuron_inverter", "20261127-091653")
   config = _config(data_file, dated, epochs=1)
   first = main.train_and_evaluate(config, dated_logdir=True)

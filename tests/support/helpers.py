@@ -21,6 +21,14 @@ WITH_DEFAULT_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, sig
 WITH_DEFAULT_SIGHUP = ("import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
                        "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
 
+def work_in(folder, monkeypatch):
+  """Changes the working folder to `folder` as a shell that is there and starts the process would:
+  PWD too, by which the printed commands' paths are chosen (errors.shown_path)."""
+  folder.mkdir(parents=True, exist_ok=True)
+  monkeypatch.chdir(folder)
+  monkeypatch.setenv("PWD", str(folder))
+
+
 def run_main(*args, timeout=300, prefix=(), env=None, one_stream=False):
   """Runs `python main.py ARGS` as a user would (after a `prefix` command such as `unshare`, with `env`
   added to the environment; with `one_stream`, stderr into stdout as a terminal shows them); returns
