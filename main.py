@@ -12,6 +12,7 @@ The application's flags are listed below (`--helpfull` adds absl's); README.md h
 # below becomes one line on stderr and exit status 1. The docstring above is absl's --help text.
 
 import dataclasses
+import os
 import sys
 
 from errors import (ignore_stops_while_exiting, parse_flags, refuse_arguments, report_missing_packages,
@@ -61,7 +62,9 @@ def train_and_evaluate(config, dated_logdir: bool = False, then_exit: bool = Fal
   if then_exit:
     ignore_stops_while_exiting()  # finished, and written: a signal must not make it look killed
   if backend.is_chief and not config.compile_only:
-    print(summary_lib.closing_report(summary, config.logdir, sys.argv, backend.world_size), flush=True)
+    closing = summary_lib.closing_report(summary, config.logdir, sys.argv, backend.world_size)
+    print(closing, flush=True)
+    logs.append_to_file(os.path.join(config.logdir, logs.LOG_FILE), closing)
   return summary
 
 

@@ -102,6 +102,19 @@ def copied_to_file(path: str):
     handler.close()
 
 
+def append_to_file(path: str, text: str) -> None:
+  """Adds `text` (the closing report: results, where they are, the next commands) to the run folder's
+  log `path` after the run's own lines, when the run made one. It is the run's end, which the file
+  otherwise lacks; one that cannot be written is a warning, since the run's results are saved."""
+  if not os.path.exists(path):
+    return
+  try:
+    with open(path, "a", encoding="utf-8") as f:
+      f.write(text.lstrip("\n") + "\n")
+  except OSError as error:
+    logging.warning("The closing report was not added to %s: %s", path, error)
+
+
 def shows_bar(progress: str, is_chief: bool, stdout=None) -> bool:
   """Whether Keras draws its progress bar for --progress. tf-keras' bar redraws itself with backspaces
   and carriage returns in every POSIX process, terminal or not (Progbar's `_dynamic_display`), so in a

@@ -124,6 +124,8 @@ def test_main_predict_writes_the_report(trained_run):
           "validation/, test/, the settings for the HParams tab), predict/ (figures, sum_pred.yaml, "
           "TensorBoard images)") in closing
   assert "tools/predict.py --logdir " + logdir in closing
+  with open(os.path.join(logdir, "log.txt"), encoding="utf-8") as f:  # also where the terminal is gone
+    assert f.read().endswith(closing)
 
 
 def test_predict_tool_and_export_round_trip(trained_run, data_file, tmp_path):
