@@ -214,6 +214,12 @@ def shown_path(path: str) -> str:
   return path if relative == os.pardir or relative.startswith(os.pardir + os.sep) else relative
 
 
+def given_path(path: str) -> str:
+  """A path the user gave (a --logdir), for a command to paste: as given, or whole when the user's shell
+  is in another folder than this process (below)."""
+  return os.path.abspath(path) if _shell_is_elsewhere() else path
+
+
 def _shell_is_elsewhere() -> bool:
   """Whether the folder of the shell that started us (PWD, which shells keep) is not our working folder:
   `make -C <clone> run` runs the application in the clone while the user's shell stays where it was,

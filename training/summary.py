@@ -18,7 +18,7 @@ from absl import logging
 
 import flags
 import model
-from errors import UserError, shown_path
+from errors import UserError, given_path, shown_path
 from run_config import RunConfig
 from training.logs import LOG_FILE
 
@@ -162,7 +162,7 @@ def closing_report(summary: dict, logdir: str, argv=(), processes: int = 1) -> s
   must be given the same model, design and optimizer (mid-epoch also the same replicas and batch). A
   run of several `processes` (workers, poprun instances) is continued by launching them all again.
   """
-  logdir = shown_path(logdir)
+  logdir = given_path(logdir)
   lines = ["", "Run finished: %s" % logdir]
   if summary.get("best_val_loss") is not None:
     lines.append("  validation: %s, epoch %d; last epoch %.4f" % (
@@ -196,7 +196,7 @@ def closing_report(summary: dict, logdir: str, argv=(), processes: int = 1) -> s
 
 def interrupted_report(argv, logdir: str, epochs: int, processes: int = 1) -> str:
   """After a graceful stop: the command that continues the run (its warning line names the checkpoint)."""
-  lines = ["Continue with:", "  " + resume_line(argv, shown_path(logdir), epochs)]
+  lines = ["Continue with:", "  " + resume_line(argv, given_path(logdir), epochs)]
   note = relaunch_note(processes)
   return "\n".join(lines + (["  (%s)" % note] if note else []))
 
@@ -294,7 +294,7 @@ _TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 def tool_command(tool: str, logdir: str) -> str:
   """The command that runs `tools/<tool>` on `logdir`, as the user can paste it here."""
   return "%s %s --logdir %s" % (python_command(), shlex.quote(shown_path(os.path.join(_TOOLS, tool))),
-                                shlex.quote(shown_path(logdir)))
+                                shlex.quote(given_path(logdir)))
 
 
 RUN_CONFIG_FILE = "run_config.yaml"
