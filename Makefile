@@ -93,8 +93,9 @@ $(VENV)/.installed-$(BACKEND): requirements.txt requirements-$(BACKEND).txt requ
 
 # `make -C <clone> run` leaves the user's shell in its own folder, which make receives as PWD, and bash
 # (SHELL) resets PWD to the clone: given back, it has main.py print whole paths in the commands it
-# suggests at its end (errors.shown_path), which relative ones would not work there.
-from_shell_folder = $(if $(filter-out $(CURDIR),$(PWD)),PWD='$(PWD)' )
+# suggests at its end (errors.shown_path), which relative ones would not work there. The folder is
+# quoted for the shell (a ' in it becomes '\''), and compared whole, spaces included.
+from_shell_folder = $(if $(subst $(CURDIR),,$(PWD)),PWD='$(subst ','\'',$(PWD))' )
 
 run: install
 	$(from_shell_folder)$(PY) main.py --model=neuron_inverter --replicas=4 $(RUN_ARGS)

@@ -220,7 +220,9 @@ def test_make_run_from_another_folder_tells_main_py_where_the_shell_is(tmp_path)
                                        % sys.executable)
   (venv / "bin" / "python").chmod(0o755)
   (venv / (".installed-" + BACKEND)).touch()  # newer than the requirements files: nothing to install
-  for shell_folder in (tmp_path, REPO_ROOT):
+  quoted = tmp_path / "Bob's runs"  # a quote and a space, which the shell line must keep
+  quoted.mkdir()
+  for shell_folder in (quoted, REPO_ROOT):
     # --no-print-directory: under another make (make test-tf26), -C would print "Entering directory".
     result = subprocess.run(["make", "-s", "--no-print-directory", "-C", REPO_ROOT, "run", "BACKEND=" + BACKEND,
                              "VENV=" + str(venv)], cwd=shell_folder, env={**os.environ, "PWD": str(shell_folder)},
