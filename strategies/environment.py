@@ -150,6 +150,10 @@ def prepare(config: RunConfig) -> None:
   # Poplar SDK's version), in this application's import order, modules read it before that, and the
   # Keras functional model is then built eagerly: Flatten fails on the unknown batch size.
   os.environ["TF2_BEHAVIOR"] = "1"
+  # tf-keras imports pandas when it starts (only so that fit() accepts DataFrames, which no part of this
+  # application passes), and pandas imports pyarrow: 0.45 s of every start on a 2-core Xeon, for
+  # a package only mlxtend's dependencies install. None makes that import fail as if it were missing.
+  sys.modules.setdefault("pandas", None)
   # TensorFlow's C++ INFO lines (oneDNN notices, CPU feature banners) bury the progress output.
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
   for kind, function in registry.START_UP.items():  # a backend's own start-up variables, by name

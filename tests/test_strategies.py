@@ -110,6 +110,12 @@ def test_keras_is_version_2():
   assert os.environ["TF_USE_LEGACY_KERAS"] == "1"
 
 
+def test_keras_started_without_pandas():
+  """This process imported TensorFlow after environment.prepare (conftest.py), as main.py does."""
+  assert "pandas" in sys.modules and sys.modules["pandas"] is None  # not imported: tf-keras went without
+  assert tf.keras.Sequential([tf.keras.layers.Dense(2)])(tf.ones((1, 3))).shape == (1, 2)
+
+
 @pytest.mark.parametrize("version, user, expected", [
     ("2.6.3", None, "1"),                               # the Poplar SDK's version, from PyPI
     ("2.8.4", None, "1"),
