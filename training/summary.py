@@ -162,8 +162,8 @@ def closing_report(summary: dict, logdir: str, argv=(), processes: int = 1) -> s
   must be given the same model, design and optimizer (mid-epoch also the same replicas and batch). A
   run of several `processes` (workers, poprun instances) is continued by launching them all again.
   """
-  logdir = given_path(logdir)
-  lines = ["", "Run finished: %s" % logdir]
+  pasted = given_path(logdir)  # as the commands below name it (tool_command makes its own)
+  lines = ["", "Run finished: %s" % pasted]
   if summary.get("best_val_loss") is not None:
     lines.append("  validation: %s, epoch %d; last epoch %.4f" % (
         _loss_line("best", summary["best_val_loss"], summary.get("mean_predictor_val_loss")),
@@ -189,7 +189,7 @@ def closing_report(summary: dict, logdir: str, argv=(), processes: int = 1) -> s
   epochs = summary["epochs"] + 5
   note = relaunch_note(processes)
   lines.append("  %s   # train on to epoch %d%s" % (
-      resume_line(argv or ["main.py", "--model=%s" % summary["model"]], logdir, epochs), epochs,
+      resume_line(argv or ["main.py", "--model=%s" % summary["model"]], pasted, epochs), epochs,
       ", " + note if note else ""))
   return "\n".join(lines)
 
