@@ -283,11 +283,9 @@ def _check_cache_folder(data_cache: str, folder: str) -> None:
 def open_configured(config: RunConfig):
   """Resolves `--data_path` (or the built-in dataset) and opens the file with full validation."""
   if config.data_path:
-    path, yaml_info = cellspike_file.resolve(config.data_path, config.cell_name, config.probe_type)
-  else:
-    path, yaml_info = default_data_path(config), None
-    yaml_info = cellspike_file.resolve(path, None, config.probe_type)[1]
-  return cellspike_file.open_cellspike(path, yaml_info)
+    return cellspike_file.open_named(config.data_path, config.cell_name, config.probe_type)
+  path = default_data_path(config)
+  return cellspike_file.open_cellspike(path, cellspike_file.resolve(path, None, config.probe_type)[1])
 
 
 def _synthetic_splits(config: RunConfig, layout: BatchLayout) -> Splits:

@@ -353,6 +353,18 @@ def _check_meta_agrees(path: str, yaml_info: dict, time_bins: int, num_probes: i
   return tuple(str(name) for name in yaml_info["parName"])
 
 
+def open_named(data_path: str, cell_name, probe_type: str) -> CellSpikeFile:
+  """The file that `--data_path` (with `--cell_name` for a folder) names, opened and validated."""
+  path, yaml_info = resolve(data_path, cell_name, probe_type)
+  return open_cellspike(path, yaml_info)
+
+
+def check_named_files(config) -> None:
+  """`data.check_named_files` for cellSpike: the `--data_path` file, if the run names one."""
+  if config.data_path:
+    open_named(config.data_path, config.cell_name, config.probe_type)
+
+
 def open_cellspike(path: str, yaml_info=None) -> CellSpikeFile:
   """Opens and validates a cellSpike file; every problem is a UserError naming file and key."""
   if os.path.isdir(path):

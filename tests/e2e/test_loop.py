@@ -88,8 +88,11 @@ def test_resume_continues_epochs_and_schedule(tmp_path, fp16_file):
 def test_bad_data_path_is_one_line_error(tmp_path):
   bad = tmp_path / "bad.h5"
   bad.write_bytes(b"\x89HDF\r\n" + b"\0" * 100)
-  assert_one_line_error(_run(str(bad), str(tmp_path / "run"), "--epochs=1"), "bad.h5",
-                        "not a readable HDF5 file")
+  result = _run(str(bad), str(tmp_path / "run"), "--epochs=1")
+  assert_one_line_error(result, "bad.h5", "not a readable HDF5 file")
+  # Found before TensorFlow's start (its 5 s): no line of TensorFlow's, nor of the backend it picks.
+  assert result.stderr.startswith("error: ") and "Backend CPU" not in result.stderr, result.stderr
+  assert not os.path.exists(str(tmp_path / "run"))
 
 
 def test_nan_loss_stops_with_a_clear_error(tmp_path, fp16_file):
