@@ -80,6 +80,9 @@ def main(argv):
         data_path=FLAGS.data_path and os.path.abspath(FLAGS.data_path), cell_name=_cell_name(),
         probe_type=FLAGS.probe_type, batch_size=FLAGS.batch_size)
     environment.prepare(config)
+    import data  # pylint: disable=import-outside-toplevel
+    import model  # pylint: disable=import-outside-toplevel
+    data.check_named_files(model.get_model_info(config.model).dataset, config)  # as main.py: at once
     config, backend = environment.start_backend(config)  # imports TensorFlow
     from analysis import evaluation  # pylint: disable=import-outside-toplevel
     result = evaluation.evaluate_run(config, backend, split=FLAGS.split,

@@ -313,6 +313,16 @@ def test_predict_names_real_data_as_main_does_a_folder_and_a_cell(trained_run, d
   assert "tools/serve_tensorboard.py --logdir %s\n" % copy in result.stdout
 
 
+def test_predict_on_a_file_that_is_not_cellspike_data_is_one_line_before_tensorflow(trained_run, tmp_path):
+  bad = tmp_path / "notes.h5"
+  bad.write_text("not HDF5")
+  result = run_predict("--logdir=" + trained_run[0], "--data_path=" + str(bad), "--backend=cpu",
+                       "--outdir=" + str(tmp_path / "out"))
+  assert_one_line_error(result, "notes.h5", "not a readable HDF5 file")
+  assert result.stderr.startswith("error: "), result.stderr  # no line of TensorFlow's came first
+  assert not os.path.exists(str(tmp_path / "out"))
+
+
 def _copy_of(trained_run, tmp_path):
   """A private copy of the trained run, for a test to damage."""
   copy = str(tmp_path / "run")
