@@ -10,6 +10,7 @@ import yaml
 
 from data import cellspike_file
 from errors import UserError
+from run_config import RunConfig
 from tests.support.cellspike_files import write_cellspike, write_meta_yaml
 
 
@@ -347,3 +348,22 @@ def test_the_files_own_data_info_wins_over_the_folders_shared_meta_yaml(tmp_path
   meta = cellspike_file.open_cellspike(h5_path, info).meta["dataInfo"]
   assert meta["generator"] == {"cellName": "cellA", "seed": 0}
   assert meta["numPar"] == 15 and meta["h5nameTemplate"].startswith("*")   # filled in from the yaml
+
+
+def test_the_check_before_tensorflow_hands_its_validation_to_the_runs_loader(tmp_path, monkeypatch):
+  """main.py checks --data_path before TensorFlow starts; the loader's open of the unchanged file takes
+  that result instead of reading the file's checked rows again. Any other open validates."""
+  path = write_cellspike(str(tmp_path / "cell.h5"), sizes={"train": 64, "val": 32, "test": 32})
+  config = RunConfig(model="neuron_inverter", data_path=path)
+  validated = []
+  real_open = cellspike_file.open_cellspike
+  monkeypatch.setattr(cellspike_file, "open_cellspike", lambda *args: validated.append(args) or real_open(*args))
+  cellspike_file.check_named_files(config)
+  assert cellspike_file.open_named(path, None, config.probe_type).splits["train"].num_samples == 64
+  assert len(validated) == 1
+  cellspike_file.open_named(path, None, config.probe_type)  # a second open: validated again
+  assert len(validated) == 2
+  cellspike_file.check_named_files(config)
+  write_cellspike(path, sizes={"train": 48, "val": 32, "test": 32})  # changed after the check
+  assert cellspike_file.open_named(path, None, config.probe_type).splits["train"].num_samples == 48
+  assert len(validated) == 4
