@@ -20,6 +20,7 @@ DATASETS = {
 # validated twice) unless the file changed since.
 FILE_CHECKS = {
     "cellspike": "data.cellspike_file",
+    "mnist": "data.mnist_files",
 }
 
 

