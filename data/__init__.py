@@ -16,8 +16,8 @@ DATASETS = {
 }
 # Modules whose `check_named_files(config)` opens and validates the files that a run's flags name,
 # without TensorFlow: main.py runs it before TensorFlow's import (5 s on a 2-core VM), so a mistyped
-# or damaged --data_path is one error line at once. The loader takes the checked file from it (not
-# validated twice) unless the file changed since.
+# or damaged --data_path is one error line at once. The loader takes what the check read from
+# data.checked_files (not validated twice) unless the files changed since.
 FILE_CHECKS = {
     "cellspike": "data.cellspike_file",
     "mnist": "data.mnist_files",

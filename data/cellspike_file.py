@@ -30,6 +30,7 @@ import h5py
 import numpy as np
 import yaml
 
+from data import checked_files
 from errors import UserError
 
 SPLITS = ("train", "val", "test")
@@ -353,29 +354,24 @@ def _check_meta_agrees(path: str, yaml_info: dict, time_bins: int, num_probes: i
   return tuple(str(name) for name in yaml_info["parName"])
 
 
-# check_named_files' result, handed to the next open_named of the same unchanged file (the run's loader):
-# the validation reads every target and rows of each frame array, 0.2 s for a 2,560-sample file.
-_checked = {}
-
-
 def _file_key(path: str, yaml_info) -> tuple:
-  stat = os.stat(path)
-  return (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns,
-          json.dumps(yaml_info, sort_keys=True, default=str))
+  return checked_files.versions([path]) + (json.dumps(yaml_info, sort_keys=True, default=str),)
 
 
 def open_named(data_path: str, cell_name, probe_type: str) -> CellSpikeFile:
   """The file that `--data_path` (with `--cell_name` for a folder) names, opened and validated (once
-  per run: after check_named_files, the first open of the unchanged file takes its result)."""
+  per run: after check_named_files, the first open of the unchanged file takes its result; the
+  validation reads every target and rows of each frame array, 0.2 s for a 2,560-sample file)."""
   path, yaml_info = resolve(data_path, cell_name, probe_type)
-  return _checked.pop(_file_key(path, yaml_info), None) or open_cellspike(path, yaml_info)
+  return checked_files.take(_file_key(path, yaml_info), lambda: open_cellspike(path, yaml_info))
 
 
 def check_named_files(config) -> None:
   """`data.check_named_files` for cellSpike: the `--data_path` file, if the run names one."""
   if config.data_path:
     path, yaml_info = resolve(config.data_path, config.cell_name, config.probe_type)
-    _checked[_file_key(path, yaml_info)] = open_cellspike(path, yaml_info)
+    key = _file_key(path, yaml_info)  # before the read: a file changed while read is read again
+    checked_files.keep(key, open_cellspike(path, yaml_info))
 
 
 def open_cellspike(path: str, yaml_info=None) -> CellSpikeFile:

@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from data import idx, mnist_sources
+from data import checked_files, idx, mnist_sources
 from errors import UserError
 
 # The fields of data.splits.Arrays, which its tf.data pipelines take (that module imports TensorFlow).
@@ -51,26 +51,20 @@ def load_idx_folder(folder: str) -> dict:
   return arrays
 
 
-# check_named_files' arrays, handed to the next load_named of the same unchanged files (the run's
-# loader): MNIST's 70,000 digits are 55 MB to read and check.
-_checked = {}
-
-
 def _folder_key(folder: str):
-  """The four files' paths and versions (inode, size, mtime); None where one is missing, so that
+  """The four files' versions (data.checked_files); None where one is missing, so that
   load_idx_folder reports it."""
   try:
-    paths = [idx.find_idx_file(folder, stem) for stems in IDX_STEMS.values() for stem in stems]
-    return tuple((os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
-                 for path, stat in ((path, os.stat(path)) for path in paths))
+    return checked_files.versions(
+        [idx.find_idx_file(folder, stem) for stems in IDX_STEMS.values() for stem in stems])
   except (UserError, OSError):
     return None
 
 
 def load_named(folder: str) -> dict:
   """`load_idx_folder(folder)`, read once per run: after check_named_files, the first load of the
-  unchanged files takes its arrays."""
-  return _checked.pop(_folder_key(folder), None) or load_idx_folder(folder)
+  unchanged files takes its arrays (MNIST's 70,000 digits are 55 MB to read and check)."""
+  return checked_files.take(_folder_key(folder), lambda: load_idx_folder(folder))
 
 
 def check_named_files(config) -> None:
@@ -79,6 +73,4 @@ def check_named_files(config) -> None:
   if config.synthetic_data or mnist_sources.resolve(config.mnist_source, config.data_path) != "idx":
     return
   key = _folder_key(config.data_path)  # before the read: files changed while read are read again
-  arrays = load_idx_folder(config.data_path)
-  if key is not None:
-    _checked[key] = arrays
+  checked_files.keep(key, load_idx_folder(config.data_path))
