@@ -113,15 +113,18 @@ def ipu_variables(config: RunConfig) -> None:
 
 
 def cpu_variables(config: RunConfig) -> None:
-  """oneDNN's CPU kernels on a stock TensorFlow older than 2.9, as newer ones run by default: on
-  TensorFlow 2.6.3 (the Poplar SDK's version, from PyPI) the default job's float32 step took 0.64x the
-  time with them (session 38, docs/PERFORMANCE.md). A user's own TF_ENABLE_ONEDNN_OPTS is kept.
-  Graphcore's wheels (versions "2.6.3+gc...") are left as built: their CPU work is an IPU run's host
-  side, and their build was not measured."""
+  """oneDNN's CPU kernels on a stock TensorFlow older than 2.9, as newer ones run by default, on
+  Intel CPUs: on TensorFlow 2.6.3 (the Poplar SDK's version, from PyPI) the default job's float32 step
+  took 0.64x the time with them on a Xeon (session 38, docs/PERFORMANCE.md). On an AMD EPYC Zen 4 the
+  same build's oneDNN ended every training process with SIGFPE (session 48, whatever
+  ONEDNN_MAX_CPU_ISA), so other CPUs keep that TensorFlow's default, its Eigen kernels. A user's own
+  TF_ENABLE_ONEDNN_OPTS is kept. Graphcore's wheels (versions "2.6.3+gc...") are left as built: their
+  CPU work is an IPU run's host side, and their build was not measured."""
   del config  # the same for every CPU run
   release = installed_tensorflow()  # one metadata lookup for both questions
   version = _major_minor(release)
-  if version is not None and version < ONEDNN_DEFAULT_SINCE and "+gc" not in release:
+  if (version is not None and version < ONEDNN_DEFAULT_SINCE and "+gc" not in release
+      and cpuinfo.first_processor().get("vendor_id") == "GenuineIntel"):
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 
