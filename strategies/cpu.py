@@ -68,7 +68,7 @@ def bfloat16_outruns_float32(cpu_flags=None, vendor=None) -> bool:
   """Whether this CPU trains faster in mixed bfloat16 than in float32 (`cpu_flags` and `vendor`
   default to this machine's)."""
   flags = _cpu_flags() if cpu_flags is None else set(cpu_flags)
-  vendor = _cpu_generation()[0] if vendor is None else vendor
+  vendor = cpuinfo.generation()[0] if vendor is None else vendor
   return "amx_bf16" in flags or ("avx512_bf16" in flags and vendor == "AuthenticAMD")
 
 
@@ -115,14 +115,6 @@ def check_precision(precision: str) -> None:
                   "picks here)", precision)
 
 
-def _cpu_generation() -> tuple:
-  """(vendor_id, cpu family) of /proc/cpuinfo, e.g. ("AuthenticAMD", 23) for Zen 1 and 2; ("", 0)
-  where there is none."""
-  fields = cpuinfo.first_processor()
-  family = fields.get("cpu family", "0")
-  return fields.get("vendor_id", ""), int(family) if family.isdigit() else 0
-
-
 # Where float32 pooled by elementwise maxima, and by phases in the first block, was measured faster
 # than MaxPool: the AVX2 EPYC of family 23 (Zen), 1.2x per step (docs/PERFORMANCE.md). On a Zen 4
 # (family 25), with and without AVX-512, MaxPool everywhere was the faster form (1.05-1.1x).
@@ -149,7 +141,7 @@ def conv_options(precision: str, cpu_flags=None, generation=None) -> dict:
     slow (memory-bound) and elementwise maxima, by phases in the first block, were faster.
   """
   flags = _cpu_flags() if cpu_flags is None else set(cpu_flags)
-  generation = _cpu_generation() if generation is None else tuple(generation)
+  generation = cpuinfo.generation() if generation is None else tuple(generation)
   sixteen_bit = precision != "32.32"
   maxima = not sixteen_bit and generation in _MAXIMA_POOLING_CPUS
   return {"conv_channel_multiple": 32 if sixteen_bit else 1,

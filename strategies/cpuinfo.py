@@ -29,6 +29,14 @@ def first_processor() -> dict:
   return fields
 
 
+def generation() -> tuple:
+  """(vendor_id, cpu family) of /proc/cpuinfo, e.g. ("AuthenticAMD", 23) for Zen 1 and 2; ("", 0)
+  where there is none."""
+  fields = first_processor()
+  family = fields.get("cpu family", "0")
+  return fields.get("vendor_id", ""), int(family) if family.isdigit() else 0
+
+
 def tensorflow_unsupported_reason(fields: Optional[dict] = None) -> Optional[str]:
   """Why TensorFlow cannot start on this CPU (one line), or None. Only x86 processors list `flags`;
   elsewhere (ARM lists `Features`) nothing is known and nothing is refused."""

@@ -124,7 +124,7 @@ def cpu_variables(config: RunConfig) -> None:
   release = installed_tensorflow()  # one metadata lookup for both questions
   version = _major_minor(release)
   if (version is not None and version < ONEDNN_DEFAULT_SINCE and "+gc" not in release
-      and cpuinfo.first_processor().get("vendor_id") == "GenuineIntel"):
+      and cpuinfo.generation()[0] == "GenuineIntel"):
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 

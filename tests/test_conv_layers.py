@@ -10,7 +10,7 @@ import tensorflow as tf
 import model
 from model import conv_layers
 from run_config import RunConfig
-from strategies import cpu
+from strategies import cpu, cpuinfo
 from strategies.backend import Backend
 from training.loop import set_seeds
 
@@ -202,9 +202,9 @@ def test_cpu_options_follow_the_measurements_per_cpu():
 
 
 def test_cpu_generation_is_read_from_this_machine():
-  vendor, family = cpu._cpu_generation()  # pylint: disable=protected-access
-  with open("/proc/cpuinfo") as cpuinfo:
-    text = cpuinfo.read()
+  vendor, family = cpuinfo.generation()
+  with open("/proc/cpuinfo") as proc:
+    text = proc.read()
   assert vendor and vendor in text and "cpu family\t: %d" % family in text
 
 
