@@ -428,8 +428,11 @@ def _print_table(results) -> None:
   for precision, designs in results["precisions"].items():
     for design, row in designs.items():
       if "conv_forms" in row.get("train", {}):
+        # How the first round came by them: the later rounds read what it measured, and the row's
+        # median round may be any of them.
+        first = row.get("train_rounds", [row["train"]])[0]
         print("%s %s convolution forms (%s): %s" % (
-            precision, design, row["train"]["conv_forms_chosen_by"],
+            precision, design, first["conv_forms_chosen_by"],
             ", ".join("%s=%s" % item for item in sorted(row["train"]["conv_forms"].items()))))
   if "input" in results:
     fastest = max((row["train"]["samples_per_sec"] for designs in results["precisions"].values()

@@ -82,12 +82,15 @@ def test_benchmark_trains_with_the_forms_the_autotune_chose_and_times_them_once(
   the next one reads the choice from --cache_dir."""
   data = write_cellspike(str(tmp_path / "d.h5"), sizes={"train": 128, "val": 32, "test": 32})
   out, cache = str(tmp_path / "bench.json"), tmp_path / "cache"
-  subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "benchmark.py"), "--designs=dev",
-                  "--batch_size=8", "--windows=1", "--window_steps=2", "--data_path=" + data,
-                  "--precisions=32.32", "--rounds=2", "--skip=reference,inference,compile,input,peak",
-                  "--cache_dir=" + str(cache), "--json=" + out], check=True, capture_output=True, timeout=300)
+  result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "benchmark.py"), "--designs=dev",
+                           "--batch_size=8", "--windows=1", "--window_steps=2", "--data_path=" + data,
+                           "--precisions=32.32", "--rounds=2", "--skip=reference,inference,compile,input,peak",
+                           "--cache_dir=" + str(cache), "--json=" + out], check=True, capture_output=True,
+                          text=True, timeout=300)
   row = json.load(open(out))["precisions"]["32.32"]["dev"]
   assert [run["conv_forms_chosen_by"] for run in row["train_rounds"]] == ["measured", "cached"]
+  # The table says how the run came by its forms, whichever round is the row's median.
+  assert "32.32 dev convolution forms (measured): " in result.stdout
   assert len(os.listdir(cache / "autotune")) == 1
   assert row["train_rounds"][0]["conv_forms"] == row["train_rounds"][1]["conv_forms"]
 
