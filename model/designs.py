@@ -22,3 +22,14 @@ DESIGNS = {
         "dropout": 0.05,
     },
 }
+
+# The convolution options the model builder takes (model/conv_layers.py), each with the value it has
+# when no backend asks otherwise. Plain data too, so that a tool can check an option's name and type
+# before TensorFlow starts; strategies/backend.py's model_options() gives every one of them.
+CONV_OPTION_DEFAULTS = {
+    "channel_multiple": 1,
+    "input_grad_by_forward_conv": False,
+    "kernel_grad_by_matmul": False,
+    "pooling": "max_pool",
+    "phases_max_in_channels": 0,
+}

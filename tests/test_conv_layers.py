@@ -1,6 +1,7 @@
 """The fast Neuron-Inverter conv blocks compute the same function, gradients and weights as the standard
 Keras layers, with every combination of the backend's convolution options."""
 
+import inspect
 import itertools
 
 import numpy as np
@@ -9,6 +10,7 @@ import tensorflow as tf
 
 import model
 from model import conv_layers
+from model.designs import CONV_OPTION_DEFAULTS
 from run_config import RunConfig
 from strategies import cpu, cpuinfo
 from strategies.backend import Backend
@@ -233,3 +235,14 @@ def test_pooling_forms_send_the_gradient_to_the_first_maximum_on_ties(pooling, p
   np.testing.assert_array_equal(out, expected_out)
   for expected, got in zip(expected_grads, grads):
     np.testing.assert_array_equal(got, expected)
+
+
+def test_the_plain_list_of_convolution_options_is_what_the_backend_and_the_builder_take():
+  # tools/benchmark_forms.py checks --variant against model.designs.CONV_OPTION_DEFAULTS before
+  # TensorFlow starts, so the list must name every option with the type and default the others use.
+  backend = Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",))
+  assert backend.model_options() == CONV_OPTION_DEFAULTS
+  assert {name: type(value) for name, value in backend.model_options().items()} == {
+      name: type(value) for name, value in CONV_OPTION_DEFAULTS.items()}  # 0 == False, but not for --variant
+  builder = inspect.signature(model.get_model_module("neuron_inverter").build).parameters
+  assert {name: builder[name].default for name in CONV_OPTION_DEFAULTS} == CONV_OPTION_DEFAULTS

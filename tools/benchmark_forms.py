@@ -28,7 +28,7 @@ report_missing_packages()  # before the first third-party import: one line where
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
-from model.designs import DESIGNS  # noqa: E402  pylint: disable=wrong-import-position  (plain data)
+from model.designs import CONV_OPTION_DEFAULTS, DESIGNS  # noqa: E402  pylint: disable=wrong-import-position  (plain data)
 
 FLAGS = flags.FLAGS
 
@@ -96,6 +96,7 @@ def main(argv):
   from strategies import environment  # pylint: disable=import-outside-toplevel
   config = RunConfig(model="neuron_inverter", design=FLAGS.design, backend="cpu", precision=FLAGS.precision,
                      batch_size=FLAGS.batch_size, dropout=DESIGNS[FLAGS.design]["dropout"])
+  _variant_options(CONV_OPTION_DEFAULTS)  # a bad --variant is its error line before TensorFlow starts
   environment.prepare(config)
   environment.import_tensorflow(config)
   steps, batches = _forms(config)

@@ -289,6 +289,12 @@ def test_the_benchmark_tools_report_a_user_error_on_one_line(tool, args, expecte
   assert len(errors) == 1 and errors[0].startswith(expected), result.stderr[-2000:]
 
 
+@pytest.mark.parametrize("variant", ["bogus=1", "channel_multiple=x"])
+def test_the_forms_benchmark_refuses_a_bad_variant_before_importing_tensorflow(variant):
+  result = _run_until_exit(sys.executable, "benchmark_forms.py", ["--variant=" + variant], "tensorflow")
+  assert result.stdout.splitlines()[-1] == "1 False", result.stdout + result.stderr[-2000:]
+
+
 @pytest.mark.parametrize("tool", ["benchmark.py", "benchmark_input.py"])
 def test_the_benchmark_tools_check_data_path_as_main_does_before_importing_tensorflow(tool):
   result = _run_until_exit(sys.executable, tool, ["--data_path=/nonexistent.h5"], "tensorflow")
