@@ -1,4 +1,5 @@
-"""Neuron-Inverter network designs (plain data, so flags can list them without TensorFlow).
+"""Neuron-Inverter network designs and the model builder's convolution options (plain data, so flags
+and tools can list and check them without TensorFlow).
 
 From the reference hyper-parameter files: `ontra4` is the production design `a2f791f3a_ontra4`
 (2,988,843 trainable parameters), `dev` the small fast-compiling test design (431,683). `dropout` is
@@ -24,7 +25,7 @@ DESIGNS = {
 }
 
 # The convolution options the model builder takes (model/conv_layers.py), each with the value it has
-# when no backend asks otherwise. Plain data too, so that a tool can check an option's name and type
+# when no backend asks otherwise, so that a tool can check an option's name and type
 # before TensorFlow starts; strategies/backend.py's model_options() gives every one of them.
 CONV_OPTION_DEFAULTS = {
     "channel_multiple": 1,
