@@ -88,6 +88,7 @@ $(VENV)/.installed-$(BACKEND): requirements.txt requirements-$(BACKEND).txt requ
 	$(call make_venv,$(VENV),$(BACKEND),PYTHON)
 	@for marker in $(VENV)/.installed-*; do other=$${marker##*/.installed-}; [ -e "$$marker" ] && [ "$$other" != $(BACKEND) ] && { echo "error: $(VENV) holds the TensorFlow of BACKEND=$$other, which that of BACKEND=$(BACKEND) would overwrite: remove it (rm -rf $(VENV)) and run make again, or name another folder with VENV=" >&2; exit 1; }; done; true
 	$(call PIP_INSTALL,$(VENV),--upgrade "pip<25")
+	@echo "pip installs TensorFlow and the rest quietly: about 1-2 minutes on a fresh machine"
 	$(call PIP_INSTALL,$(VENV),-r requirements-$(BACKEND).txt -r requirements.txt -r requirements-dev.txt)
 	touch $@
 
@@ -122,6 +123,7 @@ installed-reference-venv: $(REFERENCE_VENV)/.installed
 
 $(REFERENCE_VENV)/.installed: requirements-reference.txt
 	$(call make_venv,$(REFERENCE_VENV),reference,REFERENCE_PYTHON)
+	@echo "pip installs the reference model's PyTorch (CPU build) quietly: about a minute on a fresh machine"
 	$(call PIP_INSTALL,$(REFERENCE_VENV),-r requirements-reference.txt)
 	touch $@
 

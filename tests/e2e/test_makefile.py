@@ -207,6 +207,11 @@ def test_a_venv_left_without_pip_by_a_stopped_make_is_made_again(tmp_path):
   assert result.returncode == 0, result.stdout + result.stderr
   assert "%s has no pip: an earlier make stopped while making it; removing it" % venv in result.stdout
   assert log.read_text().splitlines() == ["venv %s" % venv, "pip start", "pip end", "pip start", "pip end"]
+  # pip runs --quiet for a minute or more on a fresh machine: a line before it says so and for how long.
+  lines = result.stdout.splitlines()
+  requirements = [i for i, line in enumerate(lines) if "pip install --quiet -r requirements-" in line]
+  assert len(requirements) == 1 and lines[requirements[0] - 1].startswith(
+      "pip installs TensorFlow and the rest quietly: about 1-2 minutes"), result.stdout
 
 
 def test_make_run_from_another_folder_tells_main_py_where_the_shell_is(tmp_path):
