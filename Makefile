@@ -78,6 +78,12 @@ help:
 # and in a dry run (make -n), no lock.
 one_install_at_a_time = $(if $(findstring n,$(firstword -$(MAKEFLAGS))),,if command -v flock >/dev/null; then exec 9>"$(1).lock" && { flock -n 9 || { echo "waiting for the other make that is installing into $(1)"; flock 9; }; }; fi;) $(MAKE) --no-print-directory -f $(firstword $(MAKEFILE_LIST)) $(2)
 
+# What the quiet pip install of each BACKEND takes on a fresh machine, said before it starts (cpu and tf26
+# measured on 2-core VMs; gpu adds NVIDIA's CUDA wheels, a few GB, and was not measured here).
+INSTALL_TIME_cpu := about 1-2 minutes
+INSTALL_TIME_tf26 := about 1-2 minutes
+INSTALL_TIME_gpu := several minutes (TensorFlow's CUDA libraries are a few GB)
+
 install:
 	+@$(call one_install_at_a_time,$(VENV),installed-venv)
 
@@ -88,7 +94,7 @@ $(VENV)/.installed-$(BACKEND): requirements.txt requirements-$(BACKEND).txt requ
 	$(call make_venv,$(VENV),$(BACKEND),PYTHON)
 	@for marker in $(VENV)/.installed-*; do other=$${marker##*/.installed-}; [ -e "$$marker" ] && [ "$$other" != $(BACKEND) ] && { echo "error: $(VENV) holds the TensorFlow of BACKEND=$$other, which that of BACKEND=$(BACKEND) would overwrite: remove it (rm -rf $(VENV)) and run make again, or name another folder with VENV=" >&2; exit 1; }; done; true
 	$(call PIP_INSTALL,$(VENV),--upgrade "pip<25")
-	@echo "pip installs TensorFlow and the rest quietly: about 1-2 minutes on a fresh machine"
+	@echo "pip installs TensorFlow and the rest quietly: $(INSTALL_TIME_$(BACKEND)) on a fresh machine"
 	$(call PIP_INSTALL,$(VENV),-r requirements-$(BACKEND).txt -r requirements.txt -r requirements-dev.txt)
 	touch $@
 
