@@ -43,23 +43,25 @@ def define_flags():
                     "against it instead of the standard form (e.g. pooling=max_pool).")
 
 
-def _variant_options(base: dict) -> dict:
-  """`base` with --variant's OPTION=VALUE pairs applied, each value parsed as its base value's type."""
-  options = dict(base)
+def _variant_overrides() -> dict:
+  """--variant's OPTION=VALUE pairs, each value parsed as the type of that option's default
+  (model.designs.CONV_OPTION_DEFAULTS: plain data, so a bad pair is refused before TensorFlow starts)."""
+  overrides = {}
   for pair in FLAGS.variant:
     name, _, text = pair.partition("=")
-    if name not in base:
-      raise UserError("--variant: unknown model option %r; options: %s" % (name, ", ".join(base)))
-    kind = type(base[name])
+    if name not in CONV_OPTION_DEFAULTS:
+      raise UserError("--variant: unknown model option %r; options: %s" % (name, ", ".join(CONV_OPTION_DEFAULTS)))
+    kind = type(CONV_OPTION_DEFAULTS[name])
     try:
-      options[name] = text.lower() in ("1", "true", "yes") if kind is bool else kind(text)
+      overrides[name] = text.lower() in ("1", "true", "yes") if kind is bool else kind(text)
     except ValueError:
       raise UserError("--variant: %s=%r is not of type %s" % (name, text, kind.__name__)) from None
-  return options
+  return overrides
 
 
-def _forms(config):
-  """{"standard": train_function, "application": train_function} and an iterator over one batch."""
+def _forms(config, variant):
+  """{"standard" or "variant": train_function, "application": train_function} and an iterator over one
+  batch; `variant` ({} for none) holds the options that the variant sets over the application's."""
   import numpy as np  # pylint: disable=import-outside-toplevel
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   import model  # pylint: disable=import-outside-toplevel
@@ -76,8 +78,8 @@ def _forms(config):
     optimizers.create_slots(network.optimizer, network.trainable_variables)
     return network
 
-  if FLAGS.variant:
-    other_name, other = "variant", application(_variant_options(options))
+  if variant:
+    other_name, other = "variant", application({**options, **variant})
   else:
     other_name, other = "standard", model.build_network(module, config, (1600, 4), 15,
                                                         {"standard_layers": True})[0]
@@ -96,10 +98,10 @@ def main(argv):
   from strategies import environment  # pylint: disable=import-outside-toplevel
   config = RunConfig(model="neuron_inverter", design=FLAGS.design, backend="cpu", precision=FLAGS.precision,
                      batch_size=FLAGS.batch_size, dropout=DESIGNS[FLAGS.design]["dropout"])
-  _variant_options(CONV_OPTION_DEFAULTS)  # a bad --variant is its error line before TensorFlow starts
+  variant = _variant_overrides()  # a bad --variant is its error line before TensorFlow starts
   environment.prepare(config)
   environment.import_tensorflow(config)
-  steps, batches = _forms(config)
+  steps, batches = _forms(config, variant)
   for step in steps.values():  # tracing and first allocations
     for _ in range(3):
       float(step(batches)["loss"])
@@ -118,7 +120,7 @@ def main(argv):
     print("%-12s median %.1f ms/step, p10 %.1f ms (%s, %s, batch %d)" % (
         name, 1e3 * statistics.median(samples), 1e3 * ordered[len(ordered) // 10], FLAGS.design,
         FLAGS.precision, FLAGS.batch_size))
-  other_name = "variant" if FLAGS.variant else "standard"
+  other_name = "variant" if variant else "standard"
   print("%s / application: %.2fx" % (other_name, statistics.median(times[other_name])
                                      / statistics.median(times["application"])))
 

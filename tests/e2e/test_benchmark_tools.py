@@ -133,12 +133,13 @@ def test_reference_torch_model_has_the_reference_parameter_count(tmp_path):
   assert report["params"] == 2988843 and report["samples_per_sec"] > 0
 
 
-def test_forms_benchmark_times_both_forms():
+@pytest.mark.parametrize("variant, other", [([], "standard"), (["--variant=kernel_grad_by_matmul=true"], "variant")])
+def test_forms_benchmark_times_both_forms(variant, other):
   result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "benchmark_forms.py"), "--design=dev",
-                           "--precision=32.32", "--batch_size=8", "--rounds=2", "--steps=2"],
+                           "--precision=32.32", "--batch_size=8", "--rounds=2", "--steps=2"] + variant,
                           capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "round 2/2" in result.stdout and "standard / application:" in result.stdout
+  assert "round 2/2" in result.stdout and other + " / application:" in result.stdout
   assert result.stdout.count("ms/step") == 2
   if not glob.glob("/dev/nvidia[0-9]*"):  # as in main.py's log: no CUDA probe lines without a GPU
     assert "cuInit" not in result.stderr and "Could not find cuda drivers" not in result.stderr
