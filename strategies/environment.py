@@ -15,6 +15,8 @@ import re
 import sys
 import tempfile
 
+from absl import logging
+
 from errors import UserError
 from run_config import RunConfig, cache_hint
 from stderr_lines import DroppedLines
@@ -119,14 +121,22 @@ def cpu_variables(config: RunConfig) -> None:
   took 0.64x the time with them on a Xeon (session 38, docs/PERFORMANCE.md). On an AMD EPYC Zen 4 the
   same build's oneDNN ended every training process with SIGFPE (session 48, whatever
   ONEDNN_MAX_CPU_ISA), so other CPUs keep that TensorFlow's default, its Eigen kernels. A user's own
-  TF_ENABLE_ONEDNN_OPTS is kept. Graphcore's wheels (versions "2.6.3+gc...") are left as built: their
+  TF_ENABLE_ONEDNN_OPTS is kept (set to 1 on a CPU not Intel's, with a warning of that crash). Graphcore's wheels (versions "2.6.3+gc...") are left as built: their
   CPU work is an IPU run's host side, and their build was not measured."""
   del config  # the same for every CPU run
   release = installed_tensorflow()  # one metadata lookup for both questions
   version = _major_minor(release)
-  if (version is not None and version < ONEDNN_DEFAULT_SINCE and "+gc" not in release
-      and cpuinfo.generation()[0] == "GenuineIntel"):
+  if version is None or version >= ONEDNN_DEFAULT_SINCE or "+gc" in release:
+    return
+  vendor = cpuinfo.generation()[0]
+  if vendor == "GenuineIntel":
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+  elif os.environ.get("TF_ENABLE_ONEDNN_OPTS", "").lower() in ("1", "true"):
+    # Kept, as the user chose it; but the crash it led to says nothing of its cause.
+    logging.warning("TF_ENABLE_ONEDNN_OPTS=%s with TensorFlow %s on this %s CPU: on an AMD EPYC Zen 4 this "
+                    "build's oneDNN ended every training process with a floating point exception "
+                    "(SIGFPE); unset it if that happens here", os.environ["TF_ENABLE_ONEDNN_OPTS"],
+                    release, vendor or "non-Intel")
 
 
 def _xla_cache_variables(config: RunConfig) -> None:

@@ -125,8 +125,8 @@ def test_keras_started_without_pandas():
     ("2.9.0", "GenuineIntel", None, None), ("2.21.0", "GenuineIntel", None, None),  # on by default there
     ("2.6.3+gc3.1.0+246224+2b7af067dae+amd_znver1", "GenuineIntel", None, None),  # Graphcore's wheel
 ])
-def test_onednn_kernels_are_switched_on_where_tensorflow_had_them_off_by_default(monkeypatch, version, vendor,
-                                                                                  user, expected):
+def test_onednn_kernels_are_switched_on_where_tensorflow_had_them_off_by_default(monkeypatch, caplog, version,
+                                                                                  vendor, user, expected):
   monkeypatch.setattr(environment, "installed_tensorflow", lambda: version)
   monkeypatch.setattr(environment.cpuinfo, "first_processor", lambda: {"vendor_id": vendor})
   # setenv first: delenv of an absent variable records nothing, so the value set below would outlive
@@ -137,6 +137,11 @@ def test_onednn_kernels_are_switched_on_where_tensorflow_had_them_off_by_default
     monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", user)
   environment.cpu_variables(RunConfig(model="mnist", backend="cpu"))
   assert os.environ.get("TF_ENABLE_ONEDNN_OPTS") == expected
+  # Only the combination that crashed is warned of (kept: it is the user's choice).
+  crashed = version == "2.6.3" and vendor == "AuthenticAMD" and user == "1"
+  assert ("SIGFPE" in caplog.text) == crashed, caplog.text
+  if crashed:
+    assert "TF_ENABLE_ONEDNN_OPTS=1 with TensorFlow 2.6.3 on this AuthenticAMD CPU" in caplog.text
 
 
 def test_the_machine_signature_names_tensorflows_kernel_set_where_it_is_chosen(monkeypatch):
