@@ -121,8 +121,9 @@ def cpu_variables(config: RunConfig) -> None:
   took 0.64x the time with them on a Xeon (session 38, docs/PERFORMANCE.md). On an AMD EPYC Zen 4 the
   same build's oneDNN ended every training process with SIGFPE (session 48, whatever
   ONEDNN_MAX_CPU_ISA), so other CPUs keep that TensorFlow's default, its Eigen kernels. A user's own
-  TF_ENABLE_ONEDNN_OPTS is kept (set to 1 on a CPU not Intel's, with a warning of that crash). Graphcore's wheels (versions "2.6.3+gc...") are left as built: their
-  CPU work is an IPU run's host side, and their build was not measured."""
+  TF_ENABLE_ONEDNN_OPTS is kept (set to 1 on a CPU not Intel's, with a warning of that crash).
+  Graphcore's wheels (versions "2.6.3+gc...") are left as built: their CPU work is an IPU run's host
+  side, and their build was not measured."""
   del config  # the same for every CPU run
   release = installed_tensorflow()  # one metadata lookup for both questions
   version = _major_minor(release)
