@@ -120,7 +120,7 @@ def main(argv):
     print("%-12s median %.1f ms/step, p10 %.1f ms (%s, %s, batch %d)" % (
         name, 1e3 * statistics.median(samples), 1e3 * ordered[len(ordered) // 10], FLAGS.design,
         FLAGS.precision, FLAGS.batch_size))
-  other_name = "variant" if variant else "standard"
+  other_name = next(name for name in steps if name != "application")  # as _forms named it
   print("%s / application: %.2fx" % (other_name, statistics.median(times[other_name])
                                      / statistics.median(times["application"])))
 
