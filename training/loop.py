@@ -453,18 +453,7 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
   set_seeds(config.seed)  # the initial weights do not depend on whether the forms were timed
   net = build_and_compile(config, backend, module, splits, resume_state.get("optimizer_format"))
   net.summary()
-  logging.info("Global batch %d = %d per replica x %d gradient accumulation x %d replica%s; "
-               "%d optimizer steps per epoch", global_batch_size, config.batch_size,
-               backend.gradient_accumulation, backend.replicas, "" if backend.replicas == 1 else "s",
-               backend.optimizer_steps(splits.train.steps))
-
-  if info.has_batch_norm and config.batch_norm_statistics == "batch":
-    logging.info("Batch normalisation by each batch's own statistics, in evaluation and prediction too "
-                 "(--batch_norm_statistics=batch, the reference's IPU model; auto chooses it for pipelined "
-                 "IPU training, which cannot update moving statistics)")
-  problem = warmup_problem(config.warmup_epochs, config.epochs, config.lr_schedule)
-  if problem:
-    logging.warning(problem)
+  _log_training_setup(config, backend, info, global_batch_size, splits.train.steps)
 
   # --- Checkpoints, resume, callbacks -----------------------------------------------------------------
   schedule, checkpointing = _make_checkpointing(config, backend, net, outdir)
@@ -490,16 +479,7 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
       logging.info("--compile_only: compiled in %.1f s; exiting before training",
                    throughput.compile_seconds or 0.0)
       return {"compile_seconds": throughput.compile_seconds}
-    if any(not np.isfinite(v) for v in history.get("loss", [])):
-      kept = checkpointing.last_saved or checkpointing.checkpoints.latest()
-      kept = checkpoints_lib.in_run_folder(kept, config.logdir) or "none"
-      raise UserError("training stopped: the loss became NaN/Inf in epoch %d (lower --learning_rate); "
-                      "last good checkpoint: %s" % (len(history["loss"]) + resume_state["epoch"], kept))
-    if history.get("val_loss") and math.isinf(checkpointing.best_val_loss):
-      # Epochs are checkpointed by their validation loss: with none finite, the run kept nothing.
-      raise UserError("the validation loss was NaN/Inf in every epoch (last: %s), so no epoch was "
-                      "checkpointed: the validation split's values may lie far outside the training "
-                      "split's (%s)" % (history["val_loss"][-1], splits.source))
+    _check_losses_finite(history, config, checkpointing, splits, resume_state["epoch"])
 
     # --- Test (the best-validation weights) -----------------------------------------------------------
     flag.phase = "test"
@@ -524,6 +504,37 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
       interrupt_lib.stop_if_signalled(flag, checkpointing.checkpoints.latest(), "before the --predict report",
                                       config.logdir, _any_process(backend))
   return summary
+
+
+def _log_training_setup(config: RunConfig, backend: Backend, info, global_batch_size: int,
+                        steps_per_epoch: int) -> None:
+  """The batch layout, and the settings a user may not expect, before the first step."""
+  logging.info("Global batch %d = %d per replica x %d gradient accumulation x %d replica%s; "
+               "%d optimizer steps per epoch", global_batch_size, config.batch_size,
+               backend.gradient_accumulation, backend.replicas, "" if backend.replicas == 1 else "s",
+               backend.optimizer_steps(steps_per_epoch))
+  if info.has_batch_norm and config.batch_norm_statistics == "batch":
+    logging.info("Batch normalisation by each batch's own statistics, in evaluation and prediction too "
+                 "(--batch_norm_statistics=batch, the reference's IPU model; auto chooses it for pipelined "
+                 "IPU training, which cannot update moving statistics)")
+  problem = warmup_problem(config.warmup_epochs, config.epochs, config.lr_schedule)
+  if problem:
+    logging.warning(problem)
+
+
+def _check_losses_finite(history: dict, config: RunConfig, checkpointing, splits,
+                         first_epoch: int) -> None:
+  """A UserError naming the epoch and the checkpoint kept when training or validation diverged."""
+  if any(not np.isfinite(v) for v in history.get("loss", [])):
+    kept = checkpointing.last_saved or checkpointing.checkpoints.latest()
+    kept = checkpoints_lib.in_run_folder(kept, config.logdir) or "none"
+    raise UserError("training stopped: the loss became NaN/Inf in epoch %d (lower --learning_rate); "
+                    "last good checkpoint: %s" % (len(history["loss"]) + first_epoch, kept))
+  if history.get("val_loss") and math.isinf(checkpointing.best_val_loss):
+    # Epochs are checkpointed by their validation loss: with none finite, the run kept nothing.
+    raise UserError("the validation loss was NaN/Inf in every epoch (last: %s), so no epoch was "
+                    "checkpointed: the validation split's values may lie far outside the training "
+                    "split's (%s)" % (history["val_loss"][-1], splits.source))
 
 
 def _any_process(backend: Backend):
