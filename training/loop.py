@@ -523,13 +523,16 @@ def _log_training_setup(config: RunConfig, backend: Backend, info, global_batch_
 
 
 def _check_losses_finite(history: dict, config: RunConfig, checkpointing, splits,
-                         first_epoch: int) -> None:
-  """A UserError naming the epoch and the checkpoint kept when training or validation diverged."""
+                         epochs_before: int) -> None:
+  """A UserError naming the epoch and the checkpoint kept when training or validation diverged.
+
+  `epochs_before`: the epochs a resumed run had trained before this process (0 for a new run).
+  """
   if any(not np.isfinite(v) for v in history.get("loss", [])):
     kept = checkpointing.last_saved or checkpointing.checkpoints.latest()
     kept = checkpoints_lib.in_run_folder(kept, config.logdir) or "none"
     raise UserError("training stopped: the loss became NaN/Inf in epoch %d (lower --learning_rate); "
-                    "last good checkpoint: %s" % (len(history["loss"]) + first_epoch, kept))
+                    "last good checkpoint: %s" % (len(history["loss"]) + epochs_before, kept))
   if history.get("val_loss") and math.isinf(checkpointing.best_val_loss):
     # Epochs are checkpointed by their validation loss: with none finite, the run kept nothing.
     raise UserError("the validation loss was NaN/Inf in every epoch (last: %s), so no epoch was "
