@@ -232,17 +232,7 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
   Raises:
     UserError: no checkpoint, unreadable data, data that do not fit the trained model.
   """
-  if model_registry.get_model_info(config.model).task != "regression":
-    raise UserError("prediction reports are for regression models (neuron_inverter), not %s"
-                    % config.model)
-  if split not in SPLIT_KEYS:
-    raise UserError("unknown split %r; valid splits: test, validation, train" % split)
-  # Before the evaluation, not in os.makedirs after it.
-  default_outdir = outdir is None
-  outdir = outdir or os.path.join(config.logdir, PREDICT_DIR)
-  check_output_path("--outdir", outdir, folder=True, default=default_outdir)
-  if export_dir:
-    check_output_path("--export_dir", export_dir, folder=True)
+  outdir = _checked_request(config, split, outdir, export_dir)
   checkpoint = checkpoints_lib.best_or_last(config.logdir)
   state = checkpoints_lib.peek_state(checkpoint, purpose="predict")
   info, data_split = _eval_split(config, backend, split, max_samples)
@@ -258,7 +248,38 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
   truth, prediction = collect_predictions(net, x, steps)
   seconds = time.perf_counter() - started
 
-  results = {
+  results = _what_was_evaluated(config, backend, split, checkpoint, state, info, seconds)
+  results.update(compute_metrics(truth, prediction, info.par_names, cellspike.training_mean(info.path)))
+  results["train"] = _training_summary(config.logdir)
+  files = _write_outputs(outdir, results, truth, prediction, info, plots)
+  if export_dir:
+    from analysis import export as export_lib  # pylint: disable=import-outside-toplevel
+    files.append(export_lib.export_saved_model(net, config, info.input_shape, info.num_params,
+                                               export_dir, par_names=info.par_names,
+                                               model_options=backend.model_options()))
+  return Evaluation(results=results, truth=truth, prediction=prediction, files=files)
+
+
+def _checked_request(config: RunConfig, split: str, outdir: str, export_dir: str) -> str:
+  """Refuses what evaluate_run cannot do before it evaluates anything (not in os.makedirs after it);
+  returns the output folder, defaulted."""
+  if model_registry.get_model_info(config.model).task != "regression":
+    raise UserError("prediction reports are for regression models (neuron_inverter), not %s"
+                    % config.model)
+  if split not in SPLIT_KEYS:
+    raise UserError("unknown split %r; valid splits: test, validation, train" % split)
+  default_outdir = outdir is None
+  outdir = outdir or os.path.join(config.logdir, PREDICT_DIR)
+  check_output_path("--outdir", outdir, folder=True, default=default_outdir)
+  if export_dir:
+    check_output_path("--export_dir", export_dir, folder=True)
+  return outdir
+
+
+def _what_was_evaluated(config: RunConfig, backend: Backend, split: str, checkpoint: str, state: dict,
+                        info, seconds: float) -> dict:
+  """The head of sum_pred.yaml: which weights, data and hardware the evaluation used."""
+  return {
       "model": config.model,
       "design": config.design,
       "logdir": os.path.abspath(config.logdir),
@@ -272,18 +293,15 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
       "input_shape": list(info.input_shape),
       "predict_seconds": seconds,
   }
-  results.update(compute_metrics(truth, prediction, info.par_names, cellspike.training_mean(info.path)))
-  summary = summary_lib.read_summary(config.logdir)
-  results["train"] = {key: summary.get(key) for key in
-                      ("epochs", "train_loss", "val_loss", "test_loss", "best_val_loss", "wall_seconds",
-                       "replicas", "backend")} if summary else None
-  files = _write_outputs(outdir, results, truth, prediction, info, plots)
-  if export_dir:
-    from analysis import export as export_lib  # pylint: disable=import-outside-toplevel
-    files.append(export_lib.export_saved_model(net, config, info.input_shape, info.num_params,
-                                               export_dir, par_names=info.par_names,
-                                               model_options=backend.model_options()))
-  return Evaluation(results=results, truth=truth, prediction=prediction, files=files)
+
+
+def _training_summary(logdir: str):
+  """The training run's own figures from its summary.yaml (None if it has none)."""
+  summary = summary_lib.read_summary(logdir)
+  if not summary:
+    return None
+  return {key: summary.get(key) for key in ("epochs", "train_loss", "val_loss", "test_loss", "best_val_loss",
+                                            "wall_seconds", "replicas", "backend")}
 
 
 def _write_outputs(outdir: str, results: dict, truth, prediction, info, plots: bool) -> list:
