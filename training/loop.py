@@ -452,7 +452,9 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
                       splits.train.steps * max(config.epochs - resume_state["epoch"], 0))
   set_seeds(config.seed)  # the initial weights do not depend on whether the forms were timed
   net = build_and_compile(config, backend, module, splits, resume_state.get("optimizer_format"))
-  net.summary()
+  # Both models are chains of layers, which Keras prints in 3 columns, the first 45 % of the line: at
+  # its default 65 characters, "batch_norm (BatchNormalization)" wrapped (or, on Keras 2.6, was cut).
+  net.summary(line_length=80)
   _log_training_setup(config, backend, info, global_batch_size, splits.train.steps)
 
   # --- Checkpoints, resume, callbacks -----------------------------------------------------------------
