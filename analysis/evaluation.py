@@ -20,6 +20,7 @@ import dataclasses
 import math
 import os
 import time
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
@@ -295,7 +296,7 @@ def _what_was_evaluated(config: RunConfig, backend: Backend, split: str, checkpo
   }
 
 
-def _training_summary(logdir: str):
+def _training_summary(logdir: str) -> Optional[dict]:
   """The training run's own figures from its summary.yaml (None if it has none)."""
   summary = summary_lib.read_summary(logdir)
   if not summary:
