@@ -14,6 +14,8 @@ Adding a model: one module here, one entry in `MODELS` (and, for new data, one l
     options of `model/conv_layers.py`): a builder declares, as keyword parameters, the ones it
     honours, and receives only those (`accepted_options`);
   - `loss()` and `metrics()` for `compile`;
+  - optionally `summary_note(net) -> str or None`, a line logged under the model summary (the
+    Neuron-Inverter's explains padded layer widths);
   - optionally `STAGE_BOUNDARIES`, the names of the first layers of pipeline stages 2, 3, ... (IPU
     pipelining and sharding split the model there; without it the model runs as one stage).
 - The output layer is built with `dtype="float32"`, so that under mixed precision the loss is computed

@@ -185,8 +185,13 @@ class PooledConv1D(tf.keras.layers.Layer):
     self._input_padding = incoming - self.in_channels  # the previous block's zero channels
     self._kernel_grad_by_matmul = (self.kernel_grad_by_matmul
                                    and self.kernel_size * incoming >= MATMUL_MIN_COLUMNS)
-    self._output_padding = padded_channels(self.filters, self.channel_multiple) - self.filters
+    self._output_padding = self.output_channels - self.filters
     super().build(input_shape)
+
+  @property
+  def output_channels(self) -> int:
+    """The channels the block outputs: its `filters`, then any all-zero padding channels."""
+    return padded_channels(self.filters, self.channel_multiple)
 
   def call(self, inputs):
     return self._forward(inputs)

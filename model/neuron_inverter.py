@@ -18,6 +18,8 @@ plain Keras form of the reference (Conv1D, MaxPooling1D, ReLU layers), which the
 `tools/benchmark_forms.py` hold the fast blocks against.
 """
 
+from typing import Optional
+
 import tensorflow as tf
 
 from errors import UserError
@@ -103,6 +105,19 @@ def build(config: RunConfig, input_shape=(1600, 4), num_outputs=15, channel_mult
                          kernel_initializer=initializers.kernel(),
                          bias_initializer=initializers.bias(int(x.shape[-1])))(x)
   return tf.keras.Model(inputs, outputs, name="neuron_inverter_" + config.design)
+
+
+def summary_note(net: tf.keras.Model) -> Optional[str]:
+  """A line for under the model summary when the conv blocks carry padding channels, so that their
+  widths there (32 / 96 / 192 for ontra4's 30 / 90 / 180 filters) are not read as another network."""
+  blocks = [layer for layer in net.layers if isinstance(layer, PooledConv1D)]
+  if all(block.output_channels == block.filters for block in blocks):
+    return None
+  return ("%s: %s channels = the design's %s filters + zero padding to multiples of %d (fastest for "
+          "this backend's kernels); conv_channels drops the padding, and the parameter count is the design's"
+          % (", ".join(block.name for block in blocks),
+             " / ".join(str(block.output_channels) for block in blocks),
+             " / ".join(str(block.filters) for block in blocks), blocks[0].channel_multiple))
 
 
 def loss():

@@ -137,3 +137,13 @@ def test_neuron_inverter_starts_from_pytorchs_default_initialisation(standard_la
       assert abs(values.std() / (bound / np.sqrt(3)) - 1) < (0.1 if values.size > 1000 else 0.4), layer.name
     checked += 1
   assert checked == 9   # 3 conv blocks, 5 hidden dense layers, the output layer
+
+
+def test_summary_note_explains_padded_conv_widths_and_only_those():
+  module = model.get_model_module("neuron_inverter")
+  config = RunConfig(model="neuron_inverter")
+  note = module.summary_note(module.build(config, channel_multiple=32))
+  assert note.startswith("conv1, conv2, conv3: 32 / 96 / 192 channels = the design's 30 / 90 / 180 filters "
+                         "+ zero padding to multiples of 32")
+  assert module.summary_note(module.build(config)) is None
+  assert module.summary_note(module.build(config, standard_layers=True)) is None

@@ -452,9 +452,7 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
                       splits.train.steps * max(config.epochs - resume_state["epoch"], 0))
   set_seeds(config.seed)  # the initial weights do not depend on whether the forms were timed
   net = build_and_compile(config, backend, module, splits, resume_state.get("optimizer_format"))
-  # Both models are chains of layers, which Keras prints in 3 columns, the first 45 % of the line: at
-  # its default 65 characters, "batch_norm (BatchNormalization)" wrapped (or, on Keras 2.6, was cut).
-  net.summary(line_length=80)
+  _print_model(net, module)
   _log_training_setup(config, backend, info, global_batch_size, splits.train.steps)
 
   # --- Checkpoints, resume, callbacks -----------------------------------------------------------------
@@ -506,6 +504,16 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
       interrupt_lib.stop_if_signalled(flag, checkpointing.checkpoints.latest(), "before the --predict report",
                                       config.logdir, _any_process(backend))
   return summary
+
+
+def _print_model(net, module) -> None:
+  """Keras' model summary, and the model module's note on it where it has one (model/__init__.py)."""
+  # Both models are chains of layers, which Keras prints in 3 columns, the first 45 % of the line: at
+  # its default 65 characters, "batch_norm (BatchNormalization)" wrapped (or, on Keras 2.6, was cut).
+  net.summary(line_length=80)
+  note = module.summary_note(net) if hasattr(module, "summary_note") else None
+  if note:
+    logging.info(note)
 
 
 def _log_training_setup(config: RunConfig, backend: Backend, info, global_batch_size: int,
