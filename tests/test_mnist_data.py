@@ -6,6 +6,7 @@ import tempfile
 import time
 import types
 
+import h5py
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -90,8 +91,20 @@ def test_the_check_before_tensorflow_hands_its_idx_arrays_to_the_runs_loader(tmp
 def test_idx_path_must_be_a_folder(tmp_path):
   path = tmp_path / "file"
   path.write_text("x")
-  with pytest.raises(UserError, match="expected a folder"):
+  with pytest.raises(UserError, match="expected a folder") as error:
     mnist.load_arrays(RunConfig(model="mnist", data_path=str(path)))
+  assert "neuron_inverter" not in str(error.value)
+
+
+def test_an_hdf5_file_for_mnist_points_to_the_neuron_inverter(tmp_path):
+  path = str(tmp_path / "cells.h5")
+  with h5py.File(path, "w") as handle:
+    handle["frames"] = np.zeros((2, 3), np.float16)
+  with pytest.raises(UserError) as error:
+    mnist.load_arrays(RunConfig(model="mnist", data_path=path))
+  assert str(error.value) == ("--data_path=%s: expected a folder holding the four MNIST IDX files "
+                              "(--model=mnist); this is an HDF5 file: for cellSpike data add "
+                              "--model=neuron_inverter" % path)
 
 
 def test_pipeline_has_static_shapes_and_drops_remainder(tmp_path):
