@@ -38,24 +38,14 @@ def check_digits(images: np.ndarray, labels: np.ndarray, where: str) -> Digits:
   return Digits(images, labels.astype(np.int32))
 
 
-# The first bytes of an HDF5 file (its superblock signature; HDF5 File Format Specification, 2.1).
-_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-
-
-def _starts_as_hdf5(path: str) -> bool:
-  try:
-    with open(path, "rb") as handle:
-      return handle.read(len(_HDF5_SIGNATURE)) == _HDF5_SIGNATURE
-  except OSError:
-    return False
-
-
 def load_idx_folder(folder: str) -> dict:
   """{"train": Digits, "test": Digits} from the four IDX files in `folder`, validated."""
   if not os.path.isdir(folder):
-    # --model defaults to mnist, so a cellSpike file given without --model lands here.
+    # --model defaults to mnist, so a cellSpike file given without --model lands here. h5py only on
+    # this error path: the check runs before TensorFlow's import, where every import is waited for.
+    import h5py  # pylint: disable=import-outside-toplevel
     hint = ("; this is an HDF5 file: for cellSpike data add --model=neuron_inverter"
-            if _starts_as_hdf5(folder) else "")
+            if h5py.is_hdf5(folder) else "")
     raise UserError("--data_path=%s: expected a folder holding the four MNIST IDX files (--model=mnist)%s"
                     % (folder, hint))
   arrays = {}
