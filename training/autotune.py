@@ -8,8 +8,12 @@ convolution algorithms:
   and over (the input pipeline is not timed); the models share one set of variables;
 - after WARMUP_STEPS steps each (tracing, first-step allocations), the forms train in alternating
   windows of WINDOW_STEPS steps, so that all of them see the machine in the same state;
-- the form with the shortest median step is kept, unless the built-in choice is within TOLERANCE of
-  it: a difference that small is within a shared machine's noise;
+- the form with the shortest median step is kept if its median is more than TOLERANCE below the
+  built-in choice's and it was also the faster of the two in every round; else the built-in choice.
+  A difference that small is within a shared machine's noise, and a VM's slow second can fall on a
+  whole window: on a shared 2-core Zen 4, 2 rounds judged by the median alone left the built-in forms
+  in 4 of 24 timings, though they were the fastest over 6 rounds each time; 4 rounds judged this way
+  did so in none of 16 (docs/PERFORMANCE.md, session 57);
 - the result goes to <cache_dir>/autotune/<key>.yaml, keyed by the machine, TensorFlow, the model, the
   batch layout and the source of the model package (a new form of a layer is timed afresh), so later
   runs on this machine read it instead of timing again.
@@ -38,8 +42,10 @@ from training import logs
 
 WARMUP_STEPS = 2
 WINDOW_STEPS = 4
-ROUNDS = 2
+ROUNDS = 4
 TOLERANCE = 0.05
+# Part of the cache key, so that a choice made by an earlier, noisier way of timing is timed again.
+TIMING = {"rounds": ROUNDS, "window_steps": WINDOW_STEPS, "tolerance": TOLERANCE, "faster_in_every_round": True}
 FOLDER = "autotune"
 
 
@@ -114,12 +120,13 @@ def model_code_digest() -> str:
 
 def cache_key(config: RunConfig, backend: Backend, batch_shape: dict, alternatives) -> dict:
   """What the timings depend on: the machine, TensorFlow, the network's code and the batches it trains
-  on (`batch_shape`: e.g. {"global_batch": 192, "input_shape": [1600, 4], "outputs": 15})."""
+  on (`batch_shape`: e.g. {"global_batch": 192, "input_shape": [1600, 4], "outputs": 15}), and how
+  the choice was timed (TIMING)."""
   return {"machine": backend.machine_signature, "tensorflow": tf.__version__, "model_code": model_code_digest(),
           "backend": backend.kind, "precision": backend.precision, "jit_compile": backend.jit_compile,
           "model": config.model, "design": config.design, "batch": dict(batch_shape),
           "replicas": backend.replicas, "gradient_accumulation": backend.gradient_accumulation,
-          "alternatives": [dict(forms) for forms in alternatives]}
+          "alternatives": [dict(forms) for forms in alternatives], "timing": TIMING}
 
 
 def cache_path(cache_dir: str, key: dict) -> str:
@@ -177,12 +184,28 @@ class _StepTimer(tf.keras.callbacks.Callback):
     self.durations.append(time.perf_counter() - self._began)
 
 
-def choose(alternatives, seconds: dict) -> tuple:
-  """The forms to train with, given median `seconds` per step for each (describe() -> seconds): the
-  fastest, unless the built-in alternatives[0] is within TOLERANCE of it."""
+def medians(durations: dict) -> dict:
+  """describe() -> median seconds per step, from measure()'s step durations."""
+  return {name: statistics.median(steps) for name, steps in durations.items()}
+
+
+def _window_medians(steps: list) -> list:
+  """The median of each window of WINDOW_STEPS steps in measure()'s durations of one alternative."""
+  return [statistics.median(steps[start:start + WINDOW_STEPS])
+          for start in range(0, len(steps), WINDOW_STEPS)]
+
+
+def choose(alternatives, durations: dict) -> tuple:
+  """The forms to train with, given each one's step `durations` (measure()): the one with the shortest
+  median step if that is more than TOLERANCE below the built-in alternatives[0]'s and each of its
+  windows was faster than the built-in's window of the same round; else the built-in."""
+  seconds = medians(durations)
   fastest = min(alternatives, key=lambda forms: seconds[describe(forms)])
   builtin = alternatives[0]
-  return builtin if seconds[describe(builtin)] <= seconds[describe(fastest)] * (1 + TOLERANCE) else fastest
+  if seconds[describe(builtin)] <= seconds[describe(fastest)] * (1 + TOLERANCE):
+    return builtin
+  rounds = zip(_window_medians(durations[describe(fastest)]), _window_medians(durations[describe(builtin)]))
+  return fastest if all(challenger < incumbent for challenger, incumbent in rounds) else builtin
 
 
 class _SharedVariables:
@@ -224,8 +247,9 @@ class _SharedVariables:
 
 
 def measure(backend: Backend, alternatives, build: Callable[[Backend], tf.keras.Model], batch) -> dict:
-  """Median seconds per training step of each alternative (describe() -> seconds), each training on
-  `batch` (one element of the run's training dataset) over and over."""
+  """The seconds of each timed training step of each alternative (describe() -> list, ROUNDS windows
+  of WINDOW_STEPS in round order), each training on `batch` (one element of the run's training
+  dataset) over and over."""
   dataset = tf.data.Dataset.from_tensors(batch).repeat()
   shared, models = _SharedVariables(), []
   with backend.strategy.scope(), tf.variable_creator_scope(shared.creator):
@@ -246,8 +270,7 @@ def measure(backend: Backend, alternatives, build: Callable[[Backend], tf.keras.
     order = range(len(alternatives))
     for index in (order if round_index % 2 == 0 else reversed(order)):
       train(index, WINDOW_STEPS)
-  return {describe(forms): statistics.median(timer.durations)
-          for forms, timer in zip(alternatives, timers)}
+  return {describe(forms): list(timer.durations) for forms, timer in zip(alternatives, timers)}
 
 
 def tune(config: RunConfig, backend: Backend, alternatives, build: Callable[[Backend], tf.keras.Model],
@@ -276,15 +299,16 @@ def _measured(backend, alternatives, build, first_batch, key, path) -> Choice:
   started = time.perf_counter()
   # The process's first batch and steps: TensorFlow's one-off lines come now, not in training's first step.
   with DroppedLines(logs.ONE_OFF_NATIVE_LINES):
-    seconds = measure(backend, alternatives, build, first_batch())
+    durations = measure(backend, alternatives, build, first_batch())
   # The throwaway models hold reference cycles (layers, optimizers, traced functions), which only the
   # cycle collector frees: collected now, before the run builds its own model.
   gc.collect()
+  seconds = medians(durations)
   for forms in alternatives:
     print("  %s: %.3f s per step%s" % (describe(forms), seconds[describe(forms)],
                                        " (built-in)" if forms == alternatives[0] else ""), flush=True)
   print("  timed in %.0f s" % (time.perf_counter() - started), flush=True)
-  choice = Choice(choose(alternatives, seconds), "measured", seconds, alternatives[0], path)
+  choice = Choice(choose(alternatives, durations), "measured", seconds, alternatives[0], path)
   if path:
     _write(path, key, choice)
   return choice
@@ -296,7 +320,8 @@ def report(choice: Choice) -> str:
   when = "timed on this machine" + ("" if choice.source == "measured" else " by an earlier run")
   where = "; timings in %s" % choice.path if choice.path else ""
   if choice.forms == choice.builtin:
-    return "Autotune: the built-in convolution forms, none of the others %.0f%% faster (%s)%s" % (
+    return ("Autotune: the built-in convolution forms, none of the others %.0f%% faster by the median step "
+            "and faster in every round (%s)%s") % (
         100 * TOLERANCE, when, where)
   return "Autotune: training with %s, %.2fx the built-in forms' speed (%s)%s" % (
       describe(choice.forms), choice.speedup, when, where)
