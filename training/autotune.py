@@ -15,8 +15,8 @@ convolution algorithms:
   in 4 of 24 timings, though they were the fastest over 6 rounds each time; 4 rounds judged this way
   did so in none of 16 (docs/PERFORMANCE.md, session 57);
 - the result goes to <cache_dir>/autotune/<key>.yaml, keyed by the machine, TensorFlow, the model, the
-  batch layout and the source of the model package (a new form of a layer is timed afresh), so later
-  runs on this machine read it instead of timing again.
+  batch layout, the source of the model package (a new form of a layer is timed afresh) and the timing
+  rule (TIMING), so later runs on this machine read it instead of timing again.
 The throwaway models draw from TensorFlow's random state; the caller re-seeds before building the real
 one, so the run's initial weights do not depend on whether timing happened.
 """
