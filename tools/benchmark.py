@@ -14,7 +14,8 @@ the cores, as main.py runs them); the reference then trains the same 192 rows pe
 on all cores. Training is measured in --rounds rounds; in each round
 the reference PyTorch model (`tools/reference_torch.py`, run by --reference_python) and this
 application train one after the other at the same precision, so both see the machine in the same
-state, and the reported speed-up is the median of the per-round ratios. The application trains with
+state, and the reported speed-up is the median of the per-round ratios (a line under the table gives
+every round's figures and how far the timed windows of one round lay apart). The application trains with
 the convolution forms `main.py --autotune` would choose on this machine for this batch layout (timed
 by the first measurement that needs them, then read from --cache_dir). The CPU is named in the table
 and the JSON. Nothing here is asserted by the test suite.
@@ -443,12 +444,37 @@ def _print_table(results) -> None:
       print("input %-10s %9.0f samples/s %6.2f GB/s%s" % (mode, entry["samples_per_sec"], entry["gb_per_sec"],
                                                          ratio))
     print("input peak RSS %.0f MB" % results["input"]["peak_rss_mb"])
-  for line in _float32_ceiling_lines(results):
+  for line in _spread_lines(results) + _float32_ceiling_lines(results):
     print(line)
   if "matmul_peak" in results:
     print("matmul %dx%d: %s" % (results["matmul_peak"]["matmul_size"], results["matmul_peak"]["matmul_size"],
                                  ", ".join("%s %.0f GFLOP/s" % item
                                            for item in results["matmul_peak"]["gflops"].items())))
+
+
+def _spread_lines(results) -> list:
+  """What the table's medians hide: each round's figures, and how far our timed windows moved within a
+  round. On a shared VM one round can differ from the next by 20 %, as much as a change being measured."""
+  lines = []
+  for precision, designs in results["precisions"].items():
+    for design, row in designs.items():
+      rounds = row.get("train_rounds", [])
+      widest = max((max(r["windows"]) / min(r["windows"]) for r in rounds if len(r.get("windows", [])) > 1),
+                   default=None)
+      if len(rounds) < 2 and widest is None:
+        continue
+      parts = ["ours " + " / ".join("{:,.0f}".format(r["samples_per_sec"]) for r in rounds) + " samples/s"]
+      if row.get("reference_rounds"):
+        parts.append("the reference " + " / ".join("{:,.0f}".format(r["samples_per_sec"])
+                                                    for r in row["reference_rounds"]))
+        speedups = row["speedups"]
+        parts.insert(0, "x torch %s (median %.2f, range %.2f-%.2f)" % (
+            " / ".join("%.2f" % s for s in speedups), statistics.median(speedups), min(speedups),
+            max(speedups)))
+      if widest is not None:
+        parts.append("our windows within a round up to %.2fx apart" % widest)
+      lines.append("%s %s by round: %s" % (precision, design, "; ".join(parts)))
+  return lines
 
 
 def _float32_ceiling_lines(results) -> list:

@@ -77,6 +77,28 @@ def test_benchmark_reads_float32_training_against_the_matmul_rate_of_each_round(
                                    "the reference at 42 %; twice the reference would take 85 %']")
 
 
+def test_benchmark_shows_each_rounds_figures_and_the_spread_of_its_windows():
+  # Three rounds of float32 beside the reference; one bfloat16 round of one window (nothing to show).
+  def ours(rate, windows):
+    return {"samples_per_sec": rate, "windows": windows}
+  results = {"precisions": {
+      "32.32": {"ontra4": {"train_rounds": [ours(1287.0, [1250.0, 1287.0, 1300.0]),
+                                            ours(1489.0, [1489.0, 1400.0, 1540.0]),
+                                            ours(1222.0, [1222.0, 1100.0, 1320.0])],
+                           "reference_rounds": [{"samples_per_sec": r} for r in (821.0, 791.0, 779.0)],
+                           "speedups": [1287.0 / 821.0, 1489.0 / 791.0, 1222.0 / 779.0]}},
+      "16.32": {"ontra4": {"train_rounds": [ours(3000.0, [3000.0])]}}}}
+  script = ("import sys; sys.path.insert(0, %r); import benchmark; print(benchmark._spread_lines(%r))"
+            % (os.path.join(REPO_ROOT, "tools"), results))
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+  assert result.returncode == 0, result.stderr[-3000:]
+  # Ratios 1.568 / 1.882 / 1.569; the widest round is the third (1,320 over 1,100 = 1.20x).
+  assert result.stdout.strip() == (
+      "['32.32 ontra4 by round: x torch 1.57 / 1.88 / 1.57 (median 1.57, range 1.57-1.88); "
+      "ours 1,287 / 1,489 / 1,222 samples/s; the reference 821 / 791 / 779; "
+      "our windows within a round up to 1.20x apart']")
+
+
 def test_benchmark_trains_with_the_forms_the_autotune_chose_and_times_them_once(tmp_path):
   """In float32 the first measurement times the convolution forms, as main.py's --autotune does, and
   the next one reads the choice from --cache_dir."""
@@ -91,6 +113,8 @@ def test_benchmark_trains_with_the_forms_the_autotune_chose_and_times_them_once(
   assert [run["conv_forms_chosen_by"] for run in row["train_rounds"]] == ["measured", "cached"]
   # The table says how the run came by its forms, whichever round is the row's median.
   assert "32.32 dev convolution forms (measured): " in result.stdout
+  assert "32.32 dev by round: ours %s / %s samples/s\n" % tuple(
+      "{:,.0f}".format(run["samples_per_sec"]) for run in row["train_rounds"]) in result.stdout
   assert len(os.listdir(cache / "autotune")) == 1
   assert row["train_rounds"][0]["conv_forms"] == row["train_rounds"][1]["conv_forms"]
 
