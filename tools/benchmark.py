@@ -455,6 +455,8 @@ def _print_table(results) -> None:
 def _spread_lines(results) -> list:
   """What the table's medians hide: each round's figures, and how far our timed windows moved within a
   round. On a shared VM one round can differ from the next by 20 %, as much as a change being measured."""
+  def rates(runs):
+    return " / ".join("{:,.0f}".format(run["samples_per_sec"]) for run in runs)
   lines = []
   for precision, designs in results["precisions"].items():
     for design, row in designs.items():
@@ -463,14 +465,14 @@ def _spread_lines(results) -> list:
                    default=None)
       if len(rounds) < 2 and widest is None:
         continue
-      parts = ["ours " + " / ".join("{:,.0f}".format(r["samples_per_sec"]) for r in rounds) + " samples/s"]
+      parts = []
       if row.get("reference_rounds"):
-        parts.append("the reference " + " / ".join("{:,.0f}".format(r["samples_per_sec"])
-                                                    for r in row["reference_rounds"]))
         speedups = row["speedups"]
-        parts.insert(0, "x torch %s (median %.2f, range %.2f-%.2f)" % (
-            " / ".join("%.2f" % s for s in speedups), statistics.median(speedups), min(speedups),
-            max(speedups)))
+        parts.append("x torch %s (median %.2f, range %.2f-%.2f)" % (
+            " / ".join("%.2f" % s for s in speedups), row["speedup_vs_reference"], min(speedups), max(speedups)))
+      parts.append("ours %s samples/s" % rates(rounds))
+      if row.get("reference_rounds"):
+        parts.append("the reference " + rates(row["reference_rounds"]))
       if widest is not None:
         parts.append("our windows within a round up to %.2fx apart" % widest)
       lines.append("%s %s by round: %s" % (precision, design, "; ".join(parts)))
