@@ -180,8 +180,9 @@ def _both_ways(field: str, chosen: dict) -> tuple:
 def machine_signature() -> str:
   """What identifies this CPU to oneDNN, for caching timings: vendor, family, model, name, the
   feature flags its kernels may use (after any ONEDNN_MAX_CPU_ISA cap) and the cores this process
-  may run on; and TF_ENABLE_ONEDNN_OPTS where it is set (by the user, or on TensorFlow < 2.9 by
-  environment.cpu_variables), which chooses between TensorFlow's oneDNN and Eigen kernels."""
+  may run on; and TF_ENABLE_ONEDNN_OPTS where it is set (by the user, or by
+  environment.cpu_variables where TensorFlow would leave oneDNN off), which chooses between
+  TensorFlow's oneDNN and Eigen kernels."""
   fields = cpuinfo.first_processor()
   features = sorted(flag for flag in _cpu_flags() if flag.startswith(("avx", "amx", "fma", "f16c")))
   cores = cpuinfo.usable_cores()

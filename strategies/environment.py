@@ -28,6 +28,9 @@ XLA_PERSISTENT_CACHE_SINCE = (2, 16)
 # TensorFlow runs oneDNN's CPU kernels by default since 2.9; the stock x86 wheels before it carry them
 # behind TF_ENABLE_ONEDNN_OPTS=1.
 ONEDNN_DEFAULT_SINCE = (2, 9)
+# ...but only on CPUs with one of these (/proc/cpuinfo names; tensorflow/core/util/util.cc, IsMKLEnabled):
+# elsewhere, on AVX2-only CPUs for one, they stay off unless TF_ENABLE_ONEDNN_OPTS=1.
+_ONEDNN_BY_DEFAULT_FLAGS = ("avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
 
 
 def installed_tensorflow() -> str:
@@ -116,20 +119,31 @@ def ipu_variables(config: RunConfig) -> None:
 
 
 def cpu_variables(config: RunConfig) -> None:
-  """oneDNN's CPU kernels on a stock TensorFlow older than 2.9, as newer ones run by default, on
-  Intel CPUs: on TensorFlow 2.6.3 (the Poplar SDK's version, from PyPI) the default job's float32 step
-  took 0.64x the time with them on a Xeon (session 38, docs/PERFORMANCE.md). On an AMD EPYC Zen 4 the
-  same build's oneDNN ended every training process with SIGFPE (session 48, whatever
-  ONEDNN_MAX_CPU_ISA), so other CPUs keep that TensorFlow's default, its Eigen kernels. A user's own
-  TF_ENABLE_ONEDNN_OPTS is kept (set to 1 on a CPU not Intel's, with a warning of that crash).
+  """oneDNN's CPU kernels wherever the installed stock TensorFlow would leave them off and they are
+  known to work; a user's own TF_ENABLE_ONEDNN_OPTS is always kept.
+  - TensorFlow >= 2.9 on Linux switches them on only for CPUs with VNNI, AVX-512 BF16 or AMX units
+    (_ONEDNN_BY_DEFAULT_FLAGS), so an AVX2-only CPU gets its Eigen kernels. On a real AVX2-only AMD
+    EPYC Zen 3 (session 59) the default job's float32 step ran 2.5x as fast with oneDNN's (1,200
+    against 472 samples/s, docs/PERFORMANCE.md). Earlier AVX2 figures came from CPUs with AVX-512
+    VNNI held to AVX2 code by ONEDNN_MAX_CPU_ISA, where TensorFlow had them on.
+  - Older TensorFlow carries them behind the variable: on Intel CPUs they are switched on (on
+    TensorFlow 2.6.3, the Poplar SDK's version from PyPI, the float32 step took 0.64x the time with
+    them on a Xeon, session 38). On an AMD EPYC Zen 4 that build's oneDNN ended every training
+    process with SIGFPE (session 48, whatever ONEDNN_MAX_CPU_ISA), so AMD CPUs keep its Eigen kernels.
   Graphcore's wheels (versions "2.6.3+gc...") are left as built: their CPU work is an IPU run's host
   side, and their build was not measured."""
   del config  # the same for every CPU run
   release = installed_tensorflow()  # one metadata lookup for both questions
   version = _major_minor(release)
-  if version is None or version >= ONEDNN_DEFAULT_SINCE or "+gc" in release:
+  if version is None or "+gc" in release:
     return
-  vendor = cpuinfo.generation()[0]
+  fields = cpuinfo.first_processor()
+  if version >= ONEDNN_DEFAULT_SINCE:
+    flags = fields.get("flags")  # only x86 CPUs list them; ARM builds decide otherwise
+    if flags is not None and not set(flags.split()) & set(_ONEDNN_BY_DEFAULT_FLAGS):
+      os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+    return
+  vendor = fields.get("vendor_id", "")
   if vendor == "GenuineIntel":
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
   elif os.environ.get("TF_ENABLE_ONEDNN_OPTS", "").lower() in ("1", "true"):

@@ -116,19 +116,31 @@ def test_keras_started_without_pandas():
   assert tf.keras.Sequential([tf.keras.layers.Dense(2)])(tf.ones((1, 3))).shape == (1, 2)
 
 
-@pytest.mark.parametrize("version, vendor, user, expected", [
-    ("2.6.3", "GenuineIntel", None, "1"),               # the Poplar SDK's version, from PyPI
-    ("2.8.4", "GenuineIntel", None, "1"),
-    ("2.6.3", "AuthenticAMD", None, None),              # its oneDNN crashed with SIGFPE on a Zen 4
-    ("2.6.3", "GenuineIntel", "0", "0"),                # the user's choice is kept
-    ("2.6.3", "AuthenticAMD", "1", "1"),
-    ("2.9.0", "GenuineIntel", None, None), ("2.21.0", "GenuineIntel", None, None),  # on by default there
-    ("2.6.3+gc3.1.0+246224+2b7af067dae+amd_znver1", "GenuineIntel", None, None),  # Graphcore's wheel
+_AVX2 = "fpu sse4_2 avx avx2 fma f16c"  # an AVX2-only CPU's flags, as /proc/cpuinfo lists them (a Zen 3)
+_VNNI = _AVX2 + " avx512f avx512_vnni"   # a Cascade Lake's
+
+
+@pytest.mark.parametrize("version, vendor, flags, user, expected", [
+    ("2.6.3", "GenuineIntel", _AVX2, None, "1"),         # the Poplar SDK's version, from PyPI
+    ("2.8.4", "GenuineIntel", _VNNI, None, "1"),
+    ("2.6.3", "AuthenticAMD", _AVX2, None, None),        # its oneDNN crashed with SIGFPE on a Zen 4
+    ("2.6.3", "GenuineIntel", _AVX2, "0", "0"),          # the user's choice is kept
+    ("2.6.3", "AuthenticAMD", _AVX2, "1", "1"),
+    ("2.9.0", "GenuineIntel", _VNNI, None, None),        # on by default there...
+    ("2.21.0", "AuthenticAMD", _AVX2 + " avx512_bf16", None, None),
+    ("2.21.0", "GenuineIntel", _AVX2 + " avx_vnni", None, None),
+    ("2.21.0", "GenuineIntel", _AVX2 + " amx_tile", None, None),
+    ("2.21.0", "AuthenticAMD", _AVX2, None, "1"),        # ...but off on an AVX2-only CPU, 2.5x slower
+    ("2.9.0", "GenuineIntel", _AVX2 + " avx512f", None, "1"),  # AVX-512 without VNNI: off too
+    ("2.21.0", "AuthenticAMD", _AVX2, "0", "0"),
+    ("2.21.0", "", None, None, None),                    # not x86 (no flags): the build decides
+    ("2.6.3+gc3.1.0+246224+2b7af067dae+amd_znver1", "GenuineIntel", _AVX2, None, None),  # Graphcore's wheel
 ])
 def test_onednn_kernels_are_switched_on_where_tensorflow_had_them_off_by_default(monkeypatch, caplog, version,
-                                                                                  vendor, user, expected):
+                                                                                  vendor, flags, user, expected):
   monkeypatch.setattr(environment, "installed_tensorflow", lambda: version)
-  monkeypatch.setattr(environment.cpuinfo, "first_processor", lambda: {"vendor_id": vendor})
+  processor = {"vendor_id": vendor} if flags is None else {"vendor_id": vendor, "flags": flags}
+  monkeypatch.setattr(environment.cpuinfo, "first_processor", lambda: processor)
   # setenv first: delenv of an absent variable records nothing, so the value set below would outlive
   # the test and reach every process this worker starts (on an AMD CPU, a oneDNN that crashes).
   monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "")
@@ -154,18 +166,25 @@ def test_the_machine_signature_names_tensorflows_kernel_set_where_it_is_chosen(m
 
 
 def test_the_cpu_start_up_runs_for_the_cpu_and_auto_backends_with_the_installed_tensorflow():
-  """In a fresh process, as main.py runs it: set on the TensorFlow 2.6 stack (make test-tf26), not on
-  current TensorFlow, whose default it is; never for another backend."""
+  """In a fresh process, as main.py runs it: TensorFlow then runs oneDNN's kernels on this CPU, asked by
+  TensorFlow itself, unless it is the TensorFlow 2.6 stack on an AMD CPU (Eigen's kept; make test-tf26);
+  another backend's start-up leaves the variable alone."""
   code = ("import os, sys; from run_config import RunConfig; from strategies import environment; "
           "environment.prepare(RunConfig(model='mnist', backend=sys.argv[1])); "
-          "print(os.environ.get('TF_ENABLE_ONEDNN_OPTS'))")
+          "print(os.environ.get('TF_ENABLE_ONEDNN_OPTS'))\n"
+          "if sys.argv[1] == 'cpu':\n"
+          "  from tensorflow.python.util import _pywrap_util_port\n"
+          "  print(_pywrap_util_port.IsMklEnabled())")
   env = {k: v for k, v in os.environ.items() if k != "TF_ENABLE_ONEDNN_OPTS"}
-  switched_on = (environment.installed_tensorflow_version() < environment.ONEDNN_DEFAULT_SINCE
-                 and cpuinfo.generation()[0] == "GenuineIntel")
-  for backend, expected in (("cpu", switched_on), ("auto", switched_on), ("gpu", False)):
-    out = subprocess.run([sys.executable, "-c", code, backend], cwd=REPO_ROOT, env=env, capture_output=True,
-                         text=True, check=True).stdout.strip()
-    assert out == ("1" if expected else "None"), (backend, out)
+  old_amd = (environment.installed_tensorflow_version() < environment.ONEDNN_DEFAULT_SINCE
+             and cpuinfo.generation()[0] == "AuthenticAMD")
+  outputs = {}
+  for backend in ("cpu", "auto", "gpu"):
+    outputs[backend] = subprocess.run([sys.executable, "-c", code, backend], cwd=REPO_ROOT, env=env,
+                                      capture_output=True, text=True, check=True).stdout.split()
+  assert outputs["cpu"][1] == str(not old_amd), outputs
+  assert outputs["auto"] == outputs["cpu"][:1], outputs  # the same variable as --backend=cpu
+  assert outputs["gpu"] == ["None"], outputs
 
 
 def test_environment_refuses_to_run_after_tensorflow_import():
