@@ -128,8 +128,9 @@ def cpu_variables(config: RunConfig) -> None:
     VNNI held to AVX2 code by ONEDNN_MAX_CPU_ISA, where TensorFlow had them on.
   - Older TensorFlow carries them behind the variable: on Intel CPUs they are switched on (on
     TensorFlow 2.6.3, the Poplar SDK's version from PyPI, the float32 step took 0.64x the time with
-    them on a Xeon, session 38). On an AMD EPYC Zen 4 that build's oneDNN ended every training
-    process with SIGFPE (session 48, whatever ONEDNN_MAX_CPU_ISA), so AMD CPUs keep its Eigen kernels.
+    them on a Xeon, session 38). On AMD EPYC Zen 4 and Zen 3 CPUs that build's oneDNN ended every
+    training process with SIGFPE (sessions 48 and 59, whatever ONEDNN_MAX_CPU_ISA), so AMD CPUs keep
+    its Eigen kernels.
   Graphcore's wheels (versions "2.6.3+gc...") are left as built: their CPU work is an IPU run's host
   side, and their build was not measured."""
   del config  # the same for every CPU run
@@ -148,9 +149,9 @@ def cpu_variables(config: RunConfig) -> None:
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
   elif os.environ.get("TF_ENABLE_ONEDNN_OPTS", "").lower() in ("1", "true"):
     # Kept, as the user chose it; but the crash it led to says nothing of its cause.
-    logging.warning("TF_ENABLE_ONEDNN_OPTS=%s with TensorFlow %s on this %s CPU: on an AMD EPYC Zen 4 this "
-                    "build's oneDNN ended every training process with a floating point exception "
-                    "(SIGFPE); unset it if that happens here", os.environ["TF_ENABLE_ONEDNN_OPTS"],
+    logging.warning("TF_ENABLE_ONEDNN_OPTS=%s with TensorFlow %s on this %s CPU: on AMD EPYC Zen 3 and "
+                    "Zen 4 CPUs this build's oneDNN ended every training process with a floating point "
+                    "exception (SIGFPE); unset it if that happens here", os.environ["TF_ENABLE_ONEDNN_OPTS"],
                     release, vendor or "non-Intel")
 
 
