@@ -116,8 +116,10 @@ def check_precision(precision: str) -> None:
 
 
 # Where float32 pooled by elementwise maxima, and by phases in the first block, was measured faster
-# than MaxPool: the AVX2 EPYC of family 23 (Zen), 1.2x per step (docs/PERFORMANCE.md). On a Zen 4
-# (family 25), with and without AVX-512, MaxPool everywhere was the faster form (1.05-1.1x).
+# than MaxPool: the AVX2 EPYC of family 23 (Zen), 1.2x per step (docs/PERFORMANCE.md), then on
+# TensorFlow's Eigen kernels (environment.cpu_variables now switches oneDNN's on there; --autotune
+# times both forms). On a Zen 4 (family 25), with and without AVX-512, MaxPool everywhere was the
+# faster form (1.05-1.1x); on an AVX2-only Zen 3 neither was faster in every round (session 59).
 _MAXIMA_POOLING_CPUS = (("AuthenticAMD", 23),)
 # The two pooling forms as Backend fields: elementwise maxima go with phases in the first block (the
 # 4-probe input), MaxPool with none.
