@@ -166,6 +166,15 @@ def _xla_cache_variables(config: RunConfig) -> None:
             "--tf_xla_persistent_cache_directory=")
 
 
+# Packages that Keras imports when it starts if they are installed, and what for:
+# - pandas: so that tf-keras' fit() accepts DataFrames; it imports pyarrow too. 0.45 s of every start on
+#   a 2-core Xeon.
+# - scipy: sparse inputs to TensorFlow's own TF 1 Keras training loop, and the random image transforms
+#   of tf-keras' preprocessing.image. 0.5 s of every start on a 2-core Zen 3 (numba, which also looks
+#   for it, goes without).
+UNUSED_BY_KERAS = ("pandas", "scipy")
+
+
 def prepare(config: RunConfig) -> None:
   """Sets the start-up variables for this run; raises if TensorFlow is already loaded."""
   if "tensorflow" in sys.modules:
@@ -180,10 +189,10 @@ def prepare(config: RunConfig) -> None:
   # Poplar SDK's version), in this application's import order, modules read it before that, and the
   # Keras functional model is then built eagerly: Flatten fails on the unknown batch size.
   os.environ["TF2_BEHAVIOR"] = "1"
-  # tf-keras imports pandas when it starts (only so that fit() accepts DataFrames, which no part of this
-  # application passes), and pandas imports pyarrow: 0.45 s of every start on a 2-core Xeon, for
-  # a package only mlxtend's dependencies install. None makes that import fail as if it were missing.
-  sys.modules.setdefault("pandas", None)
+  # Keras imports these when it starts, for features no part of this application uses; only mlxtend's
+  # dependencies install them. None makes the import fail as if the package were missing.
+  for package in UNUSED_BY_KERAS:
+    sys.modules.setdefault(package, None)
   # TensorFlow's C++ INFO lines (oneDNN notices, CPU feature banners) bury the progress output.
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
   for kind, function in registry.START_UP.items():  # a backend's own start-up variables, by name

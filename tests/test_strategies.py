@@ -110,9 +110,10 @@ def test_keras_is_version_2():
   assert os.environ["TF_USE_LEGACY_KERAS"] == "1"
 
 
-def test_keras_started_without_pandas():
+def test_keras_started_without_pandas_and_scipy():
   """This process imported TensorFlow after environment.prepare (conftest.py), as main.py does."""
-  assert "pandas" in sys.modules and sys.modules["pandas"] is None  # not imported: tf-keras went without
+  for package in ("pandas", "scipy"):  # not imported: Keras went without
+    assert package in sys.modules and sys.modules[package] is None, package
   assert tf.keras.Sequential([tf.keras.layers.Dense(2)])(tf.ones((1, 3))).shape == (1, 2)
 
 
