@@ -166,7 +166,8 @@ def _xla_cache_variables(config: RunConfig) -> None:
             "--tf_xla_persistent_cache_directory=")
 
 
-# Packages that Keras imports when it starts if they are installed, and what for:
+# Packages that Keras imports when it starts if they are installed (only mlxtend's dependencies install
+# them here), and what for; no part of this application uses those features:
 # - pandas: so that tf-keras' fit() accepts DataFrames; it imports pyarrow too. 0.45 s of every start on
 #   a 2-core Xeon.
 # - scipy: sparse inputs to TensorFlow's own TF 1 Keras training loop, and the random image transforms
@@ -189,8 +190,7 @@ def prepare(config: RunConfig) -> None:
   # Poplar SDK's version), in this application's import order, modules read it before that, and the
   # Keras functional model is then built eagerly: Flatten fails on the unknown batch size.
   os.environ["TF2_BEHAVIOR"] = "1"
-  # Keras imports these when it starts, for features no part of this application uses; only mlxtend's
-  # dependencies install them. None makes the import fail as if the package were missing.
+  # None makes Keras' import of each fail as if the package were missing (UNUSED_BY_KERAS says why).
   for package in UNUSED_BY_KERAS:
     sys.modules.setdefault(package, None)
   # TensorFlow's C++ INFO lines (oneDNN notices, CPU feature banners) bury the progress output.
