@@ -52,9 +52,16 @@ SHELL := /bin/bash
 # pip warns once per package about each index location of the machine's pip configuration that does not
 # exist ("WARNING: Location 'file:///...' is ignored: it is neither a file nor a directory"): about 90
 # lines on a first install here. They are counted into one line; everything else pip prints is kept.
-PIP_INSTALL = @echo '$(1)/bin/python -m pip install --quiet $(2)'; $(1)/bin/python -m pip install --quiet $(2) 2>&1 | awk '/^WARNING: Location .* is ignored: it is neither a file nor a directory/ {n++; next} {print; fflush()} END {if (n) printf "pip: left out %d warning%s that an index location of the pip configuration does not exist (pip config list shows them)\n", n, (n == 1 ? "" : "s")}'
+PIP_INSTALL = @echo '$(1)/bin/python -m pip install --quiet --no-compile $(2)'; $(1)/bin/python -m pip install --quiet --no-compile $(2) 2>&1 | awk '/^WARNING: Location .* is ignored: it is neither a file nor a directory/ {n++; next} {print; fflush()} END {if (n) printf "pip: left out %d warning%s that an index location of the pip configuration does not exist (pip config list shows them)\n", n, (n == 1 ? "" : "s")}'
+# pip byte-compiles what it installs one file at a time: 61 of the 115 s that installing .venv took on
+# the 2-core Zen 3 of session 61. So it installs without (--no-compile above), and then compileall writes
+# the same bytecode files on every core (-j 0), skipping files already compiled. Done at install, not
+# left to Python's first imports: with PYTHONDONTWRITEBYTECODE set, each process would compile again.
+# Files that are not Python of this version (PyTorch ships tests in 3.12 syntax) are skipped silently
+# (-qq), as pip skips them; so compileall's status, 1 for those, is not make's.
+COMPILE_VENV = @echo 'compiling the modules of $(1) on every core'; $(1)/bin/python -m compileall -qq -j 0 "$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
 
-.PHONY: help install installed-venv installed-reference-venv run test test-unit test-slurm test-tf26 bench bench-reference parity print-python clean
+.PHONY: help install installed-venv installed-reference-venv run test test-environments test-unit test-slurm test-tf26 bench bench-reference parity print-python clean
 .DEFAULT_GOAL := help
 
 help:
@@ -96,6 +103,7 @@ $(VENV)/.installed-$(BACKEND): requirements.txt requirements-$(BACKEND).txt requ
 	$(call PIP_INSTALL,$(VENV),--upgrade "pip<25")
 	@echo "pip installs TensorFlow and the rest quietly: $(INSTALL_TIME_$(BACKEND)) on a fresh machine"
 	$(call PIP_INSTALL,$(VENV),-r requirements-$(BACKEND).txt -r requirements.txt -r requirements-dev.txt)
+	$(call COMPILE_VENV,$(VENV))
 	touch $@
 
 # `make -C <clone> run` leaves the user's shell in its own folder, which make receives as PWD, and bash
@@ -107,8 +115,12 @@ from_shell_folder = $(if $(subst $(CURDIR),,$(PWD)),PWD='$(subst ','\'',$(PWD))'
 run: install
 	$(from_shell_folder)$(PY) main.py --model=neuron_inverter --replicas=4 $(RUN_ARGS)
 
-test: install bench-reference
+# The tests need both environments. They are made side by side (-j2): each pip installs on one core.
+test: test-environments
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+
+test-environments:
+	+@$(MAKE) --no-print-directory -j2 install bench-reference
 
 # The fast tier: everything but tests/e2e (which runs main.py and the tools as processes, as a user does).
 test-unit: install
@@ -131,6 +143,7 @@ $(REFERENCE_VENV)/.installed: requirements-reference.txt
 	$(call make_venv,$(REFERENCE_VENV),reference,REFERENCE_PYTHON)
 	@echo "pip installs the reference model's PyTorch (CPU build) quietly: about a minute on a fresh machine"
 	$(call PIP_INSTALL,$(REFERENCE_VENV),-r requirements-reference.txt)
+	$(call COMPILE_VENV,$(REFERENCE_VENV))
 	touch $@
 
 # Training, inference, input and compile figures beside the reference (docs/PERFORMANCE.md).

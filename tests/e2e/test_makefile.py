@@ -6,6 +6,7 @@ python3 outside it (Fedora 43's 3.14) must lead to a supported python3.X when th
 one error line before any environment is made, instead of pip's page of versions.
 """
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -150,7 +151,8 @@ def test_an_environment_of_another_backend_is_refused_before_pip(tmp_path):
 
 def _slow_installing_python(folder, log):
   """A Python whose `-m venv` takes a second and makes an environment of the same program, and whose
-  `-m pip install` takes half a second; each writes a line to `log`. Version checks go to this Python."""
+  `-m pip install` takes half a second, and `-m compileall` returns at once; each writes a line to `log`.
+  Version checks go to this Python."""
   script = folder / THIS_PYTHON
   script.write_text(
       '#!/bin/sh\n'
@@ -158,6 +160,8 @@ def _slow_installing_python(folder, log):
       '  echo "venv $3" >> "{log}"; {sleep} 1; {mkdir} -p "$3/bin"; {cp} "$0" "$3/bin/python"; exit 0\n'
       'elif [ "$1 $2 $3" = "-m pip install" ]; then\n'
       '  echo "pip start" >> "{log}"; {sleep} 0.5; echo "pip end" >> "{log}"; exit 0\n'
+      'elif [ "$1 $2" = "-m compileall" ]; then\n'
+      '  echo "compile" >> "{log}"; exit 0\n'
       'fi\nexec "{python}" "$@"\n'.format(log=log, python=sys.executable, **{
           tool: shutil.which(tool) for tool in ("sleep", "mkdir", "cp")}))
   script.chmod(0o755)
@@ -188,7 +192,7 @@ def test_two_makes_started_together_install_once(tmp_path):
                             text=True) for _ in range(2)]
   outputs = [make.communicate(timeout=60) for make in makes]
   assert [make.returncode for make in makes] == [0, 0], outputs
-  assert log.read_text().splitlines() == ["venv %s" % venv] + ["pip start", "pip end"] * 2
+  assert log.read_text().splitlines() == ["venv %s" % venv] + ["pip start", "pip end"] * 2 + ["compile"]
   waited = [out for out, _ in outputs if "waiting for the other make that is installing into %s" % venv in out]
   assert len(waited) == 1, outputs
   assert (venv / (".installed-" + BACKEND)).exists()
@@ -206,10 +210,11 @@ def test_a_venv_left_without_pip_by_a_stopped_make_is_made_again(tmp_path):
   result = _make(tmp_path, folder, "install", "VENV=" + str(venv))
   assert result.returncode == 0, result.stdout + result.stderr
   assert "%s has no pip: an earlier make stopped while making it; removing it" % venv in result.stdout
-  assert log.read_text().splitlines() == ["venv %s" % venv, "pip start", "pip end", "pip start", "pip end"]
+  assert log.read_text().splitlines() == ["venv %s" % venv, "pip start", "pip end", "pip start", "pip end",
+                                          "compile"]
   # pip runs --quiet for a minute or more on a fresh machine: a line before it says so and for how long.
   lines = result.stdout.splitlines()
-  requirements = [i for i, line in enumerate(lines) if "pip install --quiet -r requirements-" in line]
+  requirements = [i for i, line in enumerate(lines) if "pip install --quiet --no-compile -r requirements-" in line]
   assert len(requirements) == 1 and lines[requirements[0] - 1].startswith(
       "pip installs TensorFlow and the rest quietly: about 1-2 minutes"), result.stdout
 
@@ -236,3 +241,15 @@ def test_make_run_from_another_folder_tells_main_py_where_the_shell_is(tmp_path)
     started = [line for line in result.stdout.splitlines() if line.startswith("main.py started from ")]
     assert len(started) == 1, result.stdout
     assert os.path.samefile(started[0].split(" from ", 1)[1], shell_folder), result.stdout
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(sys.prefix, ".installed-" + BACKEND)),
+                    reason="the tests do not run in an environment that `make install` made")
+def test_the_environment_make_installed_has_the_bytecode_of_modules_no_process_imported_yet():
+  """pip installs with --no-compile and compileall compiles after it on every core: the modules of Keras
+  (a TensorFlow dependency in every backend), most of which no test imports, have their bytecode."""
+  folder = importlib.util.find_spec("keras").submodule_search_locations[0]  # found, not imported
+  sources = [os.path.join(parent, name) for parent, _, names in os.walk(folder) for name in names
+             if name.endswith(".py")]
+  missing = [path for path in sources if not os.path.exists(importlib.util.cache_from_source(path))]
+  assert len(sources) > 200 and not missing, (len(sources), missing[:5])
