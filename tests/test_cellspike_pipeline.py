@@ -289,30 +289,45 @@ import resource, sys
 import numpy as np
 import tensorflow as tf
 from data import hdf5_native
-offset, row_bytes = int(sys.argv[3]), int(sys.argv[4])
-layout = hdf5_native.RowLayout(path=sys.argv[1], offset=offset, row_shape=(row_bytes,), dtype=np.dtype("uint8"),
-                               file_size=int(sys.argv[2]), rows=10)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-rows = tf.data.Dataset.from_tensors(tf.constant([0, 5, 9], tf.int64)).repeat(3)
-batches = tf.data.Dataset.zip((hdf5_native.mapped_file(layout.path, layout.file_size), rows)).map(
-    lambda file_bytes, r: hdf5_native.gather_rows(layout, file_bytes, r))
-assert sum(int(tf.reduce_sum(tf.cast(b, tf.int64))) for b in batches) == 3 * 3 * row_bytes * 7
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+for path, size, offset, row_bytes in zip(*[iter(sys.argv[1:])] * 4):
+  offset, row_bytes = int(offset), int(row_bytes)
+  layout = hdf5_native.RowLayout(path=path, offset=offset, row_shape=(row_bytes,), dtype=np.dtype("uint8"),
+                                 file_size=int(size), rows=10)
+  before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  rows = tf.data.Dataset.from_tensors(tf.constant([0, 5, 9], tf.int64)).repeat(3)
+  batches = tf.data.Dataset.zip((hdf5_native.mapped_file(layout.path, layout.file_size), rows)).map(
+      lambda file_bytes, r: hdf5_native.gather_rows(layout, file_bytes, r))
+  assert sum(int(tf.reduce_sum(tf.cast(b, tf.int64))) for b in batches) == 3 * 3 * row_bytes * 7
+  print(path, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 """
+_MAPPED_FILES = {"aligned": (0, 1024, 0), "odd-sized": (10, 30, 30)}   # offset, row bytes, bytes after the rows
 
 
-@pytest.mark.parametrize("offset, row_bytes, tail", [(0, 1024, 0), (10, 30, 30)], ids=["aligned", "odd-sized"])
-def test_mapping_a_file_costs_no_memory_in_proportion_to_its_size(tmp_path, offset, row_bytes, tail):
+@pytest.fixture(scope="module")
+def peak_rss_growth(tmp_path_factory):
+  """How much one process's peak RSS grew while it read 3 batches of rows from each sparse file of 600 MB
+  (+ tail) of _MAPPED_FILES, one file after the other; the growth by file name. One process for both: a
+  copy of the second file would raise the peak above the first's by its 600 MB as well."""
+  folder, args = tmp_path_factory.mktemp("mapped"), []
+  for name, (offset, row_bytes, tail) in _MAPPED_FILES.items():
+    path, size = str(folder / (name + ".bin")), 600 * 2**20 + tail
+    with open(path, "wb") as f:   # rows of bytes 7; the rest of the file is a hole that reads as zeros
+      f.write(b"\x00" * offset + b"\x07" * 10 * row_bytes)
+      f.truncate(size)
+    args += [path, str(size), str(offset), str(row_bytes)]
+  child = subprocess.run([sys.executable, "-c", _PEAK_RSS_CHILD] + args, cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+  assert child.returncode == 0, child.stderr[-2000:]
+  return {os.path.basename(path)[:-len(".bin")]: int(growth)
+          for path, growth in (line.split() for line in child.stdout.splitlines())}
+
+
+@pytest.mark.parametrize("name", list(_MAPPED_FILES))
+def test_mapping_a_file_costs_no_memory_in_proportion_to_its_size(peak_rss_growth, name):
   """TensorFlow would constant-fold the mapping and copy the whole file (hdf5_native's docstring); also
   with 10-byte units at offset 10 in a file of 600 MB + 30 bytes."""
-  path, size = str(tmp_path / "sparse.bin"), 600 * 2**20 + tail
-  with open(path, "wb") as f:   # rows of bytes 7; the rest of the file is a hole that reads as zeros
-    f.write(b"\x00" * offset + b"\x07" * 10 * row_bytes)
-    f.truncate(size)
-  child = subprocess.run([sys.executable, "-c", _PEAK_RSS_CHILD, path, str(size), str(offset), str(row_bytes)],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
-  assert child.returncode == 0, child.stderr[-2000:]
-  growth = int(child.stdout.split()[-1])
+  size = 600 * 2**20 + _MAPPED_FILES[name][2]
+  growth = peak_rss_growth[name]
   assert growth < size / 4, "peak RSS grew by %.0f MB for a %.0f MB file" % (growth / 2**20, size / 2**20)
 
 

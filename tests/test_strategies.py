@@ -166,26 +166,48 @@ def test_the_machine_signature_names_tensorflows_kernel_set_where_it_is_chosen(m
   assert cpu.machine_signature() == default + "; TF_ENABLE_ONEDNN_OPTS=1"
 
 
-def test_the_cpu_start_up_runs_for_the_cpu_and_auto_backends_with_the_installed_tensorflow():
+# A fresh process started as main.py starts: the environment for a backend, then (for the CPU backend)
+# TensorFlow's import with the garbage collector kept out of it, then what TensorFlow decided. One
+# process serves the tests below (an import of TensorFlow is seconds of the suite's time).
+_FRESH_PROCESS_SCRIPT = """
+import gc, os, sys
+from run_config import RunConfig
+from strategies import environment
+environment.prepare(RunConfig(model="mnist", backend=sys.argv[1]))
+print(os.environ.get("TF_ENABLE_ONEDNN_OPTS"))
+if sys.argv[1] == "cpu":
+  with environment.imports_kept_from_the_collector():
+    paused = not gc.isenabled()
+    import tensorflow
+  frozen = gc.get_freeze_count()
+  with environment.imports_kept_from_the_collector():  # TensorFlow is in: the block runs untouched
+    paused_again = not gc.isenabled()
+  class Node: pass
+  node = Node(); node.self = node; del node   # a cycle made after the import: still collected
+  print(paused, frozen, paused_again, gc.get_freeze_count() == frozen, gc.isenabled(), gc.collect() > 0)
+  from tensorflow.python.util import _pywrap_util_port
+  print(_pywrap_util_port.IsMklEnabled())
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_processes():
+  """The output lines of _FRESH_PROCESS_SCRIPT for each backend, without a TF_ENABLE_ONEDNN_OPTS of ours."""
+  env = {k: v for k, v in os.environ.items() if k != "TF_ENABLE_ONEDNN_OPTS"}
+  return {backend: subprocess.run([sys.executable, "-c", _FRESH_PROCESS_SCRIPT, backend], cwd=REPO_ROOT, env=env,
+                                  capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()
+          for backend in ("cpu", "auto", "gpu")}
+
+
+def test_the_cpu_start_up_runs_for_the_cpu_and_auto_backends_with_the_installed_tensorflow(fresh_processes):
   """In a fresh process, as main.py runs it: TensorFlow then runs oneDNN's kernels on this CPU, asked by
   TensorFlow itself, unless it is the TensorFlow 2.6 stack on an AMD CPU (Eigen's kept; make test-tf26);
   another backend's start-up leaves the variable alone."""
-  code = ("import os, sys; from run_config import RunConfig; from strategies import environment; "
-          "environment.prepare(RunConfig(model='mnist', backend=sys.argv[1])); "
-          "print(os.environ.get('TF_ENABLE_ONEDNN_OPTS'))\n"
-          "if sys.argv[1] == 'cpu':\n"
-          "  from tensorflow.python.util import _pywrap_util_port\n"
-          "  print(_pywrap_util_port.IsMklEnabled())")
-  env = {k: v for k, v in os.environ.items() if k != "TF_ENABLE_ONEDNN_OPTS"}
   old_amd = (environment.installed_tensorflow_version() < environment.ONEDNN_DEFAULT_SINCE
              and cpuinfo.generation()[0] == "AuthenticAMD")
-  outputs = {}
-  for backend in ("cpu", "auto", "gpu"):
-    outputs[backend] = subprocess.run([sys.executable, "-c", code, backend], cwd=REPO_ROOT, env=env,
-                                      capture_output=True, text=True, check=True).stdout.split()
-  assert outputs["cpu"][1] == str(not old_amd), outputs
-  assert outputs["auto"] == outputs["cpu"][:1], outputs  # the same variable as --backend=cpu
-  assert outputs["gpu"] == ["None"], outputs
+  assert fresh_processes["cpu"][2] == str(not old_amd), fresh_processes
+  assert fresh_processes["auto"] == fresh_processes["cpu"][:1], fresh_processes  # the variable of --backend=cpu
+  assert fresh_processes["gpu"] == ["None"], fresh_processes
 
 
 def test_environment_refuses_to_run_after_tensorflow_import():
@@ -193,27 +215,10 @@ def test_environment_refuses_to_run_after_tensorflow_import():
     environment.prepare(RunConfig(model="mnist"))
 
 
-_FROZEN_IMPORT_SCRIPT = """
-import gc, sys
-from strategies import environment
-with environment.imports_kept_from_the_collector():
-  paused = not gc.isenabled()
-  import tensorflow
-frozen = gc.get_freeze_count()
-with environment.imports_kept_from_the_collector():  # TensorFlow is in: the block runs untouched
-  paused_again = not gc.isenabled()
-class Node: pass
-node = Node(); node.self = node; del node   # a cycle made after the import: still collected
-print(paused, frozen, paused_again, gc.get_freeze_count() == frozen, gc.isenabled(), gc.collect() > 0)
-"""
-
-
-def test_tensorflows_import_is_kept_from_the_garbage_collector():
+def test_tensorflows_import_is_kept_from_the_garbage_collector(fresh_processes):
   """A fresh process (as main.py and the tools start): the collector is paused while TensorFlow is
   imported, its objects are then frozen, and later garbage is collected as before."""
-  result = subprocess.run([sys.executable, "-c", _FROZEN_IMPORT_SCRIPT], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=120, check=True)
-  paused, frozen, paused_again, unchanged, enabled, collected = result.stdout.split()
+  paused, frozen, paused_again, unchanged, enabled, collected = fresh_processes["cpu"][1].split()
   assert paused == "True" and int(frozen) > 100000  # TensorFlow's objects: about 660,000 with 2.21
   assert (paused_again, unchanged, enabled, collected) == ("False", "True", "True", "True")
 

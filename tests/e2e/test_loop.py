@@ -1,7 +1,12 @@
 """The training loop (training/loop.py) end to end through `python main.py` on neuron_inverter: 2 replicas,
-checkpoints, resume, the learning-rate schedules, bad input met while training."""
+checkpoints, resume, the learning-rate schedules, bad input met while training.
+
+Each `python main.py` costs its TensorFlow start-up (about 5 s of CPU), so tests that can share one run
+do: the module's fixtures run it once, and a test that continues a shared run (a resume) either is its
+only writer or works on a copy (shutil.copytree)."""
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -21,9 +26,9 @@ def fp16_file(tmp_path_factory):
   return write_cellspike(path, sizes={"train": 256, "val": 64, "test": 64}, dtype=np.float16)
 
 
-def _run(data_path, logdir, *extra):
+def _run(data_path, logdir, *extra, **options):
   return run_main("--model=neuron_inverter", "--design=dev", "--backend=cpu", "--batch_size=16",
-                  "--data_path=" + data_path, "--logdir=" + logdir, "--warmup_epochs=1", *extra)
+                  "--data_path=" + data_path, "--logdir=" + logdir, "--warmup_epochs=1", *extra, **options)
 
 
 def _summary(logdir):
@@ -31,9 +36,33 @@ def _summary(logdir):
     return yaml.safe_load(f)
 
 
-def test_two_replicas_one_epoch(tmp_path, fp16_file):
-  logdir = str(tmp_path / "run")
-  result = _run(fp16_file, logdir, "--replicas=2", "--epochs=1")
+@pytest.fixture(scope="module")
+def two_replicas_run(tmp_path_factory, fp16_file):
+  """(result, logdir) of a 1-epoch run on 2 replicas: checked by test_two_replicas_one_epoch, and the
+  run that test_resume_with_another_learning_rate_is_refused tries to resume (in a copy of its folder,
+  which no test writes to)."""
+  logdir = str(tmp_path_factory.mktemp("two_replicas") / "run")
+  return _run(fp16_file, logdir, "--replicas=2", "--epochs=1"), logdir
+
+
+_PLATEAU = ("--lr_schedule=plateau", "--lr_patience=0", "--lr_cooldown=0", "--lr_factor=0.5")
+
+
+@pytest.fixture(scope="module")
+def plateau_run(tmp_path_factory, fp16_file):
+  """(result, logdir, summary) of a 2-epoch run on the plateau schedule, shown with Keras' bar
+  (--progress=bar) and with stdout and stderr in one stream, as a terminal shows them: the run that
+  test_resume_continues_epochs_and_schedule continues (the only test that writes to its folder), and
+  whose output test_each_epoch_line_starts_a_line_of_its_own_after_the_progress_bar reads. Its summary is
+  read here, before the resume replaces it."""
+  logdir = str(tmp_path_factory.mktemp("plateau") / "run")
+  result = _run(fp16_file, logdir, "--epochs=2", *_PLATEAU, "--progress=bar", one_stream=True)
+  summary = _summary(logdir) if result.returncode == 0 else None
+  return result, logdir, summary
+
+
+def test_two_replicas_one_epoch(two_replicas_run):
+  result, logdir = two_replicas_run
   assert result.returncode == 0, result.stderr[-3000:]
   assert "Neuron-Inverter, running on CPU" in result.stdout
   assert "Global batch 32 = 16 per replica x 1 gradient accumulation x 2 replicas" in result.stderr
@@ -66,15 +95,14 @@ def test_two_replicas_one_epoch(tmp_path, fp16_file):
   assert "epoch_loss" in read_scalars(os.path.join(logdir, "validation"))
 
 
-def test_resume_continues_epochs_and_schedule(tmp_path, fp16_file):
-  logdir = str(tmp_path / "run")
-  plateau = ("--lr_schedule=plateau", "--lr_patience=0", "--lr_cooldown=0", "--lr_factor=0.5")
-  first = _run(fp16_file, logdir, "--epochs=2", *plateau)
-  assert first.returncode == 0, first.stderr[-3000:]
-  before = _summary(logdir)
+def test_resume_continues_epochs_and_schedule(plateau_run, fp16_file):
+  """A resume trains on from the last epoch: epoch 3 only, from the restored weights and the plateau
+  schedule's state. The first run is the shared `plateau_run`, whose stderr is in its stdout."""
+  first, logdir, before = plateau_run
+  assert first.returncode == 0, first.stdout[-3000:]
   epoch_2 = before["history"]["epoch_seconds"][1]   # the first carries the compilation: left out
   assert before["seconds_per_epoch"] == {"mean": pytest.approx(epoch_2), "std": 0.0, "epochs": 1}
-  resumed = _run(fp16_file, logdir, "--epochs=3", *plateau, "--resume")
+  resumed = _run(fp16_file, logdir, "--epochs=3", *_PLATEAU, "--resume")
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   after = _summary(logdir)
   assert "Resumed from" in resumed.stderr and after["first_epoch"] == 3
@@ -102,33 +130,35 @@ def test_nan_loss_stops_with_a_clear_error(tmp_path, fp16_file):
   assert not os.path.exists(os.path.join(str(tmp_path / "run"), "checkpoints", "last", "checkpoint"))
 
 
-def test_resume_with_another_learning_rate_is_refused(tmp_path, fp16_file):
+def test_resume_with_another_learning_rate_is_refused(tmp_path, fp16_file, two_replicas_run):
+  """A checkpoint holds the learning rate it was trained with; a resume with another is refused. The
+  run is the shared 2-replica one, resumed in a copy of its folder (test_two_replicas_one_epoch reads
+  the original) with its --replicas=2, so that the learning rate is the only difference."""
+  first, original = two_replicas_run
+  assert first.returncode == 0
   logdir = str(tmp_path / "run")
-  assert _run(fp16_file, logdir, "--epochs=1").returncode == 0
-  assert_one_line_error(_run(fp16_file, logdir, "--epochs=2", "--resume", "--learning_rate=0.5"),
+  shutil.copytree(original, logdir)
+  assert_one_line_error(_run(fp16_file, logdir, "--replicas=2", "--epochs=2", "--resume",
+                             "--learning_rate=0.5"),
                         "learning_rate=0.001", "learning_rate=0.5")
-
-
-def test_synthetic_data_trains_without_reading_the_file(tmp_path, fp16_file):
-  """--synthetic_data: the file's shapes and step counts, random batches, named as such in summary.yaml."""
-  logdir = str(tmp_path / "run")
-  result = _run(fp16_file, logdir, "--replicas=2", "--epochs=1", "--synthetic_data")
-  assert result.returncode == 0, result.stderr[-3000:]
-  summary = _summary(logdir)
-  assert summary["data_source"].startswith("synthetic") and summary["steps_per_epoch"] == 8
-  assert np.isfinite(summary["train_loss"]) and summary["samples_per_sec_per_replica"] > 0
 
 
 def test_autotune_times_the_forms_once_then_reads_them_and_leaves_the_initial_weights_alone(tmp_path,
                                                                                            fp16_file):
   """--autotune=on in float32: the first run times the CPU's convolution forms and keeps the result in
   --cache_dir, the next reads it; training matches --autotune=off from the same seed (the throwaway
-  models of the timing do not shift the initial weights)."""
+  models of the timing do not shift the initial weights).
+
+  The cached run is also the --synthetic_data test: the file's shapes and step counts, random batches,
+  named as such in summary.yaml. The autotune cache is keyed by the batches' shapes, not by where they
+  come from (training/autotune.py cache_key), so it still reads the timed run's choice; the losses
+  compared are the timed and off runs', both on the file."""
   cache, common = str(tmp_path / "cache"), ("--replicas=2", "--epochs=1", "--precision=32.32")
   runs = {}
-  for name, mode in (("timed", "on"), ("cached", "on"), ("off", "off")):
+  variants = (("timed", "on", ()), ("cached", "on", ("--synthetic_data",)), ("off", "off", ()))
+  for name, mode, extra in variants:
     logdir = str(tmp_path / name)
-    runs[name] = _run(fp16_file, logdir, *common, "--autotune=" + mode, "--cache_dir=" + cache)
+    runs[name] = _run(fp16_file, logdir, *common, "--autotune=" + mode, "--cache_dir=" + cache, *extra)
     assert runs[name].returncode == 0, runs[name].stderr[-3000:]
     runs[name].summary = _summary(logdir)
   timed, cached, off = runs["timed"], runs["cached"], runs["off"]
@@ -148,14 +178,18 @@ def test_autotune_times_the_forms_once_then_reads_them_and_leaves_the_initial_we
   # Every form computes the same function: from the same initial weights the losses agree to rounding.
   for key in ("train_loss", "val_loss"):
     assert timed.summary[key] == pytest.approx(off.summary[key], rel=1e-4)
+  # --synthetic_data (the cached run; in float32 here, which these checks do not depend on).
+  synthetic = cached.summary
+  assert synthetic["data_source"].startswith("synthetic") and synthetic["steps_per_epoch"] == 8
+  assert np.isfinite(synthetic["train_loss"]) and synthetic["samples_per_sec_per_replica"] > 0
 
 
-def test_each_epoch_line_starts_a_line_of_its_own_after_the_progress_bar(tmp_path, fp16_file):
+def test_each_epoch_line_starts_a_line_of_its_own_after_the_progress_bar(plateau_run):
   """As a terminal shows stdout and stderr together: Keras' bar ends its line before the epoch's log
-  line (written by absl to stderr), which used to be glued to the bar's last update."""
-  result = run_main("--model=neuron_inverter", "--design=dev", "--backend=cpu", "--batch_size=16",
-                    "--data_path=" + fp16_file, "--logdir=" + str(tmp_path / "run"), "--epochs=2",
-                    "--progress=bar", one_stream=True)
+  line (written by absl to stderr), which used to be glued to the bar's last update. The run is the
+  shared 2-epoch `plateau_run` (--progress=bar, one stream); only its captured output is read, which the
+  resume of its folder does not change."""
+  result = plateau_run[0]
   assert result.returncode == 0, result.stdout[-3000:]
   lines = [line for line in result.stdout.replace("\r", "\n").splitlines() if "Epoch 1/2 took" in line
            or "Epoch 2/2 took" in line]

@@ -1,4 +1,8 @@
-"""End to end through the real entry point: `python main.py ...` on real digits, 1 and 2 replicas."""
+"""End to end through the real entry point: `python main.py ...` on real digits, 1 and 2 replicas.
+
+Each `python main.py` costs its TensorFlow start-up (about 5 s of CPU), so one run checks several
+things where they do not interfere: the 1-replica MNIST check also writes a --profile_dir profile, and
+the training run after --compile_only is the gradient-accumulation run."""
 
 import glob
 import json
@@ -28,9 +32,15 @@ def _scalars(folder):
 
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_mnist_check_end_to_end(tmp_path, replicas):
+  """The MNIST check on 1 and 2 replicas: its log, summary, TensorBoard events and hparams; on 2 the
+  printed resume line, pasted, continues the run; on 1 the run also writes a TensorBoard profile
+  (--profile_dir), which tools/op_profile.py reads back (the profiler adds nothing the checks here
+  exclude: no noise on stderr, no progress bar)."""
   logdir = str(tmp_path / "run")
+  profiling = ("--profile_dir=" + str(tmp_path / "profile"),) if replicas == 1 else ()
   result = run_main("--model=mnist", "--backend=cpu", "--replicas=%d" % replicas, "--epochs=2",
-                    "--batch_size=32", "--steps_per_epoch=10", "--eval_steps=5", "--logdir=" + logdir)
+                    "--batch_size=32", "--steps_per_epoch=10", "--eval_steps=5", "--logdir=" + logdir,
+                    *profiling)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "Keras MNIST example, running on CPU" in result.stdout
   assert "Total params: 34" in result.stdout and "826" in result.stdout
@@ -89,6 +99,8 @@ def test_mnist_check_end_to_end(tmp_path, replicas):
   if replicas == 2:
     _run_the_printed_resume_line(closing, logdir)
     assert read_hparams(logdir)[1]["epochs"] == 7  # the resumed run's settings are the dashboard's
+  else:
+    _check_the_profile(tmp_path / "profile", logdir, str(tmp_path / "ops.json"))
 
 
 def _run_the_printed_resume_line(closing, logdir):
@@ -99,6 +111,27 @@ def _run_the_printed_resume_line(closing, logdir):
   assert result.returncode == 0, result.stderr[-3000:]
   summary = yaml.safe_load(open(os.path.join(logdir, "summary.yaml")))
   assert summary["epochs"] == 7 and summary["replicas"] == 2 and len(summary["full_history"]["loss"]) == 7
+
+
+def _check_the_profile(profile, logdir, table):
+  """--profile_dir gets a TensorBoard profile, which tools/op_profile.py reads back (to the JSON file
+  `table`); the run folder `logdir` holds none."""
+  traces = [name for _, _, names in os.walk(str(profile)) for name in names if ".xplane.pb" in name]
+  assert traces, list(os.walk(str(profile)))
+  # tools/op_profile.py reads it back: three profiled steps (2-4) with the MNIST convolutions in them.
+  tool = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "op_profile.py"),
+                         "--profile_dir=" + str(profile), "--json=" + table], capture_output=True,
+                        text=True, timeout=120)
+  assert tool.returncode == 0, tool.stderr[-3000:]
+  ops = json.load(open(table))
+  assert ops["steps"] == 3
+  kernels = {op["type"] for op in ops["ops"]}
+  assert any("Conv2DBackpropFilter" in kernel for kernel in kernels), sorted(kernels)
+  assert ops["ops"][0]["ms_per_step"] > 0 and "ms/step" in tool.stdout
+  assert "cpu_feature_guard" not in tool.stderr, tool.stderr   # TensorFlow's banner, no part of the table
+  missing = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "op_profile.py"),
+                            "--profile_dir=" + logdir], capture_output=True, text=True, timeout=120)
+  assert missing.returncode == 2 and "holds no profile" in missing.stderr
 
 
 def test_idx_folder_run_learns(tmp_path):
@@ -137,6 +170,9 @@ def test_unwritable_logdir_is_one_line_error(tmp_path):
 
 
 def test_compile_only_compiles_and_exits(tmp_path):
+  """--compile_only compiles and exits without leaving a run in --logdir, so a training run may use the
+  folder next. That training run is also the gradient-accumulation check: 2 replicas of 8 samples, 4
+  micro-batches each, are a global (effective) batch of 64, as reported and recorded."""
   logdir = str(tmp_path / "run")
   result = run_main("--model=mnist", "--compile_only", "--logdir=" + logdir, "--steps_per_epoch=5")
   assert result.returncode == 0, result.stderr[-3000:]
@@ -145,41 +181,12 @@ def test_compile_only_compiles_and_exits(tmp_path):
   # No run is left in the folder: the training run that the compilation prepares may use it (it used to
   # be refused as "already holds a run", and --resume found no checkpoint).
   assert not os.path.exists(logdir)
-  trained = run_main("--model=mnist", "--logdir=" + logdir, "--epochs=1", "--steps_per_epoch=2")
+  # The training run may differ from the compiled one: what is checked is that the folder is free.
+  trained = run_main("--model=mnist", "--backend=cpu", "--replicas=2", "--batch_size=8",
+                     "--gradient_accumulation=4", "--epochs=1", "--steps_per_epoch=5", "--eval_steps=2",
+                     "--logdir=" + logdir)
   assert trained.returncode == 0, trained.stderr[-3000:]
-
-
-def test_profile_dir_gets_a_tensorboard_profile(tmp_path):
-  profile = tmp_path / "profile"
-  result = run_main("--model=mnist", "--epochs=1", "--steps_per_epoch=6", "--eval_steps=1",
-                    "--logdir=" + str(tmp_path / "run"), "--profile_dir=" + str(profile))
-  assert result.returncode == 0, result.stderr[-3000:]
-  traces = [name for _, _, names in os.walk(str(profile)) for name in names if ".xplane.pb" in name]
-  assert traces, list(os.walk(str(profile)))
-  # tools/op_profile.py reads it back: three profiled steps (2-4) with the MNIST convolutions in them.
-  table = str(tmp_path / "ops.json")
-  tool = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "op_profile.py"),
-                         "--profile_dir=" + str(profile), "--json=" + table], capture_output=True,
-                        text=True, timeout=120)
-  assert tool.returncode == 0, tool.stderr[-3000:]
-  ops = json.load(open(table))
-  assert ops["steps"] == 3
-  kernels = {op["type"] for op in ops["ops"]}
-  assert any("Conv2DBackpropFilter" in kernel for kernel in kernels), sorted(kernels)
-  assert ops["ops"][0]["ms_per_step"] > 0 and "ms/step" in tool.stdout
-  assert "cpu_feature_guard" not in tool.stderr, tool.stderr   # TensorFlow's banner, no part of the table
-  missing = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "op_profile.py"),
-                            "--profile_dir=" + str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
-  assert missing.returncode == 2 and "holds no profile" in missing.stderr
-
-
-def test_main_with_accumulation_reports_the_effective_batch(tmp_path):
-  logdir = str(tmp_path / "run")
-  result = run_main("--model=mnist", "--backend=cpu", "--replicas=2", "--batch_size=8",
-                    "--gradient_accumulation=4", "--epochs=1", "--steps_per_epoch=5", "--eval_steps=2",
-                    "--logdir=" + logdir)
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert "Global batch 64 = 8 per replica x 4 gradient accumulation x 2 replicas" in result.stderr
+  assert "Global batch 64 = 8 per replica x 4 gradient accumulation x 2 replicas" in trained.stderr
   with open(os.path.join(logdir, "summary.yaml")) as f:
     summary = yaml.safe_load(f)
   assert summary["global_batch_size"] == 64 and summary["gradient_accumulation"] == 4

@@ -160,7 +160,7 @@ def _slow_installing_python(folder, log):
       '  echo "venv $3" >> "{log}"; {sleep} 1; {mkdir} -p "$3/bin"; {cp} "$0" "$3/bin/python"; exit 0\n'
       'elif [ "$1 $2 $3" = "-m pip install" ]; then\n'
       '  echo "pip start" >> "{log}"; {sleep} 0.5; echo "pip end" >> "{log}"; exit 0\n'
-      'elif [ "$1 $2" = "-m compileall" ]; then\n'
+      'elif [ "$1 $2 $3 $4" = "-W ignore -m compileall" ]; then\n'
       '  echo "compile" >> "{log}"; exit 0\n'
       'fi\nexec "{python}" "$@"\n'.format(log=log, python=sys.executable, **{
           tool: shutil.which(tool) for tool in ("sleep", "mkdir", "cp")}))

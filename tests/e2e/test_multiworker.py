@@ -63,49 +63,14 @@ def _finish(processes):
   return outputs
 
 
-def test_two_workers_train_in_sync_on_disjoint_shards(tmp_path):
-  data_path = write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 256, "val": 70, "test": 70})
-  logdir = str(tmp_path / "run")
-  outputs = _finish(_start_workers(data_path, logdir, eval_steps=0, more=["--precision=32.32"]))
-  for process_output in outputs:
-    assert "Traceback" not in process_output[1], process_output[1][-3000:]
-  chief_log = outputs[0][1]
-  assert "rank 0 of 2 (chief)" in chief_log and "rank 1 of 2" in outputs[1][1]
-  summaries = [yaml.safe_load(open(os.path.join(logdir, "summary.yaml")))]
-  worker_dir, worker_weights = other_process_report(outputs[1][1])
-  # The other worker's folder is scratch: gone at its end, and nothing else of the run left in TMPDIR.
-  assert not os.path.exists(worker_dir) and os.listdir(str(tmp_path / "tmp")) == []
-  assert summaries[0]["world_size"] == 2 and summaries[0]["replicas"] == 2
-  assert summaries[0]["global_batch_size"] == 32
-  # Each optimizer step takes a batch from every worker: 3 steps of 32 samples per epoch, in all.
-  assert "3 optimizer steps per epoch" in chief_log
-  # Only the chief reports; its resume line says that every worker must be started again.
-  assert "in each of the 2 processes, launched as before" in outputs[0][0]
-  assert "Run finished" not in outputs[1][0]
-  assert summaries[0]["steps_per_epoch"] == 3 and summaries[0]["train_samples_per_epoch"] == 96
-  # Every test sample: 35 on each worker, 2 batches of 16 and a short one of 3. The loss is the mean
-  # over all 70 of the saved weights, as the predict tool computes it on one device.
-  assert summaries[0]["test_samples"] == 70
-  predicted = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "predict.py"), "--logdir=" + logdir,
-                              "--backend=cpu", "--noplots"], cwd=REPO_ROOT, capture_output=True, text=True,
-                             timeout=TIMEOUT_SECONDS)
-  assert predicted.returncode == 0, predicted.stderr[-3000:]
-  sum_pred = yaml.safe_load(open(os.path.join(logdir, "predict", "sum_pred.yaml")))
-  assert sum_pred["num_samples"] == 70
-  assert sum_pred["mse"] == pytest.approx(summaries[0]["test_loss"], rel=1e-5)
-  # Identical weights after training: the all-reduce kept both replicas in step.
-  assert summaries[0]["weights_sha256"] == worker_weights
-  # Disjoint contiguous shards: worker 0 rows [0, 128), worker 1 rows [128, 256).
-  assert summaries[0]["train_blocks"] == [[0, 128]]
-  assert "(shards 0-0 of 2, 128 rows each)" in chief_log and "(shards 1-1 of 2, 128 rows each)" in outputs[1][1]
-  assert os.path.isfile(os.path.join(logdir, "checkpoints", "last", "checkpoint"))
-  assert not os.path.exists(os.path.join(logdir, "summary.yaml.tmp"))
-
-
-def test_a_signal_to_one_worker_stops_both_after_the_same_step_and_the_run_resumes(tmp_path):
-  data_path = write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 512, "val": 64, "test": 64})
+def test_a_signal_to_one_worker_stops_both_after_the_same_step_and_the_run_resumes_in_sync(tmp_path):
+  """SIGTERM to the non-chief worker stops both after the same step, with one checkpoint of the run; the
+  two workers started again with --resume train the rest on disjoint shards, in step, and every test
+  sample is evaluated once. (An uninterrupted multi-worker fit of many epochs: test_loop_faults.py.)"""
+  data_path = write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 512, "val": 70, "test": 70})
   logdir, logs = str(tmp_path / "run"), str(tmp_path)
-  processes = _start_workers(data_path, logdir, steps=16, stderr_dir=logs)
+  # Every sample evaluated (--eval_steps=0) and float32 whatever the CPU, for the predict tool's check.
+  processes = _start_workers(data_path, logdir, steps=16, stderr_dir=logs, more=["--precision=32.32"], eval_steps=0)
   _wait_for_line(os.path.join(logs, "worker1.log"), "Compilation and first step done", processes)
   processes[1].send_signal(signal.SIGTERM)  # worker 1 only; worker 0 learns of it through the collective
   _finish(processes)
@@ -120,10 +85,39 @@ def test_a_signal_to_one_worker_stops_both_after_the_same_step_and_the_run_resum
     assert stop.group(2) == os.path.join(logdir, "checkpoints", "last", "ckpt-0-step" + stops[0])
   assert stops[0] == stops[1], stops  # the same step on both
   assert read_index(os.path.join(logdir, "checkpoints", "last"))[-1] == "ckpt-0-step" + stops[0]
-  outputs = _finish(_start_workers(data_path, logdir, steps=16, more=["--resume"]))
+
+  outputs = _finish(_start_workers(data_path, logdir, steps=16, more=["--precision=32.32", "--resume"], eval_steps=0))
   for process_output in outputs:
     assert "Traceback" not in process_output[1], process_output[1][-3000:]
-  assert "continuing with epoch 1 of 2 at step %d of 16" % (int(stops[0]) + 1) in outputs[0][1]
+  chief_log = outputs[0][1]
+  assert "continuing with epoch 1 of 2 at step %d of 16" % (int(stops[0]) + 1) in chief_log
+  assert "rank 0 of 2 (chief)" in chief_log and "rank 1 of 2" in outputs[1][1]
   summary = yaml.safe_load(open(os.path.join(logdir, "summary.yaml")))
-  assert summary["world_size"] == 2 and summary["full_history"]["epoch"] == [1, 2]
-  assert other_process_report(outputs[1][1])[1] == summary["weights_sha256"]
+  assert summary["world_size"] == 2 and summary["replicas"] == 2 and summary["full_history"]["epoch"] == [1, 2]
+  assert summary["global_batch_size"] == 32
+  worker_dir, worker_weights = other_process_report(outputs[1][1])
+  # Identical weights after training: the all-reduce kept both replicas in step.
+  assert worker_weights == summary["weights_sha256"]
+  # The other worker's folder is scratch: gone at its end, and nothing else of the run left in TMPDIR.
+  assert not os.path.exists(worker_dir) and os.listdir(str(tmp_path / "tmp")) == []
+  # Each optimizer step takes a batch from every worker: 16 steps of 32 samples per epoch, in all.
+  assert "16 optimizer steps per epoch" in chief_log
+  assert summary["steps_per_epoch"] == 16 and summary["train_samples_per_epoch"] == 512
+  # Only the chief reports; its resume line says that every worker must be started again.
+  assert "in each of the 2 processes, launched as before" in outputs[0][0]
+  assert "Run finished" not in outputs[1][0]
+  # Disjoint contiguous shards: worker 0 rows [0, 256), worker 1 rows [256, 512).
+  assert summary["train_blocks"] == [[0, 256]]
+  assert "(shards 0-0 of 2, 256 rows each)" in chief_log and "(shards 1-1 of 2, 256 rows each)" in outputs[1][1]
+  # Every test sample: 35 on each worker, 2 batches of 16 and a short one of 3. The loss is the mean
+  # over all 70 of the saved weights, as the predict tool computes it on one device.
+  assert summary["test_samples"] == 70
+  predicted = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "predict.py"), "--logdir=" + logdir,
+                              "--backend=cpu", "--noplots"], cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=TIMEOUT_SECONDS)
+  assert predicted.returncode == 0, predicted.stderr[-3000:]
+  sum_pred = yaml.safe_load(open(os.path.join(logdir, "predict", "sum_pred.yaml")))
+  assert sum_pred["num_samples"] == 70
+  assert sum_pred["mse"] == pytest.approx(summary["test_loss"], rel=1e-5)
+  assert os.path.isfile(os.path.join(logdir, "checkpoints", "last", "checkpoint"))
+  assert not os.path.exists(os.path.join(logdir, "summary.yaml.tmp"))

@@ -128,11 +128,27 @@ def test_main_predict_writes_the_report(trained_run):
     assert f.read().endswith(closing)
 
 
+def _cell_folder(data_file, tmp_path):
+  """A data folder as the README names cellSpike data: its meta yaml, and a copy of `data_file` as the
+  file of cell cellB."""
+  folder = tmp_path / "cells"
+  folder.mkdir()
+  write_meta_yaml(str(folder / "meta.cellSpike_excite_4prB8kHz.yaml"))
+  shutil.copy(data_file, str(folder / "cellB_excite.cellSpike_4prB8kHz.data.h5"))
+  return folder
+
+
 def test_predict_tool_and_export_round_trip(trained_run, data_file, tmp_path):
+  """The tool on a slice of a split, its report outside the run folder, and an export that reproduces
+  its predictions. The data are named as main.py names them, --data_path=<folder> --cell_name=<cell>
+  (the README's way to name cellSpike data, issue 15, 16): the folder's file is a copy of the run's, so
+  the truths are the run's data file's all the same."""
   logdir, _ = trained_run
   outdir, export_dir = str(tmp_path / "out"), str(tmp_path / "export")
-  result = run_predict("--logdir=" + logdir, "--split=validation", "--max_samples=50", "--backend=cpu",
-                       "--outdir=" + outdir, "--export_dir=" + export_dir, "--noplots")
+  folder = _cell_folder(data_file, tmp_path)
+  result = run_predict("--logdir=" + logdir, "--data_path=" + str(folder), "--cell_name=cellB",
+                       "--probe_type=excite_4prB8kHz", "--split=validation", "--max_samples=50",
+                       "--backend=cpu", "--outdir=" + outdir, "--export_dir=" + export_dir, "--noplots")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "compiled metrics have yet to be built" not in result.stderr  # Keras' warning on exporting
   # 50 samples exactly: 3 batches of 16 and a short one of 2.
@@ -143,10 +159,13 @@ def test_predict_tool_and_export_round_trip(trained_run, data_file, tmp_path):
   assert "tools/serve_tensorboard.py --logdir %s\n" % outdir in result.stdout
   sum_pred = _load_yaml(os.path.join(outdir, "sum_pred.yaml"))
   _check_sum_pred(sum_pred, "validation", 50)
+  # The folder's cell file was evaluated (a run of its own evaluated 32 test samples; this one's split
+  # and slice serve the checks above and below, and the file's name does not depend on them).
+  assert sum_pred["data_path"].endswith("cellB_excite.cellSpike_4prB8kHz.data.h5")
   assert os.path.join("checkpoints", "best") in sum_pred["checkpoint"]
   assert not [name for name in os.listdir(outdir) if name.endswith(".png")]      # --noplots
   saved = np.load(os.path.join(outdir, "predictions.npz"))
-  with h5py.File(data_file, "r") as f:
+  with h5py.File(data_file, "r") as f:  # the evaluated file's original
     frames, targets = f["val_frames"][:50], f["val_unitStar_par"][:50]
   np.testing.assert_array_equal(saved["truth"], targets)           # one replica: file order
   # The export loads in a fresh interpreter without the repository on its path and reproduces Z.
@@ -284,18 +303,10 @@ def test_predict_flag_needs_the_regression_model():
 
 
 def test_predict_names_real_data_as_main_does_a_folder_and_a_cell(trained_run, data_file, tmp_path):
-  """--data_path=<folder> --cell_name=<cell>, the README's way to name cellSpike data (issue 15, 16)."""
-  folder = tmp_path / "cells"
-  folder.mkdir()
-  write_meta_yaml(str(folder / "meta.cellSpike_excite_4prB8kHz.yaml"))
-  shutil.copy(data_file, str(folder / "cellB_excite.cellSpike_4prB8kHz.data.h5"))
-  logdir, _ = trained_run
-  result = run_predict("--logdir=" + logdir, "--data_path=" + str(folder), "--cell_name=cellB",
-                       "--probe_type=excite_4prB8kHz", "--max_samples=32", "--backend=cpu", "--noplots",
-                       "--outdir=" + str(tmp_path / "out"))
-  assert result.returncode == 0, result.stderr[-3000:]
-  sum_pred = _load_yaml(str(tmp_path / "out" / "sum_pred.yaml"))
-  assert sum_pred["data_path"].endswith("cellB_excite.cellSpike_4prB8kHz.data.h5")
+  """A run trained on --data_path=<folder> --cell_name=<cell>, the README's way to name cellSpike data
+  (issue 15, 16), evaluated on a file. (The tool given --data_path=<folder> --cell_name=<cell> itself:
+  test_predict_tool_and_export_round_trip, which evaluates the folder's cell in its run.)"""
+  folder = _cell_folder(data_file, tmp_path)
   # A run trained on that folder's cell, evaluated on a file: the run's --cell_name picked a file in its
   # folder, and is not carried over to a --data_path file (where main.py refuses it).
   copy = _copy_of(trained_run, tmp_path)

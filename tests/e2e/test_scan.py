@@ -30,19 +30,32 @@ def _main_args(data_path):
           "--steps_per_epoch=2", "--eval_steps=1", "--data_path=" + data_path]
 
 
+def _scan_in(folder, *args, **env):
+  """tools/scan.py run from `folder` (a user's own), with more environment variables."""
+  environment = {k: v for k, v in os.environ.items() if k not in ("TF_USE_LEGACY_KERAS", "TF2_BEHAVIOR")}
+  environment.update(env)
+  return subprocess.run([sys.executable, SCAN] + list(args), cwd=str(folder), env=environment,
+                        capture_output=True, text=True, timeout=600)
+
+
 def test_a_serial_scan_reports_every_point_and_lists_the_failed_one(tmp_path):
-  data_path = write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 128, "val": 32, "test": 32})
-  scan_dir = str(tmp_path / "scan")
-  result = _scan("--scan_dir=" + scan_dir, "--learning_rates=1e-3,3e-3,-1", "--replicas=2", "--",
-                 *_main_args(data_path))
+  """Typed in the user's folder with a relative --scan_dir and --data_path=data.h5: each point's main.py
+  runs there, so the two good points train (they ran in the repository, where data.h5 did not exist),
+  and the third, whose rate main.py refuses, is reported and makes the exit status 1."""
+  write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 128, "val": 32, "test": 32})
+  scan_dir = str(tmp_path / "scan")  # --scan_dir=scan, made absolute by the scan
+  result = _scan_in(tmp_path, "--scan_dir=scan", "--learning_rates=1e-3,3e-3,-1", "--replicas=2", "--",
+                    *_main_args("data.h5"))
   assert result.returncode == 1, result.stdout + result.stderr
   assert "error: 1 of 3 scan points did not finish: replicas2_lr-1" in result.stdout
   # Each point's line starts with an interpreter, so it can be pasted: the tool's own, as a user types it,
-  # and the words are quoted for the shell (a checkout in a folder whose name has a space).
+  # and the words are quoted for the shell (a checkout in a folder whose name has a space). The flags
+  # after `--` are kept as typed (the relative data.h5, for the point run in the same folder); main.py
+  # and the logdir are absolute.
   line = next(line for line in result.stdout.splitlines() if line.startswith("point 0 (replicas2_lr0.001): "))
   words = shlex.split(line.split(": ", 1)[1])
   assert re.fullmatch(r"\S*python[\d.]*", words[0]) and words[1] == os.path.join(REPO_ROOT, "main.py"), line
-  assert words[2:-2] == _main_args(data_path) + [
+  assert words[2:-2] == _main_args("data.h5") + [
       "--learning_rate=0.001", "--replicas=2", "--logdir=" + os.path.join(scan_dir, "replicas2_lr0.001")], line
   assert words[-2:] == [">", os.path.join(scan_dir, "replicas2_lr0.001.log")], line
   table = yaml.safe_load(open(os.path.join(scan_dir, "scan.yaml")))
@@ -51,6 +64,9 @@ def test_a_serial_scan_reports_every_point_and_lists_the_failed_one(tmp_path):
   assert rows["replicas2_lr-1"]["status"] == "failed" and rows["replicas2_lr-1"]["returncode"] != 0
   assert "learning_rate" in rows["replicas2_lr-1"]["error"]
   for name in ("replicas2_lr0.001", "replicas2_lr0.003"):
+    # The relative --data_path was found: the point finished, its summary in the relative --scan_dir.
+    # (The failed third point is why the scan's own exit status is 1, not 0.)
+    assert rows[name]["status"] == "finished" and (tmp_path / "scan" / name / "summary.yaml").exists()
     summary = yaml.safe_load(open(os.path.join(scan_dir, name, "summary.yaml")))
     assert summary["replicas"] == 2 and summary["params"]["learning_rate"] == rows[name]["learning_rate"]
     assert rows[name]["best_val_loss"] == pytest.approx(summary["best_val_loss"])
@@ -63,11 +79,11 @@ def test_a_serial_scan_reports_every_point_and_lists_the_failed_one(tmp_path):
   assert os.path.getsize(os.path.join(scan_dir, "scan.png")) > 10000
 
   # Run again: the finished points are skipped, the failed one is tried again (and fails again).
-  again = _scan("--scan_dir=" + scan_dir, "--learning_rates=1e-3,3e-3,-1", "--replicas=2", "--",
-                *_main_args(data_path))
+  again = _scan_in(tmp_path, "--scan_dir=scan", "--learning_rates=1e-3,3e-3,-1", "--replicas=2", "--",
+                   *_main_args("data.h5"))
   assert again.stdout.count("finished earlier, skipped") == 2 and again.returncode == 1
   # Another grid in the same folder is refused.
-  other = _scan("--scan_dir=" + scan_dir, "--learning_rates=1e-2", "--", *_main_args(data_path))
+  other = _scan_in(tmp_path, "--scan_dir=scan", "--learning_rates=1e-2", "--", *_main_args("data.h5"))
   assert other.returncode == 1 and "holds another scan's grid" in other.stderr
 
 
@@ -103,17 +119,23 @@ def _scan_signalled_in_its_first_point(tmp_path, signum, learning_rates):
 
 def test_ctrl_c_stops_the_point_with_a_checkpoint_and_the_scan_continues_it(tmp_path):
   """Ctrl-C on a serial scan: the running point's main.py stops gracefully (its checkpoint saved, not
-  killed mid-save), the scan ends in one line with status 130, and the same command resumes it."""
-  args, status, out, err, log = _scan_signalled_in_its_first_point(tmp_path, signal.SIGINT, "1e-3,2e-3")
+  killed mid-save), the scan ends in one line with status 130 before the next point, and the same
+  command resumes the point to its end and goes on to the next one. That next point has a rate main.py
+  refuses before TensorFlow starts: whether it ran shows in the report, without a second training."""
+  args, status, out, err, log = _scan_signalled_in_its_first_point(tmp_path, signal.SIGINT, "1e-3,-1")
   assert status == 130, out + err
   assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted by SIGINT: the scan "
                                                                             "stopped"), err
   assert "Training interrupted by SIGINT" in open(log).read()  # a graceful stop, with its checkpoint
-  assert "replicas1_lr0.002" not in out                         # the next point did not start
+  assert "replicas1_lr-1" not in out                            # the next point did not start
   again = _scan(*args)
-  assert again.returncode == 0, again.stdout + again.stderr
+  # Status 1 for the refused next point alone (0 when that point trained): the resumed one finished.
+  assert again.returncode == 1, again.stdout + again.stderr
+  assert "error: 1 of 2 scan points did not finish: replicas1_lr-1" in again.stdout, again.stdout
   assert "--resume" in again.stdout.splitlines()[0]             # the stopped point continued
+  assert "point 0 (replicas1_lr0.001): exit status 0" in again.stdout
   assert "Resumed from" in open(log).read()
+  assert "point 1 (replicas1_lr-1): exit status " in again.stdout  # and the scan went on to the next point
 
 
 @pytest.mark.parametrize("rates, replicas, named", [(["nan"], ["1"], "--learning_rates value nan"),
@@ -182,23 +204,6 @@ def test_a_point_without_its_index_is_one_error(monkeypatch, task, expected):
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", task)
   with pytest.raises(scan.ScanError, match="^%s$" % re.escape(expected)):
     scan._array_task_id()  # pylint: disable=protected-access
-
-
-def _scan_in(folder, *args, **env):
-  """tools/scan.py run from `folder` (a user's own), with more environment variables."""
-  environment = {k: v for k, v in os.environ.items() if k not in ("TF_USE_LEGACY_KERAS", "TF2_BEHAVIOR")}
-  environment.update(env)
-  return subprocess.run([sys.executable, SCAN] + list(args), cwd=str(folder), env=environment,
-                        capture_output=True, text=True, timeout=600)
-
-
-def test_relative_paths_after_the_dashes_are_the_users_folders(tmp_path):
-  """Each point's main.py ran in the repository, where --data_path=data.h5 did not exist."""
-  write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 128, "val": 32, "test": 32})
-  result = _scan_in(tmp_path, "--scan_dir=scan", "--learning_rates=1e-3", "--",
-                    *_main_args("data.h5"))
-  assert result.returncode == 0, result.stdout + result.stderr
-  assert (tmp_path / "scan" / "replicas1_lr0.001" / "summary.yaml").exists()
 
 
 def _fake_sbatch(tmp_path):
