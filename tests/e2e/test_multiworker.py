@@ -19,8 +19,10 @@ from training.checkpoints import read_index
 TIMEOUT_SECONDS = 240
 
 
-def _start_workers(data_path, logdir, count=2, steps=3, more=(), stderr_dir=None, eval_steps=1):
-  """`count` workers on 127.0.0.1; their stderr goes to files in `stderr_dir` if given (to watch)."""
+def _start_workers(data_path, logdir, count=2, more=(), stderr_dir=None):
+  """`count` workers on 127.0.0.1, 2 epochs of 16 steps, every validation and test sample evaluated
+  (--eval_steps=0) in float32 whatever the CPU (for the predict tool's check); their stderr goes to
+  files in `stderr_dir` if given (to watch)."""
   cluster = {"worker": ["127.0.0.1:%d" % port for port in free_ports(count)]}
   scratch = os.path.join(os.path.dirname(logdir), "tmp")  # the workers' TMPDIR, to be left empty
   os.makedirs(scratch, exist_ok=True)
@@ -33,8 +35,8 @@ def _start_workers(data_path, logdir, count=2, steps=3, more=(), stderr_dir=None
     stderr = open(os.path.join(stderr_dir, "worker%d.log" % index), "w") if stderr_dir else subprocess.PIPE
     processes.append(subprocess.Popen(
         [sys.executable, os.path.join(REPO_ROOT, "main.py"), "--model=neuron_inverter", "--design=dev",
-         "--backend=cpu", "--batch_size=16", "--epochs=2", "--steps_per_epoch=%d" % steps,
-         "--eval_steps=%d" % eval_steps, "--data_path=" + data_path, "--logdir=" + logdir] + list(more),
+         "--backend=cpu", "--batch_size=16", "--epochs=2", "--steps_per_epoch=16", "--eval_steps=0",
+         "--precision=32.32", "--data_path=" + data_path, "--logdir=" + logdir] + list(more),
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True))
   return processes
 
@@ -69,8 +71,7 @@ def test_a_signal_to_one_worker_stops_both_after_the_same_step_and_the_run_resum
   sample is evaluated once. (An uninterrupted multi-worker fit of many epochs: test_loop_faults.py.)"""
   data_path = write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 512, "val": 70, "test": 70})
   logdir, logs = str(tmp_path / "run"), str(tmp_path)
-  # Every sample evaluated (--eval_steps=0) and float32 whatever the CPU, for the predict tool's check.
-  processes = _start_workers(data_path, logdir, steps=16, stderr_dir=logs, more=["--precision=32.32"], eval_steps=0)
+  processes = _start_workers(data_path, logdir, stderr_dir=logs)
   _wait_for_line(os.path.join(logs, "worker1.log"), "Compilation and first step done", processes)
   processes[1].send_signal(signal.SIGTERM)  # worker 1 only; worker 0 learns of it through the collective
   _finish(processes)
@@ -86,7 +87,7 @@ def test_a_signal_to_one_worker_stops_both_after_the_same_step_and_the_run_resum
   assert stops[0] == stops[1], stops  # the same step on both
   assert read_index(os.path.join(logdir, "checkpoints", "last"))[-1] == "ckpt-0-step" + stops[0]
 
-  outputs = _finish(_start_workers(data_path, logdir, steps=16, more=["--precision=32.32", "--resume"], eval_steps=0))
+  outputs = _finish(_start_workers(data_path, logdir, more=["--resume"]))
   for process_output in outputs:
     assert "Traceback" not in process_output[1], process_output[1][-3000:]
   chief_log = outputs[0][1]
