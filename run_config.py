@@ -12,6 +12,9 @@ _CACHE_ROOT = os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "neuron_inverter")
 DEFAULT_DATA_CACHE = _CACHE_ROOT
 DEFAULT_EXECUTABLE_CACHE = os.path.join(_CACHE_ROOT, "executables")
+# The model's C++ CPU kernel, compiled once per TensorFlow (strategies/cpu_kernels.py): a build product
+# like an installed package, kept apart from --cache_dir so that runs with a cache of their own reuse it.
+KERNEL_CACHE = os.path.join(_CACHE_ROOT, "kernels")
 
 
 def cache_hint(path: str) -> str:

@@ -38,6 +38,9 @@ which is faster depends on the processor's kernels:
     `phases_max_in_channels` picks such blocks).
   On ties every form routes the gradient to the first maximum of the window, as MaxPoolGrad does (the
   traces have flat stretches, where the conv values of a window are equal).
+- `library`: the path of the compiled ConvPool1D op (model/conv_pool_op.py), which computes the whole
+  float32 block in one pass and keeps the conv output in registers. It gives no input gradient, so it
+  is only for a block whose input is the data (the model builder passes it to the first block only).
 
 Weights keep the names and shapes of a Keras Conv1D (`kernel`, `bias`), so checkpoints and
 `set_weights` move freely between this block and the standard layers.
@@ -45,7 +48,7 @@ Weights keep the names and shapes of a Keras Conv1D (`kernel`, `bias`), so check
 
 import tensorflow as tf
 
-from model import initializers
+from model import conv_pool_op, initializers
 
 
 def _input_grad_by_forward_conv(upstream, kernel):
@@ -160,7 +163,7 @@ class PooledConv1D(tf.keras.layers.Layer):
 
   def __init__(self, filters, kernel_size, pool_size, in_channels, channel_multiple=1,
                input_grad_by_forward_conv=False, kernel_grad_by_matmul=False, pooling="max_pool",
-               **kwargs):
+               library="", **kwargs):
     super().__init__(**kwargs)
     self.filters = filters
     self.kernel_size = kernel_size
@@ -172,6 +175,7 @@ class PooledConv1D(tf.keras.layers.Layer):
     if pooling not in POOLINGS:
       raise ValueError("pooling=%r is not one of %s" % (pooling, ", ".join(POOLINGS)))
     self.pooling = pooling
+    self.library = library
 
   def build(self, input_shape):
     incoming = int(input_shape[-1])
@@ -186,6 +190,9 @@ class PooledConv1D(tf.keras.layers.Layer):
     self._kernel_grad_by_matmul = (self.kernel_grad_by_matmul
                                    and self.kernel_size * incoming >= MATMUL_MIN_COLUMNS)
     self._output_padding = self.output_channels - self.filters
+    # The op computes float32 only and no padding channels (the backend asks for it in float32 only).
+    self._by_library = bool(self.library) and self.compute_dtype == "float32" and not (
+        self._input_padding or self._output_padding)
     super().build(input_shape)
 
   @property
@@ -204,6 +211,8 @@ class PooledConv1D(tf.keras.layers.Layer):
     if self._input_padding or self._output_padding:
       kernel = tf.pad(kernel, [[0, 0], [0, self._input_padding], [0, self._output_padding]])
       bias = tf.pad(bias, [[0, self._output_padding]])
+    if self._by_library:
+      return conv_pool_op.conv_pool1d(inputs, kernel, bias, self.pool_size, self.library)
     if self.pooling == "phases":
       x = _conv_pool_by_phases(inputs, kernel, self.pool_size)
     else:
@@ -223,7 +232,8 @@ class PooledConv1D(tf.keras.layers.Layer):
     config.update(filters=self.filters, kernel_size=self.kernel_size, pool_size=self.pool_size,
                   in_channels=self.in_channels, channel_multiple=self.channel_multiple,
                   input_grad_by_forward_conv=self.input_grad_by_forward_conv,
-                  kernel_grad_by_matmul=self.kernel_grad_by_matmul, pooling=self.pooling)
+                  kernel_grad_by_matmul=self.kernel_grad_by_matmul, pooling=self.pooling,
+                  library=self.library)
     return config
 
 

@@ -33,4 +33,5 @@ CONV_OPTION_DEFAULTS = {
     "kernel_grad_by_matmul": False,
     "pooling": "max_pool",
     "phases_max_in_channels": 0,
+    "first_block_library": "",
 }

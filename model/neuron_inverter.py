@@ -41,7 +41,8 @@ def _standard_conv_block(x, index, filters, kernel, pool):
   return layers.ReLU(name="relu%d" % index)(x)
 
 
-def _conv_blocks(x, design, standard_layers, pooling, phases_max_in_channels, **conv_options):
+def _conv_blocks(x, design, standard_layers, pooling, phases_max_in_channels, first_block_library,
+                 **conv_options):
   blocks = list(zip(design["conv_filters"], design["conv_kernels"], design["conv_pools"]))
   in_channels = int(x.shape[-1])
   for index, (filters, kernel, pool) in enumerate(blocks, start=1):
@@ -50,7 +51,7 @@ def _conv_blocks(x, design, standard_layers, pooling, phases_max_in_channels, **
     else:
       block_pooling = "phases" if in_channels <= phases_max_in_channels else pooling
       x = PooledConv1D(filters, kernel, pool, in_channels, name="conv%d" % index, pooling=block_pooling,
-                       **conv_options)(x)
+                       library=first_block_library if index == 1 else "", **conv_options)(x)
     in_channels = filters
   return x if standard_layers else LeadingChannels(in_channels, name="conv_channels")(x)
 
@@ -74,12 +75,14 @@ def min_time_bins(design: dict) -> int:
 
 def build(config: RunConfig, input_shape=(1600, 4), num_outputs=15, channel_multiple=1,
           input_grad_by_forward_conv=False, kernel_grad_by_matmul=False, pooling="max_pool",
-          phases_max_in_channels=0, standard_layers=False) -> tf.keras.Model:
+          phases_max_in_channels=0, first_block_library="", standard_layers=False) -> tf.keras.Model:
   """Builds the (uncompiled) model of design `config.design` for samples of `input_shape`.
 
-  `channel_multiple`, `input_grad_by_forward_conv`, `kernel_grad_by_matmul`, `pooling` and
-  `phases_max_in_channels` are the backend's convolution options (see `model.conv_layers`: blocks
-  with at most `phases_max_in_channels` real input channels pool by phases, the others by `pooling`);
+  `channel_multiple`, `input_grad_by_forward_conv`, `kernel_grad_by_matmul`, `pooling`,
+  `phases_max_in_channels` and `first_block_library` are the backend's convolution options (see
+  `model.conv_layers`: blocks with at most `phases_max_in_channels` real input channels pool by
+  phases, the others by `pooling`; the first block, whose input is the data, runs as the compiled op
+  at `first_block_library` where one is given);
   `standard_layers` builds the plain Keras layers instead, without options.
   """
   design = DESIGNS[config.design]
@@ -91,7 +94,7 @@ def build(config: RunConfig, input_shape=(1600, 4), num_outputs=15, channel_mult
   inputs = layers.Input(shape=input_shape, name="frames")
   x = layers.Reshape((probes, time_bins), name="reference_reshape")(inputs)  # reshape, not transpose
   x = layers.Permute((2, 1), name="channels_last")(x)
-  x = _conv_blocks(x, design, standard_layers, pooling, phases_max_in_channels,
+  x = _conv_blocks(x, design, standard_layers, pooling, phases_max_in_channels, first_block_library,
                    channel_multiple=channel_multiple, input_grad_by_forward_conv=input_grad_by_forward_conv,
                    kernel_grad_by_matmul=kernel_grad_by_matmul)
   x = layers.Flatten(name="flatten")(x)

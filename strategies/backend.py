@@ -58,13 +58,14 @@ class Backend:
   precision: str = "32.32"                 # resolved --precision (never "auto")
   # How this hardware's convolutions run fastest (the model computes the same function either way;
   # see model/conv_layers.py): channel counts padded to a multiple, input gradient as a forward conv,
-  # kernel gradient as a matmul, how windows are pooled, and up to how many input channels a block
-  # pools by phases.
+  # kernel gradient as a matmul, how windows are pooled, up to how many input channels a block
+  # pools by phases, and the compiled op library for the first block ("": TensorFlow's ops).
   conv_channel_multiple: int = 1
   conv_input_grad_by_forward_conv: bool = False
   conv_kernel_grad_by_matmul: bool = False
   conv_pooling: str = "max_pool"
   conv_phases_max_in_channels: int = 0
+  conv_first_block_library: str = ""
   # Other values of the conv_* fields above that may be faster on this machine: each a tuple of
   # (field, value) pairs, the built-in choice first; training/autotune.py times them. () where the
   # choice was measured on this kind of hardware.
@@ -147,7 +148,8 @@ class Backend:
     return {"channel_multiple": self.conv_channel_multiple,
             "input_grad_by_forward_conv": self.conv_input_grad_by_forward_conv,
             "kernel_grad_by_matmul": self.conv_kernel_grad_by_matmul,
-            "pooling": self.conv_pooling, "phases_max_in_channels": self.conv_phases_max_in_channels}
+            "pooling": self.conv_pooling, "phases_max_in_channels": self.conv_phases_max_in_channels,
+            "first_block_library": self.conv_first_block_library}
 
   def prepare_model(self, model: tf.keras.Model, stage_boundaries=()) -> tf.keras.Model:
     """Called inside the strategy scope, before compile()."""

@@ -13,8 +13,8 @@ import tensorflow as tf
 from absl import logging
 
 from errors import UserError
-from run_config import RunConfig
-from strategies import collective_threads, cpuinfo, device_pipelines, multiworker
+from run_config import KERNEL_CACHE, RunConfig
+from strategies import collective_threads, cpu_kernels, cpuinfo, device_pipelines, multiworker
 from strategies.backend import Backend, options_from_config
 
 # Keras policies per --precision: this CPU family computes 16-bit in bfloat16 (AVX-512 BF16 / AMX) and
@@ -152,6 +152,14 @@ def conv_options(precision: str, cpu_flags=None, generation=None) -> dict:
           **(_MAXIMA_FORMS if maxima else _MAXPOOL_FORMS)}
 
 
+def fuses_first_block(precision: str, cpu_flags) -> bool:
+  """Whether the first conv block runs as the compiled ConvPool1D op (strategies/cpu_kernels.py): in
+  float32 (the op's only type) on CPUs with the features its code uses. On an AVX2-only Zen 3 a
+  replica's step of the default job (batch 48, one thread) took 1.10x less time with it
+  (tools/benchmark_forms.py; docs/PERFORMANCE.md, session 63)."""
+  return precision == "32.32" and set(cpu_kernels.CPU_FEATURES) <= set(cpu_flags)
+
+
 # The choices above whose measurements came from some CPUs and not others: on a CPU that computes in
 # float32 the run may time the other forms of these for a few steps and keep the fastest
 # (training/autotune.py; docs/PERFORMANCE.md). Everywhere: the kernel gradient as a matmul, decided on
@@ -267,6 +275,8 @@ def create(config: RunConfig) -> Backend:
   device_pipelines.apply()
   flags = _cpu_flags()  # read once: the choice and its alternatives see the same CPU (and ISA cap)
   chosen = conv_options(config.precision, flags)
+  if fuses_first_block(config.precision, flags):
+    chosen["conv_first_block_library"] = cpu_kernels.conv_pool_library(KERNEL_CACHE)
   fields = dict(options_from_config(config), **chosen,
                 form_alternatives=conv_alternatives(config.precision, chosen, flags),
                 machine_signature=machine_signature())

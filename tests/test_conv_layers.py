@@ -178,7 +178,7 @@ def test_backend_passes_only_the_options_a_builder_declares():
   options = backend.model_options()
   assert model.accepted_options(_builder(), **options) == {
       "channel_multiple": 32, "input_grad_by_forward_conv": True, "kernel_grad_by_matmul": False,
-      "pooling": "max_pool", "phases_max_in_channels": 0}
+      "pooling": "max_pool", "phases_max_in_channels": 0, "first_block_library": ""}
   assert model.accepted_options(model.get_model_module("mnist").build, **options) == {}
 
 

@@ -108,11 +108,13 @@ def may_time(config: RunConfig, total_steps: int) -> bool:
 
 
 def model_code_digest() -> str:
-  """A digest of the model package's sources: the forms' relative speeds change with their code."""
+  """A digest of the model package's sources (Python and the C++ kernels): the forms' relative speeds
+  change with their code."""
   folder = os.path.dirname(os.path.abspath(model.__file__))
   digest = hashlib.sha256()
-  for name in sorted(os.listdir(folder)):
-    if name.endswith(".py"):
+  for name in sorted(os.listdir(folder)) + sorted(os.path.join("kernels", name) for name in
+                                                  os.listdir(os.path.join(folder, "kernels"))):
+    if name.endswith((".py", ".cc")):
       with open(os.path.join(folder, name), "rb") as source:
         digest.update(name.encode() + b"\0" + source.read())
   return digest.hexdigest()[:16]

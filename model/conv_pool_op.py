@@ -1,0 +1,38 @@
+"""The first conv block as one CPU op: relu(maxpool(conv1d(x, kernel)) + bias) and its gradients,
+from model/kernels/conv_pool1d.cc (compiled for this machine by strategies/cpu_kernels.py).
+
+It computes the function of PooledConv1D's other forms, with the same first-maximum rule on ties,
+up to the order of the 16 multiply-adds in each conv value. It gives no gradient for its input, so
+the model builder uses it only where the input is the data: the network's first block.
+"""
+
+import tensorflow as tf
+
+_LIBRARIES = {}
+
+
+def load(path: str):
+  """The op library at `path`, loaded once per process."""
+  if path not in _LIBRARIES:
+    _LIBRARIES[path] = tf.load_op_library(path)
+  return _LIBRARIES[path]
+
+
+def conv_pool1d(x, kernel, bias, pool: int, library_path: str):
+  """relu(max_pool1d(conv1d(x, kernel, VALID), pool, pool, VALID) + bias) for float32 `x` (batch,
+  time, in), `kernel` (width, in, out), `bias` (out); gradients for `kernel` and `bias` only."""
+  library = load(library_path)
+  width = int(kernel.shape[0])
+
+  @tf.custom_gradient
+  def block(x, kernel, bias):
+    outputs, winners = library.conv_pool1d(x, kernel, bias, pool=pool)
+
+    def grad(upstream):
+      kernel_grad, bias_grad = library.conv_pool1d_grad(x, outputs, winners, upstream, pool=pool,
+                                                        width=width)
+      return None, kernel_grad, bias_grad
+
+    return outputs, grad
+
+  return block(x, kernel, bias)

@@ -1,0 +1,113 @@
+"""The model's own C++ CPU kernel (model/kernels/conv_pool1d.cc), compiled for this machine.
+
+The first conv block of the Neuron-Inverter spends its time on memory with TensorFlow's ops (its
+full-resolution output is written and read about five times a step); the kernel keeps that output in
+registers. It is compiled against the TensorFlow that runs it (headers and flags from tf.sysconfig)
+with AVX2 and FMA code, so the backend uses it only on CPUs that have both.
+
+The library goes to <KERNEL_CACHE>/<digest>/ (run_config.KERNEL_CACHE), the digest covering the
+source, TensorFlow and the compiler command, so later runs load it (the build takes 11-13 s on a Zen
+3). Processes that start together (workers, test runners) build it once: the first takes a lock on
+the folder, the others wait for it, and the library appears whole, by a rename. Where it cannot be
+built or loaded (no C++ compiler, a TensorFlow without headers), the run says why in one line and
+trains with TensorFlow's ops, which compute the same function.
+"""
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+
+import tensorflow as tf
+from absl import logging
+
+SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model", "kernels",
+                      "conv_pool1d.cc")
+# The CPU features the compiled code uses: the backend checks them (cpu.fuses_first_block).
+CPU_FEATURES = ("avx2", "fma")
+_CODE_FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-Wno-deprecated-declarations")
+BUILD_SECONDS = 300  # a build that takes longer is stuck
+
+
+def compiler() -> str:
+  """The C++ compiler: $CXX, else g++ or c++ on the PATH ("" when there is none)."""
+  for name in (os.environ.get("CXX"), "g++", "c++"):
+    if name and shutil.which(name):
+      return shutil.which(name)
+  return ""
+
+
+def _command(cxx: str, output: str) -> list:
+  compile_flags = tf.sysconfig.get_compile_flags()
+  if not any("std=" in flag for flag in compile_flags):
+    # TensorFlow 2.6 names no standard but was built as C++14; a newer compiler's default (C++17) would
+    # turn Abseil's string_view into std::string_view and miss TensorFlow's symbols when loaded.
+    compile_flags.append("-std=c++14")
+  return [cxx, *_CODE_FLAGS, *compile_flags, SOURCE, "-o", output, *tf.sysconfig.get_link_flags()]
+
+
+def library_path(cache_dir: str, cxx: str) -> str:
+  """Where the library built by `cxx` for this TensorFlow is kept under `cache_dir`."""
+  digest = hashlib.sha256()
+  with open(SOURCE, "rb") as source:
+    digest.update(source.read())
+  digest.update(("\0".join([tf.__version__, tf.__file__] + _command(cxx, ""))).encode())
+  return os.path.join(cache_dir, digest.hexdigest()[:16], "conv_pool1d.so")
+
+
+def _build(cxx: str, path: str) -> None:
+  """Compiles SOURCE into `path` (a temporary file renamed into place); raises RuntimeError."""
+  handle, scratch = tempfile.mkstemp(prefix=".building-", suffix=".so", dir=os.path.dirname(path))
+  os.close(handle)
+  try:
+    result = subprocess.run(_command(cxx, scratch), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            universal_newlines=True, timeout=BUILD_SECONDS, check=False)
+    if result.returncode != 0:
+      errors = [line for line in result.stdout.splitlines() if "error" in line]
+      raise RuntimeError("%s exited with %d: %s" % (os.path.basename(cxx), result.returncode,
+                                                    (errors or result.stdout.splitlines() or ["no output"])[0]))
+    os.replace(scratch, path)
+  except (OSError, subprocess.TimeoutExpired) as error:
+    raise RuntimeError(str(error)) from error
+  finally:
+    if os.path.exists(scratch):
+      os.remove(scratch)
+
+
+def _build_once(cxx: str, path: str) -> None:
+  """Builds `path` unless another process has, holding a lock on its folder while it does."""
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    lock = open(os.path.join(os.path.dirname(path), ".lock"), "w")
+  except OSError as error:
+    raise RuntimeError(str(error)) from error
+  with lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not os.path.exists(path):
+      logging.info("Compiling the first conv block's CPU kernel into %s (once per TensorFlow)", path)
+      start = time.monotonic()
+      _build(cxx, path)
+      logging.info("Compiled in %.1f s", time.monotonic() - start)
+
+
+def conv_pool_library(cache_dir: str) -> str:
+  """The path of the compiled, loadable kernel library under `cache_dir`, building it if needed; ""
+  (with a warning that says why) where it cannot be had."""
+  cxx = compiler()
+  if not cxx:
+    logging.warning("No C++ compiler (g++, c++ or $CXX) to build %s: the first conv block runs on "
+                    "TensorFlow's ops (the same function, slower)", SOURCE)
+    return ""
+  path = library_path(cache_dir, cxx)
+  try:
+    if not os.path.exists(path):
+      _build_once(cxx, path)
+    tf.load_op_library(path)
+  except (RuntimeError, tf.errors.OpError) as error:
+    logging.warning("Could not build or load %s (%s): the first conv block runs on TensorFlow's ops "
+                    "(the same function, slower)", path, str(error).strip().splitlines()[0])
+    return ""
+  return path
