@@ -190,9 +190,11 @@ class PooledConv1D(tf.keras.layers.Layer):
     self._kernel_grad_by_matmul = (self.kernel_grad_by_matmul
                                    and self.kernel_size * incoming >= MATMUL_MIN_COLUMNS)
     self._output_padding = self.output_channels - self.filters
-    # The op computes float32 only and no padding channels (the backend asks for it in float32 only).
+    # The op computes float32 only, without padding channels, and only some sizes (the backend asks for
+    # it in float32 only).
     self._by_library = bool(self.library) and self.compute_dtype == "float32" and not (
-        self._input_padding or self._output_padding)
+        self._input_padding or self._output_padding) and conv_pool_op.computes(
+            self.kernel_size, self.in_channels, self.filters, self.pool_size)
     super().build(input_shape)
 
   @property

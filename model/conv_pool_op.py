@@ -10,6 +10,18 @@ import tensorflow as tf
 
 _LIBRARIES = {}
 
+# What the op's code computes (model/kernels/conv_pool1d.cc): output channels in up to 8 vectors of 8,
+# a gradient window (width x input channels) of 1 to 4 whole vectors, the winner's position in a byte.
+MAX_FILTERS = 64
+WINDOW_SIZES = (8, 16, 24, 32)
+MAX_POOL = 255
+
+
+def computes(width: int, in_channels: int, filters: int, pool: int) -> bool:
+  """Whether the op computes a block of these sizes (ontra4's and dev's first blocks: 4 x 4 -> 30 and
+  4 x 4 -> 4, pools of 4); other blocks stay with TensorFlow's ops."""
+  return filters <= MAX_FILTERS and width * in_channels in WINDOW_SIZES and pool <= MAX_POOL
+
 
 def load(path: str):
   """The op library at `path`, loaded once per process."""

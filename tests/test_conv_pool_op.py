@@ -131,6 +131,16 @@ def test_the_model_builder_gives_the_op_to_the_first_block_only(library):
     np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-4, atol=1e-6 * np.abs(expected.numpy()).max())
 
 
+def test_blocks_of_other_sizes_keep_tensorflows_ops(library):
+  # A gradient window of 12 values (width 3 x 4 probes) is not a whole number of the op's vectors.
+  for sizes, expected in (((4, 4, 30, 4), True), ((3, 4, 30, 4), False), ((4, 4, 65, 4), False)):
+    width, in_channels, filters, pool = sizes
+    block = conv_layers.PooledConv1D(filters, width, pool, in_channels, library=library)
+    block.build((2, 64, in_channels))
+    assert block._by_library == expected, sizes  # pylint: disable=protected-access
+    assert block(tf.ones((2, 64, in_channels))).shape == (2, (64 - width + 1) // pool, filters)
+
+
 def test_the_op_refuses_shapes_it_does_not_compute(library):
   ops = conv_pool_op.load(library)
   with pytest.raises(tf.errors.InvalidArgumentError, match="at most 64 output channels"):
