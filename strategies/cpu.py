@@ -160,6 +160,14 @@ def fuses_first_block(precision: str, cpu_flags) -> bool:
   return precision == "32.32" and set(cpu_kernels.CPU_FEATURES) <= set(cpu_flags)
 
 
+def _takes_first_block_library(model_name: str) -> bool:
+  """Whether the run's model builder takes the compiled first-block op (the Neuron-Inverter's does), so
+  that other models' runs (MNIST) do not compile it."""
+  import model  # pylint: disable=import-outside-toplevel  (the registry; the builder is imported to build anyway)
+  builder = model.get_model_module(model_name).build
+  return "first_block_library" in model.accepted_options(builder, first_block_library="")
+
+
 # The choices above whose measurements came from some CPUs and not others: on a CPU that computes in
 # float32 the run may time the other forms of these for a few steps and keep the fastest
 # (training/autotune.py; docs/PERFORMANCE.md). Everywhere: the kernel gradient as a matmul, decided on
@@ -275,7 +283,7 @@ def create(config: RunConfig) -> Backend:
   device_pipelines.apply()
   flags = _cpu_flags()  # read once: the choice and its alternatives see the same CPU (and ISA cap)
   chosen = conv_options(config.precision, flags)
-  if fuses_first_block(config.precision, flags):
+  if fuses_first_block(config.precision, flags) and _takes_first_block_library(config.model):
     chosen["conv_first_block_library"] = cpu_kernels.conv_pool_library(KERNEL_CACHE)
   fields = dict(options_from_config(config), **chosen,
                 form_alternatives=conv_alternatives(config.precision, chosen, flags),

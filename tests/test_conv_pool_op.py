@@ -155,6 +155,16 @@ def test_the_backend_asks_for_the_op_in_float32_with_avx2_and_fma_only():
   assert not cpu.fuses_first_block("32.32", {"sse4_2", "avx"})
 
 
+def test_only_a_model_that_takes_the_op_has_it_compiled(library, monkeypatch):
+  built = []
+  monkeypatch.setattr(cpu_kernels, "conv_pool_library", lambda cache: built.append(cache) or library)
+  monkeypatch.setattr(cpu, "_cpu_flags", lambda: {"avx", "avx2", "fma"})
+  mnist = cpu.create(RunConfig(model="mnist", backend="cpu", precision="32.32"))
+  assert mnist.conv_first_block_library == "" and not built
+  inverter = cpu.create(RunConfig(model="neuron_inverter", backend="cpu", precision="32.32"))
+  assert inverter.conv_first_block_library == library and built == [KERNEL_CACHE]
+
+
 def test_without_a_compiler_the_run_says_so_and_uses_tensorflows_ops(monkeypatch, tmp_path, caplog):
   monkeypatch.setenv("PATH", str(tmp_path))
   monkeypatch.delenv("CXX", raising=False)
