@@ -13,16 +13,17 @@ built or loaded (no C++ compiler, a TensorFlow without headers), the run says wh
 trains with TensorFlow's ops, which compute the same function.
 """
 
-import fcntl
 import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 
 import tensorflow as tf
 from absl import logging
+
+from data import atomic_files
+from model import conv_pool_op
 
 SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model", "kernels",
                       "conv_pool1d.cc")
@@ -35,8 +36,9 @@ BUILD_SECONDS = 300  # a build that takes longer is stuck
 def compiler() -> str:
   """The C++ compiler: $CXX, else g++ or c++ on the PATH ("" when there is none)."""
   for name in (os.environ.get("CXX"), "g++", "c++"):
-    if name and shutil.which(name):
-      return shutil.which(name)
+    found = shutil.which(name) if name else None
+    if found:
+      return found
   return ""
 
 
@@ -59,9 +61,9 @@ def library_path(cache_dir: str, cxx: str) -> str:
 
 
 def _build(cxx: str, path: str) -> None:
-  """Compiles SOURCE into `path` (a temporary file renamed into place); raises RuntimeError."""
-  handle, scratch = tempfile.mkstemp(prefix=".building-", suffix=".so", dir=os.path.dirname(path))
-  os.close(handle)
+  """Compiles SOURCE into `path` (under a name of this process's, renamed into place); raises
+  RuntimeError."""
+  scratch = atomic_files.temporary_name(path)
   try:
     result = subprocess.run(_command(cxx, scratch), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             universal_newlines=True, timeout=BUILD_SECONDS, check=False)
@@ -78,19 +80,19 @@ def _build(cxx: str, path: str) -> None:
 
 
 def _build_once(cxx: str, path: str) -> None:
-  """Builds `path` unless another process has, holding a lock on its folder while it does."""
+  """Builds `path` unless another process has, one process at a time (atomic_files' lock, which also
+  copes with file systems without locks)."""
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    lock = open(os.path.join(os.path.dirname(path), ".lock"), "w")
+    with atomic_files.one_writer_at_a_time(
+        path, lambda: logging.info("Waiting for another process compiling %s", path)):
+      if not os.path.exists(path):
+        logging.info("Compiling the first conv block's CPU kernel into %s (once per TensorFlow)", path)
+        start = time.monotonic()
+        _build(cxx, path)
+        logging.info("Compiled in %.1f s", time.monotonic() - start)
   except OSError as error:
     raise RuntimeError(str(error)) from error
-  with lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    if not os.path.exists(path):
-      logging.info("Compiling the first conv block's CPU kernel into %s (once per TensorFlow)", path)
-      start = time.monotonic()
-      _build(cxx, path)
-      logging.info("Compiled in %.1f s", time.monotonic() - start)
 
 
 def conv_pool_library(cache_dir: str) -> str:
@@ -105,7 +107,7 @@ def conv_pool_library(cache_dir: str) -> str:
   try:
     if not os.path.exists(path):
       _build_once(cxx, path)
-    tf.load_op_library(path)
+    conv_pool_op.load(path)  # loaded here, once per process, so that a library that fails is said now
   except (RuntimeError, tf.errors.OpError) as error:
     logging.warning("Could not build or load %s (%s): the first conv block runs on TensorFlow's ops "
                     "(the same function, slower)", path, str(error).strip().splitlines()[0])
