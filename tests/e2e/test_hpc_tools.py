@@ -83,6 +83,26 @@ def _path_of(tmp_path, *tools):
     (folder / tool).symlink_to(shutil.which(tool))
   return folder
 
+@pytest.mark.parametrize("has_compiler", [True, False])
+def test_the_stock_image_gets_a_compiler_only_when_it_lacks_one(tmp_path, has_compiler):
+  """The stock image's %post, run by `sh -e` as Apptainer runs it, with stand-ins for pip and apt-get:
+  g++ (for the first conv block's CPU kernel) is installed when the base image has none, and only then."""
+  folder = _path_of(tmp_path, "sh")
+  pip_record = _stand_in(tmp_path, "python3")
+  apt_record = _stand_in(tmp_path, "apt-get")
+  if has_compiler:
+    _stand_in(tmp_path, "g++")
+  _stand_in(tmp_path, "rm")
+  with open(os.path.join(TOOLS, "containers", "tensorflow.def")) as definition:
+    (post,) = [section for section in definition.read().split("\n%") if section.startswith("post\n")]
+  subprocess.run(["sh", "-e", "-c", post.split("\n", 1)[1]], env={"PATH": str(folder)}, check=True)
+  assert "requirements.txt" in pip_record.read_text().split("\n")[-2]
+  if has_compiler:
+    assert not apt_record.exists()
+  else:  # the last call: the stand-in keeps one call's arguments
+    assert apt_record.read_text().split() == ["install", "-y", "--no-install-recommends", "g++"]
+
+
 def test_container_launcher_forwards_everything(tmp_path):
   record = _stand_in(tmp_path, "singularity")
   env = dict(os.environ, PATH="%s:%s" % (tmp_path / "bin", os.environ["PATH"]), SINGULARITY="singularity",
