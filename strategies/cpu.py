@@ -156,7 +156,8 @@ def fuses_first_block(precision: str, cpu_flags) -> bool:
   """Whether the first conv block runs as the compiled ConvPool1D op (strategies/cpu_kernels.py): in
   float32 (the op's only type) on CPUs with the features its code uses. On an AVX2-only Zen 3 a
   replica's step of the default job (batch 48, one thread) took 1.10x less time with it
-  (tools/benchmark_forms.py; docs/PERFORMANCE.md, session 63)."""
+  (tools/benchmark_forms.py; docs/PERFORMANCE.md, session 63). Measured on that CPU alone, so
+  --autotune times the step without it too (conv_alternatives)."""
   return precision == "32.32" and set(cpu_kernels.CPU_FEATURES) <= set(cpu_flags)
 
 
@@ -173,11 +174,14 @@ def _takes_first_block_library(model_name: str) -> bool:
 # (training/autotune.py; docs/PERFORMANCE.md). Everywhere: the kernel gradient as a matmul, decided on
 # a Zen 4 under an AVX2 cap only. With AVX2 code: MaxPool against maxima, decided on a Zen 1 at 1 x 192
 # only (with AVX-512 MaxPool won on both CPUs that had it). With AVX-512: the input gradient's form,
-# which went one way in bfloat16 and the other in float32 on the CPUs that measured it.
+# which went one way in bfloat16 and the other in float32 on the CPUs that measured it. And the compiled
+# first block (fuses_first_block), measured on one AVX2 CPU only: where the backend chose it, the
+# built-in forms on TensorFlow's ops are timed too, one more form rather than twice as many.
 def conv_alternatives(precision: str, chosen: dict, cpu_flags=None) -> tuple:
   """The convolution options worth timing on this machine, as Backend field overrides, the built-in
-  `chosen` (conv_options' fields) first; () where the choice was measured on the CPUs it applies to
-  (16-bit: the AMX Xeon and the Zen 4 both chose these forms)."""
+  `chosen` (conv_options' fields, and conv_first_block_library where the op was built) first; () where
+  the choice was measured on the CPUs it applies to (16-bit: the AMX Xeon and the Zen 4 both chose these
+  forms)."""
   if precision != "32.32":
     return ()
   flags = _cpu_flags() if cpu_flags is None else set(cpu_flags)
@@ -186,8 +190,11 @@ def conv_alternatives(precision: str, chosen: dict, cpu_flags=None) -> tuple:
   else:
     uncertain = (_MAXPOOL_FORMS, _MAXIMA_FORMS) if chosen["conv_pooling"] == "max_pool" else (
         _MAXIMA_FORMS, _MAXPOOL_FORMS)
-  return tuple(tuple(sorted(dict(outer, **inner).items()))
-               for outer in uncertain for inner in _both_ways("conv_kernel_grad_by_matmul", chosen))
+  forms = tuple(tuple(sorted(dict(outer, **inner).items()))
+                for outer in uncertain for inner in _both_ways("conv_kernel_grad_by_matmul", chosen))
+  if chosen.get("conv_first_block_library"):
+    forms += (tuple(sorted(dict(forms[0], conv_first_block_library="").items())),)
+  return forms
 
 
 def _both_ways(field: str, chosen: dict) -> tuple:

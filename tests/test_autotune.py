@@ -55,6 +55,23 @@ def test_with_avx512_the_input_gradient_is_timed_instead_of_the_pooling():
   assert not any("conv_pooling" in forms for forms in alternatives)  # MaxPool, measured on two CPUs
 
 
+@pytest.mark.parametrize("flags", [{"fma", "avx2"}, {"fma", "avx2", "avx512f"}])
+def test_a_compiled_first_block_is_timed_against_the_builtin_forms_without_it(flags):
+  """Measured on one AVX2 CPU only: one more form, the built-in one on TensorFlow's ops, named so."""
+  chosen = dict(cpu.conv_options("32.32", flags, ("AuthenticAMD", 25)), conv_first_block_library="/k/op.so")
+  alternatives = cpu.conv_alternatives("32.32", chosen, flags)
+  assert len(set(alternatives)) == 5
+  assert dict(alternatives[-1]) == dict(alternatives[0], conv_first_block_library="")
+  assert not any("conv_first_block_library" in dict(forms) for forms in alternatives[:-1])
+  assert autotune.describe(alternatives[-1]) == autotune.describe(alternatives[0]) + ", first_block_library=none"
+  backend = Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",), **chosen, form_alternatives=alternatives,
+                    machine_signature="test cpu")
+  assert backend.with_forms(alternatives[0]).model_options()["first_block_library"] == "/k/op.so"
+  assert backend.with_forms(alternatives[-1]).model_options()["first_block_library"] == ""
+  key = autotune.cache_key(RunConfig(model="neuron_inverter"), backend, SHAPE, alternatives)
+  assert "/k/op.so" not in yaml.safe_dump(key)  # the kernel's folder does not key the timings
+
+
 def test_sixteen_bit_has_no_alternatives():
   chosen = cpu.conv_options("16.32", {"avx512f", "avx512_bf16"}, ("AuthenticAMD", 25))
   assert cpu.conv_alternatives("16.32", chosen) == ()

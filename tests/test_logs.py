@@ -41,6 +41,19 @@ def test_the_prefix_is_level_date_time_file_and_line():
   assert re.fullmatch(r"W\d{4} \d\d:\d\d:\d\d loop\.py:321\] Global batch", line), line
 
 
+def test_tensorflows_warnings_are_dropped_by_text_only_inside_the_block(caplog):
+  """TensorFlow's own logger, as its tf.function retracing warning reaches it (TF 2.6 and 2.21)."""
+  logger = tf.get_logger()
+  retracing = "5 out of the last 9 calls to <function f> triggered tf.function retracing. Tracing is expensive"
+  with caplog.at_level(python_logging.WARNING):
+    with logs.tensorflow_warnings_dropped(logs.RETRACING_WARNING):
+      logger.warning(retracing)
+      logger.warning("another warning")
+    logger.warning(retracing + " (after)")
+  messages = [record.getMessage() for record in caplog.records]
+  assert messages == ["another warning", retracing + " (after)"]
+
+
 _PROBE_SCRIPT = """
 import os, sys
 from strategies import environment

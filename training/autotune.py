@@ -66,9 +66,11 @@ class Choice:
 
 def describe(forms) -> str:
   """"pooling=maximum, kernel_grad_by_matmul=True, ..." for (field, value) pairs of conv_* fields,
-  the pooling first."""
-  ordered = sorted(forms, key=lambda pair: (pair[0] != "conv_pooling", pair[0]))
-  return ", ".join("%s=%s" % (field[len("conv_"):] if field.startswith("conv_") else field, value)
+  the pooling first and the compiled first block last (an empty value, TensorFlow's ops, as "none")."""
+  ordered = sorted(forms, key=lambda pair: (pair[0] != "conv_pooling", pair[0] == "conv_first_block_library",
+                                            pair[0]))
+  return ", ".join("%s=%s" % (field[len("conv_"):] if field.startswith("conv_") else field,
+                              "none" if value == "" else value)
                    for field, value in ordered)
 
 
@@ -300,7 +302,7 @@ def _measured(backend, alternatives, build, first_batch, key, path) -> Choice:
         % (len(alternatives), backend.label, steps), flush=True)
   started = time.perf_counter()
   # The process's first batch and steps: TensorFlow's one-off lines come now, not in training's first step.
-  with DroppedLines(logs.ONE_OFF_NATIVE_LINES):
+  with DroppedLines(logs.ONE_OFF_NATIVE_LINES), logs.tensorflow_warnings_dropped(logs.RETRACING_WARNING):
     durations = measure(backend, alternatives, build, first_batch())
   # The throwaway models hold reference cycles (layers, optimizers, traced functions), which only the
   # cycle collector frees: collected now, before the run builds its own model.

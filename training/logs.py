@@ -44,6 +44,27 @@ ONE_OFF_NATIVE_LINES = (
 
 _APP_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
+# TensorFlow's Python warning when 5 of the last 10 calls of one Python function traced it. Keras' train
+# functions share one code object, which TensorFlow counts as one function: --autotune, which builds
+# and traces a model per form on purpose, met it with 5 forms (TF 2.21; TF 2.6 counts the same way).
+RETRACING_WARNING = "triggered tf.function retracing"
+
+
+@contextlib.contextmanager
+def tensorflow_warnings_dropped(*texts: str):
+  """Drops the warnings of TensorFlow's Python logger that contain one of `texts` while the block runs
+  (warnings the block causes on purpose); every other line passes."""
+  class _Dropped(python_logging.Filter):
+    def filter(self, record):
+      return not any(text in record.getMessage() for text in texts)
+
+  dropped, logger = _Dropped(), python_logging.getLogger("tensorflow")
+  logger.addFilter(dropped)
+  try:
+    yield
+  finally:
+    logger.removeFilter(dropped)
+
 
 class _OwnInfoOnly(python_logging.Filter):
   """Passes records of WARNING and above, and records logged from this application's own files."""
