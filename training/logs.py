@@ -50,15 +50,22 @@ _APP_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 RETRACING_WARNING = "triggered tf.function retracing"
 
 
+class _WithoutTexts(python_logging.Filter):
+  """Passes the records whose message contains none of `texts`."""
+
+  def __init__(self, texts):
+    super().__init__()
+    self._texts = texts
+
+  def filter(self, record):
+    return not any(text in record.getMessage() for text in self._texts)
+
+
 @contextlib.contextmanager
 def tensorflow_warnings_dropped(*texts: str):
   """Drops the warnings of TensorFlow's Python logger that contain one of `texts` while the block runs
   (warnings the block causes on purpose); every other line passes."""
-  class _Dropped(python_logging.Filter):
-    def filter(self, record):
-      return not any(text in record.getMessage() for text in texts)
-
-  dropped, logger = _Dropped(), python_logging.getLogger("tensorflow")
+  dropped, logger = _WithoutTexts(texts), python_logging.getLogger("tensorflow")
   logger.addFilter(dropped)
   try:
     yield
