@@ -41,6 +41,9 @@ def define_flags():
   flags.DEFINE_integer("report_every", 500, "A progress line every this many repeats.", lower_bound=1)
   flags.DEFINE_string("save_differing", None, "An .npz file for the first repeat that differs: each "
                       "differing gradient as first and as then (`<name>/first`, `<name>/then`).")
+  # Checked before TensorFlow starts: the file is written only when a case turns up, maybe an hour in.
+  flags.register_validator("save_differing", lambda path: not path or os.path.isdir(os.path.dirname(
+      os.path.abspath(path))), "--save_differing: expected a file name in an existing folder")
 
 
 def differing(names, first, now) -> list:
@@ -57,8 +60,8 @@ def differing(names, first, now) -> list:
 
 
 def _step(backend, config):
-  """The step as a tf.function of no arguments, returning the replica-summed gradients, and the names
-  of the variables they belong to."""
+  """The step as a tf.function of no arguments, returning the replica-summed gradients, then each
+  replica's own, and their names."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   import model  # pylint: disable=import-outside-toplevel
   module = model.get_model_module(config.model)

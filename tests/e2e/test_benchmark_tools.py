@@ -490,7 +490,9 @@ def test_repeat_step_repeats_the_step_and_reports_how_many_differed():
   assert "Traceback" not in result.stderr
 
 
-def test_repeat_step_refuses_a_bad_flag_on_one_line():
-  result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "repeat_step.py"), "--repeats=0"],
+@pytest.mark.parametrize("flag, expected", [("--repeats=0", "--repeats"),
+                                            ("--save_differing=/nonexistent/d.npz", "an existing folder")])
+def test_repeat_step_refuses_a_bad_flag_on_one_line(flag, expected):
+  result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "repeat_step.py"), flag],
                           capture_output=True, text=True, timeout=120)
-  assert result.returncode == 2 and result.stderr.count("\n") == 1 and "--repeats" in result.stderr, result.stderr
+  assert result.returncode == 2 and result.stderr.count("\n") == 1 and expected in result.stderr, result.stderr
