@@ -10,9 +10,9 @@ many of its elements, and by how much. Nothing is updated, so every repeat compu
 of the same numbers; dropout is off.
 
 Why: about one whole `make run` in ten on a 2-core Zen 3 ends with other weights than the others
-(README, "How long it takes"). Session 65 ran this probe there: two repeats in 8,000 differed, both
+(README, "How long it takes"). Session 65 ran this probe there: two repeats in 25,000 differed, both
 the same way (`batch_norm/beta`'s gradient, in the last bits); docs/PERFORMANCE.md, "Session 65", has
-the rest. A repeat takes about 0.17 s there, so finding a case takes tens of minutes: run it alone.
+the rest. A repeat takes about 0.17 s there, so finding a case takes an hour or more: run it alone.
 """
 
 import os
