@@ -484,7 +484,7 @@ def test_repeat_step_repeats_the_step_and_reports_how_many_differed():
   assert lines[0].startswith("forms: {") and any(line.startswith("2 repeats, ") for line in lines)
   differed = int(re.fullmatch(r"3 repeats of the step \(2 replicas x 8 rows, CPU\): (\d+) differed from the "
                               r"first", lines[-1]).group(1))
-  # A repeat that differs names its gradients (rare: about one repeat in 6,500 of the main job's step).
+  # A repeat that differs names its gradients (rare: two repeats in 25,000 of the main job's step).
   assert len([line for line in lines if line.startswith("repeat ")]) == differed <= 3
   assert "Reduce to /device:CPU:0" not in result.stderr  # the libraries' INFO lines are dropped, as in main.py
   assert "Traceback" not in result.stderr
