@@ -14,7 +14,7 @@ from absl import logging
 
 from errors import UserError
 from run_config import KERNEL_CACHE, RunConfig
-from strategies import collective_threads, cpu_kernels, cpuinfo, device_pipelines, multiworker
+from strategies import collective_threads, cpu_kernels, cpuinfo, device_pipelines, multiworker, ordered_reduction
 from strategies.backend import Backend, options_from_config
 
 # Keras policies per --precision: this CPU family computes 16-bit in bfloat16 (AVX-512 BF16 / AMX) and
@@ -273,11 +273,16 @@ def _replicated_strategy(devices: list, gradient_accumulation: int):
   BatchNorm's moving statistics inside a tf.while_loop, and a variable kept on the host is updated
   there through merge_call, which TensorFlow refuses inside control flow (both were seen)."""
   if gradient_accumulation == 1:
-    return tf.distribute.experimental.CentralStorageStrategy(compute_devices=devices,
-                                                            parameter_device=devices[0])
+    strategy = tf.distribute.experimental.CentralStorageStrategy(compute_devices=devices,
+                                                                parameter_device=devices[0])
+    # Its reduction (ParameterServerStrategyExtended.__init__, parameter_server_strategy.py, TF 2.6 to
+    # 2.21), summing in a fixed order: strategies/ordered_reduction.py.
+    strategy.extended._cross_device_ops = ordered_reduction.reduction_to_one_device(  # pylint: disable=protected-access
+        strategy.extended._cross_device_ops.reduce_to_device)  # pylint: disable=protected-access
+    return strategy
   # NCCL does not exist on CPU; reducing through one device is the CPU all-reduce.
   return tf.distribute.MirroredStrategy(devices=devices,
-                                        cross_device_ops=tf.distribute.ReductionToOneDevice())
+                                        cross_device_ops=ordered_reduction.reduction_to_one_device())
 
 
 def create(config: RunConfig) -> Backend:

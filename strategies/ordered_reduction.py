@@ -1,0 +1,41 @@
+"""The CPU replicas' gradient sum in one fixed order, so that a run's weights do not depend on timing.
+
+Why: tf.distribute's ReductionToOneDevice adds the replicas' gradients with one `AddN`
+(cross_device_ops.py, `_simple_reduce` -> `math_ops.add_n`). TensorFlow's CPU kernel for it
+(tensorflow/core/kernels/aggregate_ops.cc, `AddNOp::Compute`, TF 2.6 to 2.21) writes the sum into the
+first input whose buffer it may take over (`forward_input_to_output_with_shape`: the buffer has no
+other user at that moment) and, when that input is not the first, swaps it to the front. With 4
+replicas the sum is then ((g_k + g1) + g2) + g0 ... instead of ((g0 + g1) + g2) + g3: other bits.
+Whether a buffer has another user depends on which ops have finished, so on timing. The default job
+showed it in `batch_norm/beta`'s gradient alone, the one whose per-replica tensor other ops of the
+backward pass also read: `tools/repeat_step.py` saw a second result there twice in 25,000 repeats on a
+Zen 3, and a per-step digest of the weights in whole runs on a Zen 5 found the first difference of a
+divergent run in beta and its Adam slots alone (docs/PERFORMANCE.md, "Session 66").
+
+The fix: the sum as a chain of two-operand additions, ((g0 + g1) + g2) + g3, the order that `AddN`
+takes when nothing is swapped (so the usual weights stay the same). Floating-point addition of two
+numbers is commutative to the bit, so a swap inside one addition changes nothing. Each partial sum is
+placed on the device of its newest operand: Grappler's arithmetic optimizer folds a chain of additions
+on one device back into a single `AddN` (AddOpsRewriteStage in
+tensorflow/core/grappler/optimizers/arithmetic_optimizer.cc absorbs only inputs on the root's device),
+and the logical CPU devices share one memory, so the placement costs no copy.
+"""
+
+import contextlib
+
+import tensorflow as tf
+
+
+def ordered_sum(values: list) -> tf.Tensor:
+  """The sum of `values` (dense tensors of one shape) as ((v0 + v1) + v2) + ..., placed so that graph
+  optimisation keeps it a chain of two-operand additions (module docstring)."""
+  total = values[0]
+  for value in values[1:]:
+    with tf.device(value.device) if value.device else contextlib.nullcontext():
+      total = tf.math.add(total, value)
+  return total
+
+
+def reduction_to_one_device(reduce_to_device=None) -> tf.distribute.CrossDeviceOps:
+  """tf.distribute's reduction through one device, with the fixed order of `ordered_sum`."""
+  return tf.distribute.ReductionToOneDevice(reduce_to_device=reduce_to_device, accumulation_fn=ordered_sum)
