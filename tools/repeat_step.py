@@ -9,10 +9,14 @@ gradient whose bits differ from the first repeat's (the replicas' sum, and each 
 many of its elements, and by how much. Nothing is updated, so every repeat computes the same function
 of the same numbers; dropout is off.
 
-Why: about one whole `make run` in ten on a 2-core Zen 3 ends with other weights than the others
-(README, "How long it takes"). Session 65 ran this probe there: two repeats in 25,000 differed, both
-the same way (`batch_norm/beta`'s gradient, in the last bits); docs/PERFORMANCE.md, "Session 65", has
-the rest. A repeat takes about 0.17 s there, so finding a case takes an hour or more: run it alone.
+Why: until session 66, about one whole `make run` in ten on a 2-core Zen 3 ended with other weights
+than the others (README, "How long it takes"). Session 65 ran this probe there: two repeats in 25,000
+differed, both the same way (`batch_norm/beta`'s gradient, in the last bits). Session 66 found the
+cause, TensorFlow's `AddN` summing the replicas in another order when timing lets it take over another
+input's buffer, and fixed it (strategies/ordered_reduction.py; docs/PERFORMANCE.md, "Session 66").
+Returning each replica's gradients keeps their buffers held, which hides that cause from this probe;
+it stays for any other. A repeat takes about 0.1-0.17 s, so a rare case takes an hour or more to find:
+run it alone.
 """
 
 import os
