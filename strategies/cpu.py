@@ -277,8 +277,9 @@ def _replicated_strategy(devices: list, gradient_accumulation: int):
                                                                 parameter_device=devices[0])
     # Its reduction (ParameterServerStrategyExtended.__init__, parameter_server_strategy.py, TF 2.6 to
     # 2.21), summing in a fixed order: strategies/ordered_reduction.py.
-    strategy.extended._cross_device_ops = ordered_reduction.reduction_to_one_device(  # pylint: disable=protected-access
-        strategy.extended._cross_device_ops.reduce_to_device)  # pylint: disable=protected-access
+    extended = strategy.extended
+    extended._cross_device_ops = ordered_reduction.reduction_to_one_device(  # pylint: disable=protected-access
+        extended._cross_device_ops.reduce_to_device)  # pylint: disable=protected-access
     return strategy
   # NCCL does not exist on CPU; reducing through one device is the CPU all-reduce.
   return tf.distribute.MirroredStrategy(devices=devices,

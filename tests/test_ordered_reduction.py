@@ -8,10 +8,8 @@ from run_config import RunConfig
 from strategies import ordered_reduction, select
 from tests.conftest import TEST_CPU_DEVICES
 
-REPLICAS = 4
-
-
 SCALES = (1e4, 1.0, 1e-3, 1e2)  # unlike magnitudes: the order of the additions shows in the bits
+REPLICAS = len(SCALES)
 
 
 def _in_order(values):
