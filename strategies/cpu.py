@@ -278,8 +278,13 @@ def _replicated_strategy(devices: list, gradient_accumulation: int):
     # Its reduction (ParameterServerStrategyExtended.__init__, parameter_server_strategy.py, TF 2.6 to
     # 2.21), summing in a fixed order: strategies/ordered_reduction.py.
     extended = strategy.extended
-    extended._cross_device_ops = ordered_reduction.reduction_to_one_device(  # pylint: disable=protected-access
-        extended._cross_device_ops.reduce_to_device)  # pylint: disable=protected-access
+    built = getattr(extended, "_cross_device_ops", None)
+    if isinstance(built, tf.distribute.ReductionToOneDevice):
+      extended._cross_device_ops = ordered_reduction.reduction_to_one_device(  # pylint: disable=protected-access
+          built.reduce_to_device)
+    else:  # a TensorFlow that keeps it elsewhere: the replicas' sum stays AddN's, said once
+      logging.warning("This TensorFlow's CentralStorageStrategy has no ReductionToOneDevice to replace; "
+                      "the replicas' gradient sum keeps AddN's order (strategies/ordered_reduction.py)")
     return strategy
   # NCCL does not exist on CPU; reducing through one device is the CPU all-reduce.
   return tf.distribute.MirroredStrategy(devices=devices,

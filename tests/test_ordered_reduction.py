@@ -16,13 +16,16 @@ def _in_order(values):
   return ((values[0] + values[1]) + values[2]) + values[3]
 
 
+def _first_and_third_swapped(values):  # the order AddN takes when it forwards the third input's buffer
+  return ((values[2] + values[1]) + values[0]) + values[3]
+
+
 def _replica_values():
   """Four float32 vectors whose sum has other bits when the first and third change places (as AddN's
   forwarding does to its inputs), so that a test of the order can fail."""
   rng = np.random.default_rng(0)
   values = [(rng.standard_normal(4096) * scale).astype(np.float32) for scale in SCALES]
-  swapped = ((values[2] + values[1]) + values[0]) + values[3]
-  assert (_in_order(values) != swapped).any()  # the precondition: the order shows in the bits
+  assert (_in_order(values) != _first_and_third_swapped(values)).any()  # the precondition: the order shows
   return values
 
 
@@ -60,7 +63,7 @@ def test_the_sum_is_taken_left_to_right_in_the_replicas_order():
 def test_graph_optimisation_keeps_it_a_chain_of_two_operand_additions():
   additions, values, result = _optimised_additions(ordered_reduction.ordered_sum)
   assert additions == [("AddV2", 2)] * (REPLICAS - 1)
-  assert (_in_order(values) != ((values[2] + values[1]) + values[0]) + values[3]).any()
+  assert (_in_order(values) != _first_and_third_swapped(values)).any()
   assert result.tobytes() == (_in_order(values) * np.float32(0.5)).tobytes()
 
 
