@@ -53,8 +53,8 @@ SHELL := /bin/bash
 # exist ("WARNING: Location 'file:///...' is ignored: it is neither a file nor a directory"): about 90
 # lines on a first install here. They are counted into one line; everything else pip prints is kept.
 PIP_INSTALL = @echo '$(1)/bin/python -m pip install --quiet --no-compile $(2)'; $(1)/bin/python -m pip install --quiet --no-compile $(2) 2>&1 | awk '/^WARNING: Location .* is ignored: it is neither a file nor a directory/ {n++; next} {print; fflush()} END {if (n) printf "pip: left out %d warning%s that an index location of the pip configuration does not exist (pip config list shows them)\n", n, (n == 1 ? "" : "s")}'
-# pip byte-compiles what it installs one file at a time: 61 of the 115 s that installing .venv took on
-# the 2-core Zen 3 of session 61. So it installs without (--no-compile above), and then compileall writes
+# pip byte-compiles what it installs one file at a time, about half the install time (figures in
+# docs/performance.md). So it installs without (--no-compile above), and then compileall writes
 # the same bytecode files on every core (-j 0), skipping files already compiled. Done at install, not
 # left to Python's first imports: with PYTHONDONTWRITEBYTECODE set, each process would compile again.
 # Files that are not Python of this version (PyTorch ships tests in 3.12 syntax) are skipped silently
@@ -79,8 +79,8 @@ help:
 	@echo "Variables: BACKEND=cpu|gpu|tf26, PYTHON=/path/to/python3.X, TEST_WORKERS=N; README.md has the rest."
 
 # One install into an environment at a time. `make run` and `make test` started together in a fresh clone
-# would otherwise both create .venv and run pip in it: the second failed at once ("No module named pip",
-# the venv being half made). The other make waits, then finds the environment made. $(1) is the
+# would otherwise both create .venv and run pip in it: the second would fail at once ("No module named
+# pip", the venv being half made). The other make waits, then finds the environment made. $(1) is the
 # environment, $(2) the target that makes it. The lock is the file $(1).lock, held by the shell that runs
 # the inner make (descriptor 9), so it goes when that ends however it ends. Without flock (util-linux),
 # and in a dry run (make -n), no lock.
@@ -147,7 +147,8 @@ $(REFERENCE_VENV)/.installed: requirements-reference.txt
 	$(call COMPILE_VENV,$(REFERENCE_VENV))
 	touch $@
 
-# Training, inference, input and compile figures beside the reference (docs/PERFORMANCE.md).
+# Training, inference, input and compile figures beside the reference (docs/performance.md, "Training
+# speed against the reference").
 bench: install bench-reference
 	$(PY) tools/benchmark.py --reference_python=$(REFERENCE_VENV)/bin/python $(BENCH_ARGS)
 

@@ -113,7 +113,7 @@ def _quiet_lost_stops(unraisable, report=sys.__unraisablehook__):
 
 def _quiet_printed_stops(exc_type, exc_value, exc_traceback, report=sys.__excepthook__):
   """sys.excepthook, which C code's PyErr_Print also calls: a stop that TensorFlow's C++ caught from
-  the Python it called back (a SystemError caused by the stop, after which the process went on) was
+  the Python it called back (a SystemError caused by the stop, after which the process goes on) would be
   printed as a traceback before the one line of the stop; anything else is reported."""
   if not (_pending and _caused_by_a_stop(exc_value)):
     report(exc_type, exc_value, exc_traceback)
@@ -259,7 +259,7 @@ def missing_package_message(module: str, environment: str = "application") -> st
   if package == "tensorflow":
     return ("%s: `make install` installs TensorFlow's CPU build into .venv (`BACKEND=gpu make install` the "
             "CUDA one, into .venv-gpu); on a Graphcore host, install the Poplar SDK's TensorFlow wheel "
-            "(README, 'Installing for each backend')" % found)
+            "(docs/ipu.md)" % found)
   folder, target = _ENVIRONMENTS[environment][0]
   return "%s: `%s` creates %s with %s; then run %s %s" % (
       found, target, folder, _CONTENTS[environment], os.path.join(folder, "bin", "python"),

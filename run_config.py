@@ -30,8 +30,8 @@ def cache_hint(path: str) -> str:
           "--data_cache" % source)
 
 # --autotune: "auto" times the forms only for runs of at least AUTOTUNE_MIN_STEPS training steps. The
-# timing costs about 120 steps' time (19 s for the 4 float32 forms of the default job on a Zen 4 under
-# an AVX2 cap), once per machine and batch layout: later runs read the result. Short runs (tests, smoke
+# timing costs about 120 steps' time (docs/performance.md, "Convolution forms and --autotune"), once
+# per machine and batch layout: later runs read the result. Short runs (tests, smoke
 # runs) keep the built-in choice rather than spend that.
 AUTOTUNE_MODES = ("auto", "on", "off")
 AUTOTUNE_MIN_STEPS = 500

@@ -332,8 +332,8 @@ def _run_title(results: dict) -> str:
 
 
 def format_table(results: dict) -> str:
-  """The short per-parameter table printed by the tools: within 80 columns (its rows were 84, and
-  wrapped in a terminal of that width), the name column as wide as the longest name (28 at most)."""
+  """The short per-parameter table printed by the tools: within 80 columns (rows of 84 would wrap
+  in a terminal of that width), the name column as wide as the longest name (28 at most)."""
   width = max([len("parameter")] + [len(p["name"][:28]) for p in results["parameters"]])
   lines = ["%-3s %-*s %7s %7s %8s %8s  %s" % ("#", width, "parameter", "MSE", "r", "res.mean", "res.std",
                                               "verdict")]

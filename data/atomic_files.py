@@ -65,7 +65,7 @@ def one_writer_at_a_time(path: str, on_wait):
   another process holds it (two jobs on a host, the workers of one multi-worker run), `on_wait()` is
   called once and the block waits its turn; the kernel releases a killed holder's lock. Where the file
   system has no locks (some Lustre and NFS mounts: ENOLCK, ENOSYS, EOPNOTSUPP), the block runs
-  unlocked, as it did before: the renames still keep every reader's file whole. The empty lock file
+  unlocked: the renames still keep every reader's file whole. The empty lock file
   stays: removed, a process still waiting on it and a newcomer creating it afresh could both hold one."""
   folder, name = os.path.split(path)
   with open(os.path.join(folder, ".%s.lock" % name), "a") as handle:

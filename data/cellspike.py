@@ -35,7 +35,8 @@ from run_config import RunConfig, cache_hint
 
 # 65,536 training samples: with 16,384 the 3M-parameter ontra4 over-fits from epoch ~9 and recovers
 # only 6 of the 15 conductances (r >= 0.7); with 65,536 it recovers 9, among them every parameter that
-# the simulation makes identifiable (docs/GENERATOR.md). float16, as the production cellSpike files.
+# the simulation makes identifiable (docs/data.md, "The built-in simulated dataset"). float16, as the
+# production cellSpike files.
 DEFAULT_SAMPLES = {"train": 65536, "val": 2048, "test": 2048}
 DEFAULT_CELL = "synth"
 DEFAULT_DATA_VERSION = "v3"  # bump whenever the built-in dataset changes (simulation, size, dtype)

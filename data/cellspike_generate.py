@@ -126,11 +126,11 @@ class _Progress:
   """One status line on stderr: a bar rewritten in place on a terminal, else a new line every 10 s.
 
   The rate counts from when every worker has finished its first batch: those batches also carry the
-  workers' start-up and, on a machine's first run, the kernel's compilation (about 4 s), which made
+  workers' start-up and, on a machine's first run, the kernel's compilation (about 4 s), which would make
   the first ETA twice too long. Until RATE_WINDOW seconds have passed since that point, a line gives no
-  rate and no time left: counted from the start, the first line of a make run said "331 s left" for
-  40 s; counted over the 0.24 s after the point, as the batches the workers had finished while the first
-  ones were written came in together, another said 8,630 samples/s and "7 s left" for 37 s.
+  rate and no time left: counted from the start, the first line of a make run would say "331 s left"
+  for 40 s; counted over the 0.24 s after the point, as the batches the workers finished while the first
+  ones were written come in together, another would say 8,630 samples/s and "7 s left" for 37 s.
   """
 
   RATE_WINDOW = 5.0   # seconds: about ten of the built-in dataset's batches on two cores

@@ -6,7 +6,7 @@ reference's cellSpike files) is one run of bytes in its file: row i starts at `o
 read-only tensor without reading it; a `tf.gather` of the wanted rows out of that tensor is then the
 only copy a batch costs (the page cache -> the batch), the same single copy as an h5py read.
 
-Why not h5py behind `tf.data.Dataset.from_generator` (the old pipeline): one Python generator caps the
+Why not h5py behind `tf.data.Dataset.from_generator`: one Python generator caps the
 host at one Python thread, and an iterator destroyed while the generator thread waits for the GIL
 blocks the thread that destroys it (a hang at a graceful stop, minutes of idling between epochs).
 Everything here runs in tf.data's C++ threads. Why not `tf.data.FixedLengthRecordDataset` with

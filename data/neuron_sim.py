@@ -369,10 +369,8 @@ def _phase_constants(dt: float) -> np.ndarray:
 
 # Cells advanced together by the kernel, each statement written once per lane so that the CPU overlaps
 # their dependency chains (one cell's step is a chain: voltage, table row, gates, currents, voltage).
-# On a Zen 4 EPYC, 256 cells, with data v2's pow in the SK gate: 1 lane 1,071 cells/s, 2 lanes 1,359,
-# 3 lanes 1,333, 4 lanes 1,268 (register spills), against 817 for the array-based kernel this replaced
-# (8 lanes of flat arrays). With the SK table, 2 to 4 lanes are within the noise (1,700-2,100 cells/s)
-# and 2 compile fastest (4 s; 8 s for 4 lanes).
+# With the SK table, 2 to 4 lanes simulate within the noise of each other and 2 compile fastest
+# (docs/performance.md, "The built-in dataset's generation"); more lanes spill registers.
 LANES = 2
 
 

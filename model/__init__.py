@@ -71,13 +71,13 @@ MODELS = {
         task="regression",
         title="Neuron-Inverter",
         description="1-D CNN + FC regressor: cellSpike voltage traces (1600 x 4) -> 15 conductances",
-        # Sized from measured learning curves on the built-in dataset (docs/PERFORMANCE.md, "The default
-        # job"): 48 per replica, so that the main job's 4 replicas step with the reference's batch of
-        # 192 (per sample, a global batch of 768 learned less: 0.57 of the baseline after 2 epochs
-        # against 0.53); Adam at 1e-3 (2e-3 learned less); no dropout, which only slowed a run this short
-        # (train and validation losses stay together: 3 epochs reached 0.49 of the baseline without it,
-        # 0.51 with the reference's 0.05); 3 epochs with a cosine decay, the fewest that reach half the
-        # mean-predictor baseline (warm-up + plateau, whose patience is 8 epochs, would never decay).
+        # Sized from measured learning curves on the built-in dataset (docs/performance.md, "The default job
+        # (make run)"): 48 per replica, so that the main job's 4 replicas step with the reference's batch of
+        # 192 (per sample, a global batch of 768 learned less: 0.57 of the baseline after 2 epochs against
+        # 0.53); Adam at 1e-3 (2e-3 learned less); no dropout, which only slowed a run this short (train and
+        # validation losses stay together: 3 epochs reached 0.49 of the baseline without it, 0.51 with the
+        # reference's 0.05); 3 epochs with a cosine decay, the fewest that reach half the mean-predictor
+        # baseline (warm-up + plateau, whose patience is 8 epochs, would never decay).
         # The reference's own runs: --flagfile=configs/neuron_inverter_reference.flags.
         defaults={"batch_size": 48, "epochs": 3, "learning_rate": 1e-3, "optimizer": "adam", "dropout": 0.0,
                   "warmup_epochs": 0, "lr_schedule": "cosine"},

@@ -29,8 +29,8 @@ which is faster depends on the processor's kernels:
 - `pooling`: how the maximum over each pool window is taken.
   - "max_pool": TensorFlow's MaxPool and, in training, MaxPoolGrad.
   - "maximum": the conv output reshaped to (positions, pool, channels) and reduced by a tree of
-    elementwise maxima, whose gradient is a few selects. On an AVX2 EPYC, MaxPoolGrad alone cost a
-    sixth of a float32 step.
+    elementwise maxima, whose gradient is a few selects. On the AVX2 CPU where it was measured,
+    MaxPoolGrad alone cost a sixth of a float32 step.
   - "phases": as "maximum", but each pool phase (conv positions i, i + pool, ...) is computed by its
     own stride-`pool` convolution, so the full-resolution conv output never exists. It pays off where
     that output is much larger than the work that makes it: the first block, whose 4 input probes
@@ -62,7 +62,7 @@ def _input_grad_by_forward_conv(upstream, kernel):
 
 # Below this many im2col columns (kernel width x input channels) oneDNN's backward-filter kernel stays:
 # for the 4-probe first block (16 columns) it beat the matmul at batch 48 and 192 with AVX2 code
-# (2.5 against 3.0 ms, 5.9 against 8.2 ms on a Zen 4), the skinny matmul being the slow part.
+# (2.5 against 3.0 ms, 5.9 against 8.2 ms), the skinny matmul being the slow part.
 MATMUL_MIN_COLUMNS = 32
 
 

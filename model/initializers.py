@@ -3,8 +3,8 @@
 The Neuron-Inverter reference is PyTorch code that keeps its layers' default initialisation:
 kernels `kaiming_uniform_(a=sqrt(5))`, which is U(+-1/sqrt(fan_in)), and biases U(+-1/sqrt(fan_in)).
 Keras' defaults (glorot_uniform kernels, zero biases) start 1.2-2.3x wider in every ontra4 layer;
-the network then learned about 10% less per epoch than the reference (issue 22; the measurements
-are in docs/PERFORMANCE.md). fan_in is kernel_size x input channels for a convolution, the input
+the network then learns about 10% less per epoch than the reference (docs/performance.md, "Learning
+parity and time to quality"). fan_in is kernel_size x input channels for a convolution, the input
 width for a dense layer (Keras computes the same for a (kernel, in, out) kernel).
 
 Each layer needs its own instances: an unseeded Keras initializer returns the same values at every

@@ -59,11 +59,9 @@ def has_bfloat16_units() -> bool:
   return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-# Where training in mixed bfloat16 was measured faster than in float32 (docs/PERFORMANCE.md, "Session
-# 19: precision on an Intel Xeon without AMX"): AMX (a Sapphire Rapids, 1.4-2.1x per step) and AMD's
-# AVX-512 BF16 (a Zen 4, 1.8x per epoch). Intel's AVX-512 BF16 without AMX (an Emerald Rapids whose
-# hypervisor hides its AMX) was the slower one: the main job at 0.70-0.74x, a 2048 x 2048 matmul at 162
-# against 314 GFLOP/s.
+# Where training in mixed bfloat16 was measured faster than in float32 (docs/performance.md, "Mixed
+# bfloat16 on CPUs"): with AMX, and with AMD's AVX-512 BF16. Intel's AVX-512 BF16 without AMX trained
+# the main job slower (0.70-0.74x).
 def bfloat16_outruns_float32(cpu_flags=None, vendor=None) -> bool:
   """Whether this CPU trains faster in mixed bfloat16 than in float32 (`cpu_flags` and `vendor`
   default to this machine's)."""
@@ -105,8 +103,8 @@ def check_precision(precision: str) -> None:
   uncapped = _cpu_flags(environ={})
   if "amx_bf16" in uncapped or "avx512_bf16" in uncapped:
     # TensorFlow reads the CPU's features itself and sends bfloat16 ops to oneDNN, which the cap
-    # forbids them: the first step dies with "could not create a primitive descriptor" (seen on a
-    # Zen 4 under ONEDNN_MAX_CPU_ISA=AVX2).
+    # forbids them: the first step dies with "could not create a primitive descriptor" (seen on an
+    # AVX-512 BF16 CPU under ONEDNN_MAX_CPU_ISA=AVX2).
     raise UserError("--precision=%s: ONEDNN_MAX_CPU_ISA=%s hides this CPU's bfloat16 units from oneDNN, "
                     "whose bfloat16 kernels then fail; use --precision=32.32, or unset ONEDNN_MAX_CPU_ISA"
                     % (precision, _isa_cap()))
@@ -116,10 +114,9 @@ def check_precision(precision: str) -> None:
 
 
 # Where float32 pooled by elementwise maxima, and by phases in the first block, was measured faster
-# than MaxPool: the AVX2 EPYC of family 23 (Zen), 1.2x per step (docs/PERFORMANCE.md), then on
-# TensorFlow's Eigen kernels (environment.cpu_variables now switches oneDNN's on there; --autotune
-# times both forms). On a Zen 4 (family 25), with and without AVX-512, MaxPool everywhere was the
-# faster form (1.05-1.1x); on an AVX2-only Zen 3 neither was faster in every round (session 59).
+# than MaxPool: AMD's family 23 (Zen 1 and 2), 1.2x per step on TensorFlow's Eigen kernels
+# (environment.cpu_variables switches oneDNN's on there, so --autotune times both forms). On family 25
+# (Zen 3 and 4) MaxPool was as fast or faster (docs/performance.md, "Convolution forms and --autotune").
 _MAXIMA_POOLING_CPUS = (("AuthenticAMD", 23),)
 # The two pooling forms as Backend fields: elementwise maxima go with phases in the first block (the
 # 4-probe input), MaxPool with none.
@@ -129,14 +126,14 @@ _MAXPOOL_FORMS = {"conv_pooling": "max_pool", "conv_phases_max_in_channels": 0}
 
 def conv_options(precision: str, cpu_flags=None, generation=None) -> dict:
   """Backend fields for oneDNN's convolutions on this CPU, each chosen by a measurement
-  (docs/PERFORMANCE.md; `cpu_flags` and `generation` default to this machine's).
+  (docs/performance.md, "Convolution forms and --autotune"; `cpu_flags` and `generation` default to
+  this machine's).
 
-  - In bfloat16 on AVX-512 CPUs (a Sapphire Rapids, a Zen 4) oneDNN's backward-data convolution ran
-    3-4x slower than its forward one at the Neuron-Inverter's shapes, so the input gradient is a
-    forward conv there. In float32 the backward-data kernel was the faster one: on an AVX2 EPYC, on a
-    Zen 4 with AVX-512 (conv2 alone) and on an Emerald Rapids Xeon (the whole step, 1.04-1.07x).
-  - With AVX2 code (a Zen 4 under ONEDNN_MAX_CPU_ISA=AVX2), oneDNN's backward-filter kernel ran
-    1.1-1.7x slower than one im2col matmul; with AVX-512 it was the faster one.
+  - In bfloat16 on AVX-512 CPUs (Intel's and AMD's) oneDNN's backward-data convolution ran 3-4x slower
+    than its forward one at the Neuron-Inverter's shapes, so the input gradient is a forward conv
+    there. In float32 the backward-data kernel was the faster one (the whole step, 1.04-1.07x).
+  - With AVX2 code, oneDNN's backward-filter kernel ran 1.1-1.7x slower than one im2col matmul; with
+    AVX-512 it was the faster one.
   - AMX bfloat16 kernels take their fast path only for channel counts that are multiples of 32
     (float32 gained nothing from padding).
   - Pooling: MaxPool, except in float32 on the CPUs of _MAXIMA_POOLING_CPUS, where MaxPoolGrad is
@@ -154,10 +151,10 @@ def conv_options(precision: str, cpu_flags=None, generation=None) -> dict:
 
 def fuses_first_block(precision: str, cpu_flags) -> bool:
   """Whether the first conv block runs as the compiled ConvPool1D op (strategies/cpu_kernels.py): in
-  float32 (the op's only type) on CPUs with the features its code uses. On an AVX2-only Zen 3 a
+  float32 (the op's only type) on CPUs with the features its code uses. On an AVX2-only CPU a
   replica's step of the default job (batch 48, one thread) took 1.10x less time with it
-  (tools/benchmark_forms.py; docs/PERFORMANCE.md, session 63). Measured on that CPU alone, so
-  --autotune times the step without it too (conv_alternatives)."""
+  (tools/benchmark_forms.py; docs/performance.md, "The first conv block's C++ kernel"). Measured on
+  one CPU kind alone, so --autotune times the step without it too (conv_alternatives)."""
   return precision == "32.32" and set(cpu_kernels.CPU_FEATURES) <= set(cpu_flags)
 
 
@@ -171,17 +168,18 @@ def _takes_first_block_library(model_name: str) -> bool:
 
 # The choices above whose measurements came from some CPUs and not others: on a CPU that computes in
 # float32 the run may time the other forms of these for a few steps and keep the fastest
-# (training/autotune.py; docs/PERFORMANCE.md). Everywhere: the kernel gradient as a matmul, decided on
-# a Zen 4 under an AVX2 cap only. With AVX2 code: MaxPool against maxima, decided on a Zen 1 at 1 x 192
-# only (with AVX-512 MaxPool won on both CPUs that had it). With AVX-512: the input gradient's form,
+# (training/autotune.py; docs/performance.md, "Convolution forms and --autotune"). Everywhere: the
+# kernel gradient as a matmul, decided on one CPU under an AVX2 cap only. With AVX2 code: MaxPool
+# against maxima, decided on one CPU kind at 1 x 192 only (with AVX-512 MaxPool won on both CPUs that
+# had it). With AVX-512: the input gradient's form,
 # which went one way in bfloat16 and the other in float32 on the CPUs that measured it. And the compiled
 # first block (fuses_first_block), measured on one AVX2 CPU only: where the backend chose it, the
 # built-in forms on TensorFlow's ops are timed too, one more form rather than twice as many.
 def conv_alternatives(precision: str, chosen: dict, cpu_flags=None) -> tuple:
   """The convolution options worth timing on this machine, as Backend field overrides, the built-in
   `chosen` (conv_options' fields, and conv_first_block_library where the op was built) first; () where
-  the choice was measured on the CPUs it applies to (16-bit: the AMX Xeon and the Zen 4 both chose these
-  forms)."""
+  the choice was measured on the CPUs it applies to (16-bit: Intel's with AMX and AMD's with AVX-512
+  BF16 both chose these forms)."""
   if precision != "32.32":
     return ()
   flags = _cpu_flags() if cpu_flags is None else set(cpu_flags)
@@ -226,10 +224,9 @@ def side_by_side_threads(replicas: int, cores: int, environ) -> Optional[Tuple[i
   default (every op split over all cores, so the replicas' small ops take turns).
 
   With at least as many replicas as cores (and more than one), each op runs on one thread and the
-  replicas' ops side by side. On a 2-core Zen 4 the 4 x 48 main job trained about 5 % faster so in
-  float32 with AVX2 code (ten alternating pairs of runs, -5 to +16 %) and in mixed bfloat16 (two pairs,
-  +4 and +5 %; docs/PERFORMANCE.md). Thread counts the user set (TF_NUM_INTRAOP_THREADS,
-  TF_NUM_INTEROP_THREADS) stand."""
+  replicas' ops side by side. On 2 cores the 4 x 48 main job trained about 5 % faster so, in float32
+  and in mixed bfloat16 (docs/performance.md, "Threads and replicas"). Thread counts the user set
+  (TF_NUM_INTRAOP_THREADS, TF_NUM_INTEROP_THREADS) stand."""
   if replicas < max(cores, 2) or any(environ.get(name) for name in _THREAD_VARIABLES):
     return None
   return 1, replicas
@@ -266,8 +263,8 @@ def _ensure_logical_cpus(count: int) -> list:
 def _replicated_strategy(devices: list, gradient_accumulation: int):
   """The strategy of `devices`, logical CPUs of one memory: one copy of the variables, on the host,
   where MirroredStrategy would keep one per device and apply the optimizer to each. The default job
-  (4 x 48) trained up to 1.2x as fast on an AMX Xeon, in float32 with AVX2 code and in mixed bfloat16
-  (docs/PERFORMANCE.md, session 39), with the same losses to four digits.
+  (4 x 48) trained up to 1.2x as fast so, in float32 and in mixed bfloat16 (docs/performance.md,
+  "Threads and replicas"), with the same losses to four digits.
 
   Gradient accumulation keeps MirroredStrategy: its micro-batch loop updates Keras' loss metric and
   BatchNorm's moving statistics inside a tf.while_loop, and a variable kept on the host is updated
@@ -310,9 +307,9 @@ def create(config: RunConfig) -> Backend:
   if source:
     return multiworker.create(config, "cpu", source, **fields)
   if config.replicas == 1:
-    # The default strategy, not OneDeviceStrategy: on a 2-core AMD EPYC, Keras' fit ran the same
-    # ontra4 step 1.35x slower under OneDeviceStrategy (and under a one-device MirroredStrategy), every
-    # kernel stretched alike (docs/PERFORMANCE.md); one CPU has nothing to distribute.
+    # The default strategy, not OneDeviceStrategy: Keras' fit ran the same ontra4 step 1.35x slower
+    # under OneDeviceStrategy (and under a one-device MirroredStrategy), every kernel stretched alike
+    # (docs/performance.md, "Threads and replicas"); one CPU has nothing to distribute.
     return Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",), **fields)
   if config.jit_compile:
     # XLA compiles each replica's step for one device and cannot reach the variables that

@@ -122,15 +122,13 @@ def cpu_variables(config: RunConfig) -> None:
   """oneDNN's CPU kernels wherever the installed stock TensorFlow would leave them off and they are
   known to work; a user's own TF_ENABLE_ONEDNN_OPTS is always kept.
   - TensorFlow >= 2.9 on Linux switches them on only for CPUs with VNNI, AVX-512 BF16 or AMX units
-    (_ONEDNN_BY_DEFAULT_FLAGS), so an AVX2-only CPU gets its Eigen kernels. On a real AVX2-only AMD
-    EPYC Zen 3 (session 59) the default job's float32 step ran 2.5x as fast with oneDNN's (1,200
-    against 472 samples/s, docs/PERFORMANCE.md). Earlier AVX2 figures came from CPUs with AVX-512
-    VNNI held to AVX2 code by ONEDNN_MAX_CPU_ISA, where TensorFlow had them on.
+    (_ONEDNN_BY_DEFAULT_FLAGS), so an AVX2-only CPU gets its Eigen kernels. On an AVX2-only CPU the
+    default job's float32 step ran 2.5x as fast with oneDNN's (docs/performance.md, "oneDNN on CPUs
+    without VNNI or AMX").
   - Older TensorFlow carries them behind the variable: on Intel CPUs they are switched on (on
     TensorFlow 2.6.3, the Poplar SDK's version from PyPI, the float32 step took 0.64x the time with
-    them on a Xeon, session 38). On AMD EPYC Zen 4 and Zen 3 CPUs that build's oneDNN ended every
-    training process with SIGFPE (sessions 48 and 59, whatever ONEDNN_MAX_CPU_ISA), so AMD CPUs keep
-    its Eigen kernels.
+    them). On AMD Zen 3 and Zen 4 CPUs that build's oneDNN ended every training process with SIGFPE
+    (whatever ONEDNN_MAX_CPU_ISA), so AMD CPUs keep its Eigen kernels.
   Graphcore's wheels (versions "2.6.3+gc...") are left as built: their CPU work is an IPU run's host
   side, and their build was not measured."""
   del config  # the same for every CPU run
@@ -149,7 +147,7 @@ def cpu_variables(config: RunConfig) -> None:
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
   elif os.environ.get("TF_ENABLE_ONEDNN_OPTS", "").lower() in ("1", "true"):
     # Kept, as the user chose it; but the crash it led to says nothing of its cause.
-    logging.warning("TF_ENABLE_ONEDNN_OPTS=%s with TensorFlow %s on this %s CPU: on AMD EPYC Zen 3 and "
+    logging.warning("TF_ENABLE_ONEDNN_OPTS=%s with TensorFlow %s on this %s CPU: on AMD Zen 3 and "
                     "Zen 4 CPUs this build's oneDNN ended every training process with a floating point "
                     "exception (SIGFPE); unset it if that happens here", os.environ["TF_ENABLE_ONEDNN_OPTS"],
                     release, vendor or "non-Intel")
@@ -168,10 +166,10 @@ def _xla_cache_variables(config: RunConfig) -> None:
 
 # Packages that Keras imports when it starts if they are installed (only mlxtend's dependencies install
 # them here), and what for; no part of this application uses those features:
-# - pandas: so that tf-keras' fit() accepts DataFrames; it imports pyarrow too. 0.45 s of every start on
-#   a 2-core Xeon.
+# - pandas: so that tf-keras' fit() accepts DataFrames; it imports pyarrow too. About 0.45 s of every
+#   start on 2 cores.
 # - scipy: sparse inputs to TensorFlow's own TF 1 Keras training loop, and the random image transforms
-#   of tf-keras' preprocessing.image. 0.5 s of every start on a 2-core Zen 3 (numba, which also looks
+#   of tf-keras' preprocessing.image. About 0.5 s of every start on 2 cores (numba, which also looks
 #   for it, goes without).
 UNUSED_BY_KERAS = ("pandas", "scipy")
 
@@ -208,13 +206,13 @@ def remove_autograph_bytecode() -> None:
 
   AutoGraph writes each function it converts (Keras' train and test steps among them) as a module
   file into the temporary folder, imports it, and removes the file at exit. The import caches its
-  bytecode beside it, and nothing removed that: each `make run` left four files in $TMPDIR/__pycache__
-  on a machine that writes bytecode (without PYTHONDONTWRITEBYTECODE).
+  bytecode beside it, which AutoGraph leaves: each `make run` would leave four files in
+  $TMPDIR/__pycache__ on a machine that writes bytecode (without PYTHONDONTWRITEBYTECODE).
   Run at exit (`prepare` registers it); the modules are found by where their source was.
   """
   temporary = os.path.realpath(tempfile.gettempdir())
   # Each folder resolved once: TensorFlow's 3,300 modules lie in 750 folders, and a realpath per module
-  # took 0.15 s of every exit on a 2-core Zen 4 (0.03 s this way).
+  # would take 0.15 s of every exit on 2 cores (0.03 s this way).
   real_folder = functools.lru_cache(maxsize=None)(os.path.realpath)
   folders = set()
   for module in list(sys.modules.values()):
@@ -280,8 +278,8 @@ def imports_kept_from_the_collector():
   paused, then moves every object alive after it out of the collector's reach (`gc.freeze`).
 
   TensorFlow's modules, classes and functions (about 660,000 objects with TensorFlow 2.21) live until
-  the process ends; each full collection walked them all, and so did the last ones at exit. That cost
-  a short run about 1.5 s of its 8 (0.5 s while importing, 1 s at exit), and the test suite starts a
+  the process ends; each full collection would walk them all, and so would the last ones at exit:
+  about 1.5 s of a short run's 8 (0.5 s while importing, 1 s at exit), and the test suite starts a
   hundred such processes. Objects made later (models, datasets, writers) are collected as usual.
   Where TensorFlow is already imported (a test process, a second call) the block runs untouched.
   """

@@ -118,7 +118,7 @@ class MultiWorkerBackend(Backend):
 @functools.lru_cache(maxsize=None)
 def _agreement(strategy):
   """The all-reduce of a flag as one tf.function: 2.4 ms per call between two workers on 127.0.0.1
-  against 8.8 ms for the same ops run eagerly (2-core AMD EPYC, measured side by side)."""
+  against 8.8 ms for the same ops run eagerly (2 cores, measured side by side)."""
   @tf.function
   def agree(value):
     per_replica = strategy.run(lambda: tf.identity(value))
@@ -131,7 +131,7 @@ def _take_back_sigterm() -> None:
   The strategy's coordination service (TensorFlow 2.9 and later) installs a C++ SIGTERM handler of its
   own, for its preemption notifier (tensorflow/tsl/distributed_runtime/preemption/
   preemption_notifier.cc), which only logs "SIGTERM caught": a time limit's SIGTERM before training
-  was lost, and the job ran on until SIGKILL. Setting the Python handler again reinstalls Python's C
+  would be lost, and the job run on until SIGKILL. Setting the Python handler again reinstalls Python's C
   handler. During training, the stop flag sets its own (training/interrupt.py)."""
   handler = signal.getsignal(signal.SIGTERM)
   if handler is not None and threading.current_thread() is threading.main_thread():

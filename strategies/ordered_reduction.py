@@ -9,12 +9,12 @@ replicas the sum is then ((g_k + g1) + g2) + g0 ... instead of ((g0 + g1) + g2) 
 Whether a buffer has another user depends on which ops have finished, so on timing. The default job
 showed it in `batch_norm/beta`'s gradient alone, the one per-replica gradient that another op also
 reads (TensorFlow's gradient of `beta - mean * inv` in `tf.nn.batch_normalization` hands the same
-tensor to beta and, negated, to the mean's side): `tools/repeat_step.py` saw a second result there
-twice in 25,000 repeats on a Zen 3, and a per-step digest of the weights in whole runs on a Zen 5
-found the first difference of a divergent run in beta and its Adam slots alone (docs/PERFORMANCE.md,
-"Session 66").
+tensor to beta and, negated, to the mean's side): `tools/repeat_step.py` can see a second result there
+(about twice in 25,000 repeats with AddN's sum), and where whole runs' weights diverged, a per-step
+digest found the first difference in beta and its Adam slots alone (docs/performance.md, "The
+fixed-order gradient sum").
 
-The fix: the sum as a chain of two-operand additions, ((g0 + g1) + g2) + g3, the order that `AddN`
+How: the sum as a chain of two-operand additions, ((g0 + g1) + g2) + g3, the order that `AddN`
 takes when nothing is swapped (so the usual weights stay the same). Floating-point addition of two
 numbers is commutative to the bit, so a swap inside one addition changes nothing. Each partial sum is
 placed on the device of its newest operand: Grappler's arithmetic optimizer folds a chain of additions

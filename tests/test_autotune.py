@@ -175,7 +175,7 @@ def test_a_cached_choice_is_read_back_for_the_same_key_only(tmp_path):
   changed = dict(key, model_code="0" * 16)
   assert autotune.cache_path(str(tmp_path), changed) != path
   assert autotune.read_cached(path, changed, backend.form_alternatives) is None
-  # So is a choice made by another way of timing (session 57's 2 rounds judged by the median alone).
+  # So is a choice made by another way of timing (here 2 rounds judged by the median alone).
   earlier = dict(key, timing={"rounds": 2, "window_steps": 4, "tolerance": 0.05})
   assert autotune.cache_path(str(tmp_path), earlier) != path
   assert autotune.read_cached(path, earlier, backend.form_alternatives) is None

@@ -88,7 +88,7 @@ def test_folder_resolution_through_meta_yaml(tmp_path):
 
 
 def test_a_template_without_a_star_cannot_pick_a_cell(tmp_path):
-  """Every --cell_name used to pick the template's one file, whatever the name."""
+  """A template without a * would pick its one file for every --cell_name, whatever the name: refused."""
   write_meta_yaml(str(tmp_path / "meta.cellSpike_excite_4prB8kHz.yaml"), template="c1_x.h5")
   write_cellspike(str(tmp_path / "c1_x.h5"))
   with pytest.raises(UserError, match=r"h5nameTemplate 'c1_x.h5' has no single \* for --cell_name"):
@@ -122,7 +122,7 @@ def test_implausibly_large_samples_are_refused_before_any_read(tmp_path):
     cellspike_file.open_cellspike(path)
 
 
-# Hostile files (issue 15, points 3-6, 8, 9).
+# Hostile files.
 
 def _with_external_targets(path, outside):
   """Rewrites val_unitStar_par as external raw storage in `outside` (h5py `external=`)."""
@@ -318,7 +318,7 @@ def test_a_deeply_nested_meta_json_is_named(tmp_path):
 
 def test_meta_json_as_a_scalar_string_is_read_and_a_list_is_named(tmp_path):
   """h5py stores a plain Python string as a scalar dataset; reading it as the format's 1-element array
-  used to fail with "Illegal slicing argument for scalar dataspace"."""
+  would fail with "Illegal slicing argument for scalar dataspace"."""
   path = write_cellspike(str(tmp_path / "a.h5"))
   with h5py.File(path, "a") as f:
     del f["meta.JSON"]

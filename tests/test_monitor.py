@@ -53,7 +53,7 @@ def test_auto_source_follows_the_installed_tool(tmp_path, monkeypatch, tool, sou
 
 
 def test_a_source_named_without_its_tool_is_refused(tmp_path, monkeypatch):
-  """--source=gpu without nvidia-smi used to sample the host alone, and say nothing."""
+  """--source=gpu without nvidia-smi is refused, rather than sampling the host alone in silence."""
   monkeypatch.setenv("PATH", str(tmp_path))
   with pytest.raises(UserError, match="--source=gpu needs nvidia-smi on the PATH"):
     monitor.resolve_source("gpu")

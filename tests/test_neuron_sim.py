@@ -111,7 +111,7 @@ V3_MEAN_MV = [[-59.971142, -63.272926, -62.524834, -60.683205],
 
 def test_traces_are_those_of_data_v3(traces):
   """A faster kernel must compute the same samples; a change here needs a new DEFAULT_DATA_VERSION and
-  the identifiability results in docs/GENERATOR.md measured again."""
+  the identifiability results (docs/data.md, "The built-in simulated dataset") measured again."""
   _, v = traces
   np.testing.assert_allclose(v.mean(axis=1), V3_MEAN_MV, rtol=0, atol=1e-4)
 

@@ -1,4 +1,4 @@
-"""A run folder has one writer at a time, and a new run never replaces an earlier one (issue 15)."""
+"""A run folder has one writer at a time, and a new run never replaces an earlier one."""
 
 import os
 import time

@@ -5,7 +5,7 @@ application's form, with timed windows alternating so that both see the machine 
     python tools/benchmark_forms.py --precision=32.32 --variant=kernel_grad_by_matmul=true
 
 - `standard`: the reference's layers as stock Keras builds them (Conv1D -> MaxPooling1D -> ReLU) and
-  Keras' default Adam (the TF >= 2.11 class): the application as it was before the fused blocks.
+  Keras' default Adam (the TF >= 2.11 class): the application without its fused blocks.
 - `application`: what `main.py` trains on this backend: `model.conv_layers.PooledConv1D` blocks with
   the backend's convolution options, the fused legacy Adam, optimizer slots created before tracing.
 - `variant` (with `--variant=OPTION=VALUE,...`, in place of `standard`): the application with some of

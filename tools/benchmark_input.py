@@ -34,9 +34,9 @@ from flags import register_data_path_checks  # noqa: E402  pylint: disable=wrong
 
 FLAGS = flags.FLAGS
 
-# Published training rates of this network per device (samples/s): docs/PERFORMANCE.md and
-# ../shared/reference/neuron_inverter_reference.md (M2000 IPU: 61,000 alone, ~40,000 each at 4;
-# a Bow IPU up to 1.4x an M2000 one; one A100: 68,000).
+# Published training rates of this network per device (samples/s), from the reference's figures
+# (balewski/neuron_inverter_benchmark; docs/performance.md, "Input pipeline"): M2000 IPU 61,000 alone,
+# ~40,000 each at 4; a Bow IPU up to 1.4x an M2000 one; one A100 68,000.
 DEVICE_RATES = (("M2000 IPUs (4-way, 40,000 each)", 40000), ("Bow IPUs (up to 85,000 each)", 85000),
                 ("A100 GPUs (68,000 each)", 68000))
 

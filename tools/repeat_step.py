@@ -9,11 +9,11 @@ gradient whose bits differ from the first repeat's (the replicas' sum, and each 
 many of its elements, and by how much. Nothing is updated, so every repeat computes the same function
 of the same numbers; dropout is off.
 
-Why: until session 66, about one whole `make run` in ten on a 2-core Zen 3 ended with other weights
-than the others (README, "How long it takes"). Session 65 ran this probe there: two repeats in 25,000
-differed, both the same way (`batch_norm/beta`'s gradient, in the last bits). Session 66 found the
-cause, TensorFlow's `AddN` summing the replicas in another order when timing lets it take over another
-input's buffer, and fixed it (strategies/ordered_reduction.py; docs/PERFORMANCE.md, "Session 66").
+Why: with tf.distribute's own sum, about one whole `make run` in ten on 2 cores ended with other
+weights than the others. With that sum this probe saw two repeats in 25,000 differ, both the same way
+(`batch_norm/beta`'s gradient, in the last bits): TensorFlow's `AddN` sums the replicas in another
+order when timing lets it take over another input's buffer. The CPU backend sums in a fixed order
+(strategies/ordered_reduction.py; docs/performance.md, "The fixed-order gradient sum").
 Returning each replica's gradients keeps their buffers held, which hides that cause from this probe;
 it stays for any other. A repeat takes about 0.1-0.17 s, so a rare case takes an hour or more to find:
 run it alone.

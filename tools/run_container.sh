@@ -21,9 +21,9 @@ set -euo pipefail
 
 image=${IMAGE:-neuron_inverter_ipu.sif}
 cache_root=${CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}}
-# CACHE_DIR used to name the application's cache folder itself (default ~/.cache/neuron_inverter). A
-# folder of that name still is that folder; one that holds those caches under another name is refused,
-# not left for a new, empty folder (the dataset generated again, every executable compiled again).
+# CACHE_DIR may also name the application's cache folder itself (as ~/.cache/neuron_inverter): a folder
+# of that name is taken as that folder; one that holds those caches under another name is refused, not
+# left for a new, empty folder (the dataset generated again, every executable compiled again).
 if [ -n "${CACHE_DIR:-}" ] && [ "$(basename "$CACHE_DIR")" = neuron_inverter ]; then
   cache_root=$(dirname "$CACHE_DIR")
 elif [ -n "${CACHE_DIR:-}" ] && { [ -d "$CACHE_DIR/executables" ] || compgen -G "$CACHE_DIR/cellspike-*" >/dev/null; }; then
@@ -45,7 +45,7 @@ if ! command -v "$runtime" >/dev/null 2>&1; then
 fi
 case $image in
   *://*) ;;  # docker://, oras://, library://: the runtime fetches it
-  *) [ -e "$image" ] || { echo "error: IMAGE=$image: no such image (build one from tools/containers/, README 'Containers')" >&2; exit 1; } ;;
+  *) [ -e "$image" ] || { echo "error: IMAGE=$image: no such image (build one from tools/containers/, docs/hpc.md)" >&2; exit 1; } ;;
 esac
 mkdir -p "$cache_dir" "$log_dir"
 

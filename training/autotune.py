@@ -11,9 +11,9 @@ convolution algorithms:
 - the form with the shortest median step is kept if its median is more than TOLERANCE below the
   built-in choice's and it was also the faster of the two in every round; else the built-in choice.
   A difference that small is within a shared machine's noise, and a VM's slow second can fall on a
-  whole window: on a shared 2-core Zen 4, 2 rounds judged by the median alone left the built-in forms
+  whole window: on a shared 2-core VM, 2 rounds judged by the median alone left the built-in forms
   in 4 of 24 timings, though they were the fastest over 6 rounds each time; 4 rounds judged this way
-  did so in none of 16 (docs/PERFORMANCE.md, session 57);
+  did so in none of 16 (docs/performance.md, "Convolution forms and --autotune");
 - the result goes to <cache_dir>/autotune/<key>.yaml, keyed by the machine, TensorFlow, the model, the
   batch layout, the source of the model package (a new form of a layer is timed afresh) and the timing
   rule (TIMING), so later runs on this machine read it instead of timing again.
@@ -217,8 +217,9 @@ class _SharedVariables:
   each later build is handed the same ones in the order it asks for them. The forms compute the same
   function with the same variables, and they train one at a time. Four sets (weights, optimizer slots
   and BatchNorm statistics, per replica) would raise the peak of TensorFlow's CPU allocator, which
-  keeps its memory for the rest of the process: a first float32 run at 4 x 48 trained in 1.33 GB
-  where a later run, which reads the timings, needs 0.78 GB; with one set, in 1.0-1.04 GB (Zen 5).
+  keeps its memory for the rest of the process: with four, a first float32 run at 4 x 48 would train
+  in 1.33 GB where a later run, which reads the timings, needs 0.78 GB; with one set it trains in
+  1.0-1.04 GB (docs/performance.md, "Memory").
 
   The creator must be the innermost one (entered inside the strategy's scope, which a build's own
   strategy.scope() then re-enters without a creator of its own), so that it sees, and hands out, whole

@@ -249,8 +249,8 @@ def _running_metrics(model, logs) -> dict:
   """The epoch's running training metrics so far, as Keras reports them at an epoch's end: read from the
   metric objects (aggregated over every replica and process; a collective, which every process reaches
   at the same step here), not from the batch's logs, which Keras sums over the replicas of a
-  multi-worker run (`reduce_per_replica`, reduction "auto"): the saved figures were twice the real
-  ones with two workers. Keras before `get_metrics_result` (TensorFlow 2.6, the IPU SDK): the logs."""
+  multi-worker run (`reduce_per_replica`, reduction "auto"): the saved figures would be twice the
+  real ones with two workers. Keras before `get_metrics_result` (TensorFlow 2.6, the IPU SDK): the logs."""
   get = getattr(model, "get_metrics_result", None) if model is not None else None
   return dict(get()) if get is not None else dict(logs or {})
 

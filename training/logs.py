@@ -28,7 +28,7 @@ from errors import UserError
 # Lines TensorFlow's C++ core prints while it builds a step's or an input's graph (a first step, a
 # validation, the test), that no user can act on; each seen on TF 2.21 in the main job's log:
 ONE_OFF_NATIVE_LINES = (
-    # ERROR level, once, also on AVX-512 CPUs (a Zen 4), for the Cast of the float16 frames to the
+    # ERROR level, once, also on AVX-512 CPUs, for the Cast of the float16 frames to the
     # compute dtype: oneDNN leaves that Cast to Eigen's kernel, as the line itself says.
     "oneDNN supports DT_HALF only on platforms with AVX-512",
     # A GeneratorDataset in tf.distribute's input path (MultiDeviceIterator feeds each device through

@@ -283,7 +283,7 @@ def _make_callbacks(config, backend, schedule, checkpointing, state, global_batc
     callbacks.append(tf.keras.callbacks.TensorBoard(log_dir=config.profile_dir, profile_batch=(2, 4),
                                                     write_graph=False))
   # Keras' bar where Keras (tf_keras) puts its own, after the others; the epoch's log line after the bar
-  # has ended its line (before, it was glued to the bar's last update on a terminal); `graceful` last,
+  # has ended its line (else it is glued to the bar's last update on a terminal); `graceful` last,
   # so that a stop at an epoch's end logs it first.
   if logs.shows_bar(config.progress, backend.is_chief):
     callbacks.append(callbacks_lib.RunProgbar(config.epochs))

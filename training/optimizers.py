@@ -42,7 +42,7 @@ class _TorchEpsilon:
   Keras adds epsilon to sqrt(v) before the bias correction ("epsilon hat"); PyTorch adds it to the
   bias-corrected sqrt(v / (1 - beta_2^t)). Scaling it by sqrt(1 - beta_2^t) gives PyTorch's update
   exactly, so with PyTorch's default 1e-8 the steps are those of torch.optim.Adam. Keras' own 1e-7,
-  uncorrected, was 3e-6 in PyTorch's terms at the first step: it damped the small-gradient weights
+  uncorrected, is 3e-6 in PyTorch's terms at the first step: it damps the small-gradient weights
   (batch-norm scales) for the first epochs. Variables, slots and checkpoints are those of Adam.
   """
 

@@ -1,8 +1,9 @@
 """The main job never waits on its input pipeline: not between epochs, not when it is stopped.
 
-With the old `from_generator` pipeline, destroying an iterator blocked on a Python generator thread:
-a SIGTERM'd 4-replica run saved its checkpoint and then hung, and ordinary runs idled between epochs
-(issues 13 and 21). These run the real `main.py` with 4 replicas on a streaming fp16 file.
+A `from_generator` pipeline would not do: destroying an iterator blocked on a Python generator
+thread hangs, so a SIGTERM'd 4-replica run would save its checkpoint and then hang, and ordinary runs
+would idle between epochs (data/hdf5_native.py says why the reader is native). These run the real
+`main.py` with 4 replicas on a streaming fp16 file.
 """
 
 import os
@@ -72,7 +73,7 @@ def test_sigterm_in_epoch_two_with_four_replicas_exits_within_seconds(tmp_path, 
   output = _output(logdir)
   assert status == 143, output[-3000:]
   assert "Training interrupted by SIGTERM in epoch 2" in output, output[-3000:]
-  # Observed: 0.2-60 s (docs/PERFORMANCE.md); the old pipeline never exited: the bound catches a hang.
+  # Observed: 0.2-60 s (docs/performance.md, "Input pipeline"); the bound catches a hang.
   assert seconds < 120, "took %.1f s from the signal to the exit" % seconds
   assert any(name.startswith("ckpt-2-step") or name.startswith("ckpt-1")
              for name in os.listdir(os.path.join(logdir, "checkpoints", "last")))

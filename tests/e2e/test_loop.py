@@ -66,7 +66,7 @@ def test_two_replicas_one_epoch(two_replicas_run):
   assert result.returncode == 0, result.stderr[-3000:]
   assert "Neuron-Inverter, running on CPU" in result.stdout
   assert "Global batch 32 = 16 per replica x 1 gradient accumulation x 2 replicas" in result.stderr
-  # Issue 19: TensorFlow's one-off C++ lines of a first step and of the test evaluation are dropped
+  # TensorFlow's one-off C++ lines of a first step and of the test evaluation are dropped
   # (the float16 file's frames are cast; the replicas are fed through tf.distribute's generators).
   for line in logs.ONE_OFF_NATIVE_LINES:
     assert line not in result.stderr, line
@@ -91,7 +91,7 @@ def test_two_replicas_one_epoch(two_replicas_run):
   assert scalars["epoch_lr"][0][1] == pytest.approx(1e-3)
   assert "epoch_samples_per_sec_per_replica" in scalars and "epoch_seconds" in scalars
   assert "epoch_wall_seconds" in scalars and not any("epoch_epoch" in tag for tag in scalars)
-  assert "epoch_learning_rate" not in scalars   # one rate chart: the schedule's epoch_lr (issue 19)
+  assert "epoch_learning_rate" not in scalars   # one rate chart: the schedule's epoch_lr
   assert "epoch_loss" in read_scalars(os.path.join(logdir, "validation"))
 
 
@@ -190,7 +190,7 @@ def test_autotune_times_the_forms_once_then_reads_them_and_leaves_the_initial_we
 
 def test_each_epoch_line_starts_a_line_of_its_own_after_the_progress_bar(plateau_run):
   """As a terminal shows stdout and stderr together: Keras' bar ends its line before the epoch's log
-  line (written by absl to stderr), which used to be glued to the bar's last update. The run is the
+  line (written by absl to stderr), not glued to the bar's last update. The run is the
   shared 2-epoch `plateau_run` (--progress=bar, one stream); only its captured output is read, which the
   resume of its folder does not change."""
   result = plateau_run[0]

@@ -1,4 +1,4 @@
-"""Interrupted training (issue 8): SIGKILL at random points, SIGTERM/SIGINT graceful save, NaN, disk full.
+"""Interrupted training: SIGKILL at random points, SIGTERM/SIGINT graceful save, NaN, disk full.
 
 Real training processes (`python main.py`, dev design, a small file, 32 steps per epoch) are killed and
 resumed; each run's outputs are checked: every epoch accounted for, checkpoints readable, none lost,
@@ -244,7 +244,7 @@ def test_ctrl_c_before_training_is_one_line_and_exit_130(tmp_path, data_file):
   """Ctrl-C while --autotune times the forms (before training, where no graceful stop applies): no
   traceback, one line, the shell's status for SIGINT, and no half-written timings or run folder."""
   logdir, cache = str(tmp_path / "run"), str(tmp_path / "cache")
-  # ontra4, not dev: its forms take seconds to build and time (3 s on the Xeon of session 19), so the
+  # ontra4, not dev: its forms take seconds to build and time (about 3 s), so the
   # signal lands in the timing on a fast CPU too.
   job = Job(logdir, data_file, "--design=ontra4", "--epochs=1", "--precision=32.32", "--autotune=on",
             "--cache_dir=" + cache)

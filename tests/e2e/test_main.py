@@ -56,7 +56,7 @@ def test_mnist_check_end_to_end(tmp_path, replicas):
   # a protobuf dump at every fit and evaluate (strategies/backend.py fit_input).
   for noise in ("Traceback", "Exception ignored", "AUTO sharding policy"):
     assert noise not in result.stderr, result.stderr[-3000:]
-  # Issue 19: the log ends with where the run is and what to run next, and has no CUDA probe noise.
+  # The log ends with where the run is and what to run next, and has no CUDA probe noise.
   closing = result.stdout[result.stdout.index("Run finished: " + logdir):]
   assert "tools/serve_tensorboard.py --logdir " + logdir in closing and "tools/predict.py" not in closing
   assert "test: loss" in closing and "--resume --epochs=7" in closing
@@ -178,8 +178,8 @@ def test_compile_only_compiles_and_exits(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   assert "--compile_only: compiled in" in result.stderr
   assert "Epoch 2/" not in result.stdout and not os.path.exists(os.path.join(logdir, "summary.yaml"))
-  # No run is left in the folder: the training run that the compilation prepares may use it (it used to
-  # be refused as "already holds a run", and --resume found no checkpoint).
+  # No run is left in the folder: the training run that the compilation prepares may use it (not be
+  # refused as "already holds a run", with no checkpoint for --resume either).
   assert not os.path.exists(logdir)
   # The training run may differ from the compiled one: what is checked is that the folder is free.
   trained = run_main("--model=mnist", "--backend=cpu", "--replicas=2", "--batch_size=8",

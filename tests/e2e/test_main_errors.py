@@ -1,4 +1,4 @@
-"""The bad-input battery (issue 8): every bad flag, file or checkpoint is one clear line and a non-zero
+"""The bad-input battery: every bad flag, file or checkpoint is one clear line and a non-zero
 exit, and the outputs of an earlier run in the same --logdir are left exactly as they were.
 
 Each case runs against a copy of a finished tiny run (summary.yaml, run_config.yaml, events,
@@ -381,7 +381,7 @@ def test_resume_from_a_damaged_checkpoint(good_file, logdir, how):
 
 
 def test_resume_checks_the_best_checkpoint_before_training(good_file, logdir):
-  """The run ends by testing the best weights: a damaged best one stops it at once (issue 15, 12)."""
+  """The run ends by testing the best weights: a damaged best one stops it at once."""
   best = os.path.join(logdir, "checkpoints", "best")
   (data,) = [os.path.join(best, name) for name in os.listdir(best) if ".data-" in name]
   _garble(data, os.path.getsize(data) // 2)
@@ -400,7 +400,7 @@ def test_resume_from_a_garbled_checkpoint_end_to_end(good_file, logdir):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Run folders (issue 15, points 1 and 2).
+# Run folders.
 
 def test_a_new_run_into_a_finished_one_is_refused_and_keeps_it(logdir, good_file):
   check_bad_run(logdir, ["--logdir=" + logdir, "already holds a run", "--resume", "fresh --logdir"],

@@ -182,8 +182,9 @@ def _bin_that_installs(tmp_path):
 
 @pytest.mark.skipif(shutil.which("flock") is None, reason="flock (util-linux) is not installed")
 def test_two_makes_started_together_install_once(tmp_path):
-  """`make run` and `make test` typed into two terminals of a fresh clone: both found no environment, both
-  ran `-m venv`, and the second failed in pip on the half-made one. Now the second waits, then finds it."""
+  """`make run` and `make test` typed into two terminals of a fresh clone: both find no environment; the
+  second waits for the first's install, rather than run `-m venv` and fail in pip on a half-made one,
+  then finds it."""
   folder, log = _bin_that_installs(tmp_path)
   venv = tmp_path / "venv"
   env = {"PATH": str(folder), "HOME": str(tmp_path)}

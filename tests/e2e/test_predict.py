@@ -129,7 +129,7 @@ def test_main_predict_writes_the_report(trained_run):
 
 
 def _cell_folder(data_file, tmp_path):
-  """A data folder as the README names cellSpike data: its meta yaml, and a copy of `data_file` as the
+  """A data folder as docs/data.md names cellSpike data: its meta yaml, and a copy of `data_file` as the
   file of cell cellB."""
   folder = tmp_path / "cells"
   folder.mkdir()
@@ -141,7 +141,7 @@ def _cell_folder(data_file, tmp_path):
 def test_predict_tool_and_export_round_trip(trained_run, data_file, tmp_path):
   """The tool on a slice of a split, its report outside the run folder, and an export that reproduces
   its predictions. The data are named as main.py names them, --data_path=<folder> --cell_name=<cell>
-  (the README's way to name cellSpike data, issue 15, 16): the folder's file is a copy of the run's, so
+  (the documented way to name cellSpike data): the folder's file is a copy of the run's, so
   the truths are the run's data file's all the same."""
   logdir, _ = trained_run
   outdir, export_dir = str(tmp_path / "out"), str(tmp_path / "export")
@@ -204,7 +204,7 @@ def test_training_history_from_events_and_from_summary(trained_run, tmp_path):
 def test_a_stray_argument_is_one_line_error_not_the_help(tmp_path):
   result = run_predict("--logdir=" + str(tmp_path), "extra")
   assert_one_line_error(result, "unexpected argument extra", "flags only")
-  assert "--max_samples" not in result.stdout + result.stderr   # absl used to print the whole --help
+  assert "--max_samples" not in result.stdout + result.stderr   # not absl's whole --help
 
 
 def test_missing_logdir_is_one_line_error(tmp_path):
@@ -236,8 +236,8 @@ def test_data_of_another_shape_is_a_user_error(trained_run, tmp_path):
 
 
 def test_too_few_samples_for_the_reports_correlations(trained_run, tmp_path, caplog):
-  """One sample used to end in a ValueError traceback (after training, with main.py --predict); a few
-  gave confident verdicts from r of +-1."""
+  """One sample would end in a ValueError traceback (after training, with main.py --predict); a few
+  would give confident verdicts from r of +-1."""
   config = summary.load_run_config(trained_run[0], backend="cpu")
   with pytest.raises(UserError, match=r"1 test sample to evaluate \(--max_samples=1\); the report's "
                                       r"correlations need at least 2"):
@@ -251,7 +251,7 @@ def test_too_few_samples_for_the_reports_correlations(trained_run, tmp_path, cap
 
 
 def test_main_predict_with_a_one_sample_test_split_is_refused_before_training(tmp_path):
-  """The report needs two test samples; main.py used to train to the end and write summary.yaml first."""
+  """The report needs two test samples: main.py refuses before training, not after it wrote summary.yaml."""
   data = write_cellspike(str(tmp_path / "one_test.h5"), sizes={"train": 64, "val": 16, "test": 1})
   logdir = tmp_path / "run"
   result = run_main("--model=neuron_inverter", "--design=dev", "--backend=cpu", "--batch_size=16",
@@ -303,8 +303,8 @@ def test_predict_flag_needs_the_regression_model():
 
 
 def test_predict_names_real_data_as_main_does_a_folder_and_a_cell(trained_run, data_file, tmp_path):
-  """A run trained on --data_path=<folder> --cell_name=<cell>, the README's way to name cellSpike data
-  (issue 15, 16), evaluated on a file. (The tool given --data_path=<folder> --cell_name=<cell> itself:
+  """A run trained on --data_path=<folder> --cell_name=<cell>, the documented way to name cellSpike data,
+  evaluated on a file. (The tool given --data_path=<folder> --cell_name=<cell> itself:
   test_predict_tool_and_export_round_trip, which evaluates the folder's cell in its run.)"""
   folder = _cell_folder(data_file, tmp_path)
   # A run trained on that folder's cell, evaluated on a file: the run's --cell_name picked a file in its
@@ -349,7 +349,7 @@ def _copy_of(trained_run, tmp_path):
     ({"learning_rate": float("nan")}, ["--learning_rate must be a finite number"]),
 ])
 def test_hand_edited_run_config_is_checked_like_the_flags(trained_run, tmp_path, edit, fragments):
-  """One code path for flags and saved configurations (issue 15, point 13)."""
+  """One code path for flags and saved configurations."""
   copy = _copy_of(trained_run, tmp_path)
   path = os.path.join(copy, summary.RUN_CONFIG_FILE)
   saved = _load_yaml(path)
@@ -374,7 +374,7 @@ def test_malformed_or_hostile_run_config_is_one_line(trained_run, tmp_path, text
 
 @pytest.mark.parametrize("damage", ["empty_data", "garbage_index", "export_dir_is_a_file"])
 def test_damaged_checkpoints_and_bad_outputs_are_found_before_evaluating(trained_run, tmp_path, damage):
-  """Checked first and reported in one line (issue 15, point 14)."""
+  """Checked first and reported in one line."""
   copy = _copy_of(trained_run, tmp_path)
   args = ["--logdir=" + copy, "--backend=cpu", "--noplots", "--max_samples=16"]
   if damage == "export_dir_is_a_file":

@@ -201,7 +201,7 @@ def _main_config(data_file, logdir, *more):
 def test_a_signal_before_or_during_the_predict_report_is_resumed_by_making_the_report(
     tmp_path, data_file, monkeypatch, capsys):
   """--predict's report follows the summary: a signal there stops the job as resumable (143), and the
-  resume only makes the report (it used to be refused: 'already finished')."""
+  resume only makes the report (not refused as 'already finished')."""
   import main  # pylint: disable=import-outside-toplevel
   from analysis import evaluation  # pylint: disable=import-outside-toplevel
   logdir = str(tmp_path / "run")
@@ -273,8 +273,8 @@ def test_a_resume_with_fewer_epochs_than_the_run_started_with_is_refused(tmp_pat
 
 def test_a_run_killed_between_its_first_two_saves_resumes_from_best(tmp_path, data_file, monkeypatch,
                                                                    caplog):
-  """Epoch 1 writes checkpoints/best, then links it as checkpoints/last: a kill in between used to leave a
-  folder that --resume ('no checkpoint') and a new run ('already holds a run') both refused."""
+  """Epoch 1 writes checkpoints/best, then links it as checkpoints/last: a kill in between must not leave a
+  folder that --resume ('no checkpoint') and a new run ('already holds a run') both refuse."""
   logdir = str(tmp_path / "run")
   with monkeypatch.context() as patch:
     _signalled_at(patch, epoch=0)
@@ -350,7 +350,7 @@ def test_a_lost_worker_is_named_by_tensorflows_reason_not_its_trace(tmp_path):
 
 def test_a_run_whose_validation_loss_is_never_finite_fails(tmp_path):
   """Epochs are checkpointed by their validation loss; with it inf in every epoch (validation targets
-  1e25 times the training ones) the run used to report itself finished, exit 0, with no checkpoint."""
+  1e25 times the training ones) the run fails, rather than report itself finished with no checkpoint."""
   path = write_cellspike(str(tmp_path / "huge_val.h5"), sizes={"train": 128, "val": 32, "test": 32})
   with h5py.File(path, "a") as f:
     f["val_unitStar_par"][...] = f["val_unitStar_par"][...] * 1e25

@@ -142,7 +142,7 @@ def test_ctrl_c_stops_the_point_with_a_checkpoint_and_the_scan_continues_it(tmp_
                                                  (["1e-3", "inf"], ["1"], "--learning_rates value inf"),
                                                  (["1e-3"], ["4", "0"], "--replicas value 0")])
 def test_grid_values_no_point_could_run_with_are_refused_at_once(rates, replicas, named):
-  """They used to become one failed point each (in folders such as replicas0_lrnan)."""
+  """Refused before any point runs, not one failed point each (in folders such as replicas0_lrnan)."""
   with pytest.raises(scan.ScanError, match=named + ": learning rates must be finite"):
     scan.make_grid(rates, replicas, ["--model=neuron_inverter"])
 
@@ -297,7 +297,7 @@ def test_distinct_rates_get_distinct_folders():
 
 def test_a_hang_up_stops_the_point_with_a_checkpoint_and_the_scan_with_status_129(tmp_path):
   """The points run in sessions of their own: a closing terminal's SIGHUP reaches the scan alone, which
-  it used to end on the spot, the point training on without it."""
+  must stop its point too, not end on the spot and leave the point training on without it."""
   _, status, out, err, log = _scan_signalled_in_its_first_point(tmp_path, signal.SIGHUP, "1e-3")
   assert status == 129, out + err
   assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted by SIGHUP: the scan "

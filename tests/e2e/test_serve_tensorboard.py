@@ -52,7 +52,7 @@ def _signal_state(pid):
 def _exit_status_after_ctrl_c(process, lines, log):
   """Ctrl-C to a TensorBoard command; its exit status. A server that ignores SIGINT would never end:
   that is what it inherits from a suite started in the background by a non-interactive shell, unless
-  conftest.py gives SIGINT back its default (sessions 35 and 36 lost a full run to it). So that is
+  conftest.py gives SIGINT back its default (a hung server would cost a full run). So that is
   checked first; a server still there a minute after Ctrl-C fails with its signal masks and its log."""
   state = _signal_state(process.pid)
   ignored = re.search(r"SigIgn:\s*([0-9a-f]+)", state)
