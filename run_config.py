@@ -30,7 +30,7 @@ def cache_hint(path: str) -> str:
           "--data_cache" % source)
 
 # --autotune: "auto" times the forms only for runs of at least AUTOTUNE_MIN_STEPS training steps. The
-# timing costs about 120 steps' time (docs/performance.md, "Convolution forms and --autotune"), once
+# timing costs about 220-240 steps' time (docs/performance.md, "Convolution forms and --autotune"), once
 # per machine and batch layout: later runs read the result. Short runs (tests, smoke
 # runs) keep the built-in choice rather than spend that.
 AUTOTUNE_MODES = ("auto", "on", "off")

@@ -6,7 +6,7 @@ registers. It is compiled against the TensorFlow that runs it (headers and flags
 with AVX2 and FMA code, so the backend uses it only on CPUs that have both.
 
 The library goes to <KERNEL_CACHE>/<digest>/ (run_config.KERNEL_CACHE), the digest covering the
-source, TensorFlow and the compiler command, so later runs load it (the build takes 11-13 s,
+source, TensorFlow and the compiler command, so later runs load it (the build takes 6-13 s,
 docs/performance.md, "The first conv block's C++ kernel"). Processes that start together (workers,
 test runners) build it once: the first takes a lock on the folder, the others wait for it, and the
 library appears whole, by a rename. Where it cannot be built or loaded (no C++ compiler, a TensorFlow

