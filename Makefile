@@ -68,7 +68,7 @@ COMPILE_VENV = @echo 'compiling the modules of $(1) on every core'; $(1)/bin/pyt
 help:
 	@echo "make run          install into $(VENV) (first time), then train the main job on the built-in data"
 	@echo "                  (RUN_ARGS=\"--epochs=6\" passes flags to main.py)"
-	@echo "make test         install, then the test suite (5 to 13 minutes on 2 cores)"
+	@echo "make test         install, then the test suite (about 4 to 9 minutes on 2 cores)"
 	@echo "make install      only the environment: $(VENV) with TensorFlow ($(BACKEND) build) and requirements.txt"
 	@echo "make test-unit    the in-process tests only (under a minute)"
 	@echo "make test-slurm   the job scripts on a real one-node Slurm on this machine"
