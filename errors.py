@@ -15,6 +15,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 
 
 class UserError(Exception):
@@ -38,6 +39,13 @@ SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM",
                 signal.SIGHUP: "SIGHUP (the terminal closed)"}
 _pending = []  # the signal whose stop has not reached reported_on_one_line yet
 _terminal_outputs = set()  # stdout's and stderr's descriptors that were a terminal when handlers were set
+# Python runs a signal handler only between two bytecodes of the main thread, so a long call into C++
+# (an XLA or Poplar compilation, a wait for another process) holds a stop back until it returns. While
+# stops are immediate (set-up: nothing is saved yet), one not taken within STOP_GRACE_SECONDS ends the
+# process with its line and status (_StopWatchdog). A C++ call that also holds the GIL blocks the
+# watchdog too: such calls are kept short (strategies/cpuinfo.py bounds the CPU's logical devices).
+STOP_GRACE_SECONDS = 5.0
+_graceful = [False]  # [True]: a training loop takes stops at its next safe point (training/interrupt.py)
 
 
 def _raise_stop(signum):
@@ -91,6 +99,87 @@ def _raise_pending(signum, frame):
     _raise_stop(_pending[0])
 
 
+def stop_now(signum: int) -> None:
+  """Takes a stop at once, as reported_on_one_line's handler does: for a training loop's own handler
+  before its first step, where nothing is saved yet (training/interrupt.py)."""
+  if signal.getsignal(signal.SIGALRM) is _raise_pending:  # within reported_on_one_line: raised until it has it
+    _stop_on_signal(signum, None)
+  if signum == signal.SIGHUP:
+    leave_a_closed_terminal()
+  _raise_stop(signum)
+
+
+def set_graceful_stops(graceful: bool) -> bool:
+  """Whether a training loop takes stops at its next safe point (then the watchdog of
+  reported_on_one_line leaves a stop held back in C++ to it); returns the previous setting."""
+  previous, _graceful[0] = _graceful[0], graceful
+  return previous
+
+
+def exit_on_stop_signals() -> None:
+  """For a program's first lines, before its imports and flags: until reported_on_one_line takes over,
+  a stop ends the process at once, with its line and status 128 + the signal's number (nothing is
+  written before then). Python's defaults would die of SIGTERM without a word, and print a traceback
+  for Ctrl-C."""
+  for signum in _STOP_SIGNALS:
+    if handles(signum):
+      signal.signal(signum, _exit_at_once)
+
+
+def _exit_at_once(signum, frame):
+  del frame
+  _write_stop_line(signum)
+  os._exit(128 + signum)  # pylint: disable=protected-access
+
+
+def _write_stop_line(signum: int) -> None:
+  try:
+    os.write(2, ("\ninterrupted by %s\n" % SIGNAL_NAMES[signum]).encode())
+  except OSError:  # a closed terminal (SIGHUP)
+    pass
+
+
+class _StopWatchdog:
+  """Ends the process when a stop signal has not been taken by the main thread within
+  STOP_GRACE_SECONDS while stops are immediate. Python's own C handler writes each signal's number to
+  the wakeup descriptor at once; this thread reads it, and needs no bytecode of the main thread."""
+
+  def __init__(self):
+    self._read, self._write = os.pipe()
+    self._closed = False
+    os.set_blocking(self._write, False)
+    self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+    threading.Thread(target=self._watch, name="stop-watchdog", daemon=True).start()
+
+  def _watch(self):
+    try:
+      while True:
+        received = os.read(self._read, 64)
+        if not received:
+          return  # closed
+        for signum in received:
+          if signum in _STOP_SIGNALS and not _graceful[0]:
+            self._end_unless_taken(signum)
+            break
+    finally:
+      os.close(self._read)
+
+  def _end_unless_taken(self, signum: int) -> None:
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    while time.monotonic() < deadline:
+      if _pending or _graceful[0] or self._closed:
+        return  # raised in the main thread (reported_on_one_line reports it), or a loop's to take
+      time.sleep(0.05)
+    if not (_pending or _graceful[0] or self._closed):
+      _write_stop_line(signum)
+      os._exit(128 + signum)  # pylint: disable=protected-access
+
+  def close(self):
+    self._closed = True
+    signal.set_wakeup_fd(self._previous_fd)
+    os.close(self._write)  # the thread reads the end and leaves
+
+
 def _caused_by_a_stop(error) -> bool:
   """Whether `error` is a stop or comes from one. A stop raised while C code had called back into Python
   comes out as a SystemError ("returned a result with an exception set") whose cause is the stop: seen
@@ -133,13 +222,16 @@ def reported_on_one_line(status: int = 1):
   """Runs the block; a UserError from it becomes one `error: ...` line on stderr and exit `status`.
   Ctrl-C, SIGTERM or SIGHUP where nothing handles it (before training, or in a tool; training itself
   stops gracefully with a checkpoint) becomes one line too, and exit status 128 + the signal's number
-  (130, 143, 129), as a shell reports it. Without this, SIGTERM would end the process where it stands."""
+  (130, 143, 129), as a shell reports it. Without this, SIGTERM would end the process where it stands.
+  One held back by a call into C++ for STOP_GRACE_SECONDS ends the process there, with the same line
+  and status (_StopWatchdog), unless a training loop takes it at its next safe point."""
   in_main_thread = threading.current_thread() is threading.main_thread()  # handlers can only be set there
-  previous = {}
+  previous, watchdog = {}, None
   if in_main_thread:
     remember_terminal_outputs()
     previous = {signum: signal.signal(signum, _stop_on_signal) for signum in _STOP_SIGNALS if handles(signum)}
     previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, _raise_pending)
+    watchdog = _StopWatchdog()
   previous_hook, sys.unraisablehook = sys.unraisablehook, _quiet_lost_stops
   previous_excepthook, sys.excepthook = sys.excepthook, _quiet_printed_stops
   try:
@@ -166,6 +258,8 @@ def reported_on_one_line(status: int = 1):
     sys.exit(128 + signum)
   finally:
     sys.unraisablehook, sys.excepthook = previous_hook, previous_excepthook
+    if watchdog is not None:
+      watchdog.close()
     if previous:
       signal.setitimer(signal.ITIMER_REAL, 0)
       _pending[:] = []

@@ -80,7 +80,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   _on.DEFINE_enum("model", "mnist", sorted(model.MODELS), "Which model to train.")
   _on.DEFINE_enum("backend", _default("backend"), BACKENDS,
                     "Where to run: auto picks the first of %s that this machine has (IPUs: with "
-                    "Graphcore's TensorFlow)." % ", ".join(BACKENDS[1:]))
+                    "Graphcore's TensorFlow and a device that gc-info lists, or the IPU Model)." % ", ".join(BACKENDS[1:]))
   _on.DEFINE_integer("replicas", _default("replicas"), "Data-parallel replicas (IPUs, GPUs or logical CPU devices).",
                        lower_bound=1)
   _on.DEFINE_integer("batch_size", None, "Batch size per replica (default: the model's).", lower_bound=1)
@@ -112,6 +112,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                     "pipe to tee).")
   _define_neuron_inverter_flags()
   _define_placement_flags()
+  _register_integer_bounds()  # first: absl runs validators in order, and the pipeline's rules loop over stages
   _register_value_validators()
   _register_data_validators()
   _register_hardware_validators()
@@ -192,6 +193,16 @@ def _define_placement_flags() -> None:
 
 
 FLOAT_FLAGS = ("learning_rate", "dropout", "lr_factor", "available_memory_proportion")
+# The largest value of an integer flag without a range of its own (--seed has numpy's): counts and sizes
+# reach TensorFlow as 64-bit integers, some multiplied together (--read_chunk's rows, with the batch's
+# offsets; --steps_per_execution, by Keras), and --read_chunk=10**19 or --steps_per_execution=10**19
+# overflowed there into a traceback. No count of this application comes near it.
+MAX_INTEGER_FLAG = 2**31 - 1
+# Tighter bounds where a flag's value is a loop's length before TensorFlow starts: the pipeline's rules
+# (strategies/pipeline_rules.py) walk its stage mapping, quadratically for the interleaved schedule, and
+# --pipeline_stages=2**31 filled a 24 GB machine's memory while the flags were parsed. 64: an IPU-POD64's
+# IPUs, far more than a replica of these models uses (they split into 2 stages: STAGE_BOUNDARIES).
+INTEGER_FLAG_BOUNDS = {"ipus_per_replica": 64, "pipeline_stages": 64}
 
 
 def register_data_path_checks(flag_values: flags.FlagValues) -> None:
@@ -223,6 +234,16 @@ def _register_value_validators() -> None:
   for name in FOLDER_FLAGS:
     _on.register_validator(name, lambda v: v is None or v.strip() != "",
                              message="--%s is empty: give a folder, or leave the flag out for its default" % name)
+
+
+def _register_integer_bounds() -> None:
+  """INTEGER_FLAG_BOUNDS, else MAX_INTEGER_FLAG, for the integer flags without an upper bound of their own."""
+  for name in RUN_CONFIG_FIELDS:
+    parser = _on.flag_values[name].parser if name in _on.flag_values else None
+    if isinstance(parser, flags.IntegerParser) and parser.upper_bound is None:
+      bound = INTEGER_FLAG_BOUNDS.get(name, MAX_INTEGER_FLAG)
+      _on.register_validator(name, lambda v, bound=bound: v is None or v <= bound,
+                             message="--%s must be at most %d" % (name, bound))
 
 
 def _register_data_validators() -> None:
@@ -263,14 +284,10 @@ def _register_hardware_validators() -> None:
     return True
 
   @_on.multi_flags_validator(
-      ["pipeline_stages", "ipus_per_replica"],
-      message="--pipeline_stages must be at least --ipus_per_replica (every IPU of a replica needs a stage)")
-  def _stages_cover_ipus(values):  # pylint: disable=unused-variable
-    return values["pipeline_stages"] is None or values["pipeline_stages"] >= values["ipus_per_replica"]
-
-  @_on.multi_flags_validator(
       ["pipeline_stages", "ipus_per_replica", "pipeline_schedule", "gradient_accumulation"])
   def _pipeline_depth(values):  # pylint: disable=unused-variable
+    # The pipeline's rules, stages covering every IPU of a replica first (strategies/ipu.py checks a
+    # saved run's configuration with the same function).
     problem = pipeline_rules.pipeline_problem(
         values["pipeline_schedule"], values["pipeline_stages"] or values["ipus_per_replica"],
         values["ipus_per_replica"], values["gradient_accumulation"])

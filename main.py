@@ -15,13 +15,16 @@ import dataclasses
 import os
 import sys
 
-from errors import (ignore_stops_while_exiting, parse_flags, refuse_arguments, report_missing_packages,
-                    reported_on_one_line)
+from errors import (exit_on_stop_signals, ignore_stops_while_exiting, parse_flags, refuse_arguments,
+                    report_missing_packages, reported_on_one_line)
+if __name__ == "__main__":
+  exit_on_stop_signals()  # a stop while the imports and flags load: its line and status too
 report_missing_packages()  # before the first third-party import: run by a Python without them, one line
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags as absl_flags  # noqa: E402  pylint: disable=wrong-import-position
 import data  # noqa: E402  pylint: disable=wrong-import-position
+from data import sizes  # noqa: E402  pylint: disable=wrong-import-position
 import flags  # noqa: E402  pylint: disable=wrong-import-position
 import model  # noqa: E402  pylint: disable=wrong-import-position
 from strategies import environment  # noqa: E402  pylint: disable=wrong-import-position
@@ -38,8 +41,9 @@ def train_and_evaluate(config, dated_logdir: bool = False, then_exit: bool = Fal
   ends after the closing report, so stop signals are ignored from just before it: one sent as its last
   line is read (a time limit) could otherwise land before the exit began and make the finished run
   look killed. Returns the run's summary; a problem is a UserError."""
-  # The data files that the flags name, before TensorFlow's start: a wrong one is an error at once.
-  data.check_named_files(model.get_model_info(config.model).dataset, config)
+  # The data files that the flags name, and the sizes the flags imply, before TensorFlow's start: a
+  # wrong one is an error at once.
+  sizes.check(config, data.check_named_files(model.get_model_info(config.model).dataset, config))
   config, backend = environment.start_backend(config)  # imports TensorFlow
   from training import run_folder  # pylint: disable=import-outside-toplevel
   if dated_logdir and backend.is_chief:

@@ -17,6 +17,7 @@ fifteen conductances; MSE and the residual mean/std are reported beside it for b
 """
 
 import dataclasses
+import glob
 import math
 import os
 import time
@@ -28,7 +29,7 @@ from absl import logging
 
 import model as model_registry
 from analysis import events
-from data import cellspike
+from data import atomic_files, cellspike
 from data.splits import eval_layout
 from errors import UserError, check_output_path
 from run_config import RunConfig
@@ -246,7 +247,8 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
                state.get("epoch", "?"), split, info.path, data_split.samples)
   started = time.perf_counter()
   x, steps = backend.fit_input(data_split.dataset, data_split.steps)
-  truth, prediction = collect_predictions(net, x, steps)
+  with backend.device_errors():  # on IPUs the device is attached at the first execution
+    truth, prediction = collect_predictions(net, x, steps)
   seconds = time.perf_counter() - started
 
   results = _what_was_evaluated(config, backend, split, checkpoint, state, info, seconds)
@@ -271,7 +273,11 @@ def _checked_request(config: RunConfig, split: str, outdir: str, export_dir: str
     raise UserError("unknown split %r; valid splits: test, validation, train" % split)
   default_outdir = outdir is None
   outdir = outdir or os.path.join(config.logdir, PREDICT_DIR)
+  if default_outdir:  # inside the run folder, where a link can only be planted (a given one is the user's)
+    atomic_files.refuse_link(outdir, folder=True)
   check_output_path("--outdir", outdir, folder=True, default=default_outdir)
+  for name in _report_names():  # before the evaluation, not after it
+    atomic_files.refuse_link(os.path.join(outdir, name))
   if export_dir:
     check_output_path("--export_dir", export_dir, folder=True)
   return outdir
@@ -305,26 +311,53 @@ def _training_summary(logdir: str) -> Optional[dict]:
                                             "wall_seconds", "replicas", "backend")}
 
 
+# The files a report writes into its folder (with a TensorBoard event file of a fresh name).
+def _report_names() -> tuple:
+  from analysis import plots as plots_lib  # pylint: disable=import-outside-toplevel
+  return (SUM_PRED, PREDICTIONS, plots_lib.TRUTH_VS_PRED_PNG, plots_lib.RESIDUALS_PNG,
+          plots_lib.TRAINING_CURVES_PNG)
+
+
 def _write_outputs(outdir: str, results: dict, truth, prediction, info, plots: bool) -> list:
   """sum_pred.yaml, U and Z, the figures (with `plots`) and their TensorBoard events into `outdir`;
-  returns the paths written."""
-  os.makedirs(outdir, exist_ok=True)
-  files = [summary_lib.write_yaml(os.path.join(outdir, SUM_PRED), results)]
-  # U and Z themselves, for further analysis (rows in the order the model read them).
-  np.savez(os.path.join(outdir, PREDICTIONS), truth=truth, prediction=prediction,
-           par_names=np.array([str(name) for name in info.par_names]))
-  files.append(os.path.join(outdir, PREDICTIONS))
-  figures = []
-  if plots:
-    from analysis import plots as plots_lib  # pylint: disable=import-outside-toplevel
-    figures = plots_lib.plot_prediction(truth, prediction, results, outdir, meta=info.meta)
-    files += figures
-    history = plots_lib.load_history(results["logdir"])
-    if history:
-      files.append(plots_lib.plot_training_curves(history, outdir, title=_run_title(results)))
-  files.append(events.write_prediction_events(outdir, figures, format_table(results), results["split"],
-                                              results["mse"], epoch_step(results["checkpoint_epoch"] or 0)))
-  return files
+  returns the paths written.
+
+  They are written into a private folder inside `outdir` and moved into it together once all are
+  written (data/atomic_files.py: staged_files): a full disk or a file-size limit is one error naming
+  the file, and `outdir` keeps the report it held, never part of a new one. A link at one of their
+  names is an error naming it, never written through."""
+  try:
+    os.makedirs(outdir, exist_ok=True)
+  except OSError as error:
+    raise atomic_files.write_error(outdir, error) from None
+  for name in _report_names():
+    atomic_files.refuse_link(os.path.join(outdir, name))
+  with atomic_files.staged_files(outdir) as staging:
+    files = [summary_lib.write_yaml(os.path.join(staging, SUM_PRED), results)]
+    # U and Z themselves, for further analysis (rows in the order the model read them).
+    with atomic_files.replaced(os.path.join(staging, PREDICTIONS), "wb") as handle:
+      np.savez(handle, truth=truth, prediction=prediction,
+               par_names=np.array([str(name) for name in info.par_names]))
+    files.append(os.path.join(staging, PREDICTIONS))
+    figures = []
+    if plots:
+      from analysis import plots as plots_lib  # pylint: disable=import-outside-toplevel
+      figures = plots_lib.plot_prediction(truth, prediction, results, staging, meta=info.meta)
+      files += figures
+      history = plots_lib.load_history(results["logdir"])
+      if history:
+        files.append(plots_lib.plot_training_curves(history, staging, title=_run_title(results)))
+    try:
+      files.append(events.write_prediction_events(staging, figures, format_table(results), results["split"],
+                                                  results["mse"],
+                                                  epoch_step(results["checkpoint_epoch"] or 0)))
+    except (OSError, tf.errors.OpError) as error:  # TensorFlow's writer names the cause in its message
+      if not atomic_files.is_write_error(error):
+        raise
+      written = glob.glob(os.path.join(staging, "events.out.tfevents.*"))
+      name = os.path.basename(written[0]) if written else "events.out.tfevents.*"
+      raise atomic_files.write_error(os.path.join(outdir, name), error) from None
+  return [os.path.join(outdir, os.path.basename(path)) for path in files]
 
 
 def _run_title(results: dict) -> str:

@@ -23,6 +23,7 @@ import os
 import tensorflow as tf
 import yaml
 
+from data import atomic_files
 from run_config import RunConfig
 
 SIGNATURE_INPUT = "frames"
@@ -61,13 +62,21 @@ def export_saved_model(net: tf.keras.Model, config: RunConfig, input_shape, num_
 
   names = [str(name) for name in par_names]
   plain.par_names = tf.function(lambda: tf.constant(names, dtype=tf.string), input_signature=[])
-  os.makedirs(export_dir, exist_ok=True)
+  try:
+    os.makedirs(export_dir, exist_ok=True)
+  except OSError as error:
+    raise atomic_files.write_error(export_dir, error) from None
   # Saving an uncompiled model, Keras 2 logs a warning that "the compiled metrics have yet to be built"
   # (tf_keras' saving_utils.try_build_compiled_arguments): an inference copy has none to build. Compiled
   # without loss or metrics, it has empty ones; include_optimizer=False keeps the optimizer out of the file.
   plain.compile()
   # Keras' SavedModel writer: tf.saved_model.load needs nothing else, and Keras 2 can load_model it.
-  plain.save(export_dir, save_format="tf", include_optimizer=False, signatures={"serving_default": serve})
+  try:
+    plain.save(export_dir, save_format="tf", include_optimizer=False, signatures={"serving_default": serve})
+  except (OSError, tf.errors.OpError) as error:  # a full disk, a file-size limit: named in the message
+    if not atomic_files.is_write_error(error):
+      raise
+    raise atomic_files.write_error(export_dir, error) from None
   info = {"format": "TensorFlow SavedModel", "signature": "serving_default",
           "input": {"name": SIGNATURE_INPUT, "shape": [None] + list(input_shape), "dtype": "float32"},
           "output": {"name": SIGNATURE_OUTPUT, "shape": [None, num_outputs], "dtype": "float32"},
@@ -78,6 +87,5 @@ def export_saved_model(net: tf.keras.Model, config: RunConfig, input_shape, num_
   if config.batch_norm_statistics == "batch":
     info["note"] = ("normalises each call's batch with that batch's own statistics (the reference's IPU "
                     "model): pass batches of many samples, as in training, not single frames")
-  with open(os.path.join(export_dir, "export_info.yaml"), "w") as f:
-    yaml.safe_dump(info, f, sort_keys=False)
+  atomic_files.write_text(os.path.join(export_dir, "export_info.yaml"), yaml.safe_dump(info, sort_keys=False))
   return export_dir

@@ -22,6 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=wrong-import-posi
 import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
 import yaml  # noqa: E402  pylint: disable=wrong-import-position
 
+from data import atomic_files  # noqa: E402  pylint: disable=wrong-import-position
 from training.summary import read_run_config  # noqa: E402  pylint: disable=wrong-import-position
 
 # Colour-blind-safe verdict colours (green / orange / red from ColorBrewer RdYlGn, darkened for text).
@@ -182,8 +183,17 @@ def _finish_grid(fig, unused_axes, title: str, path: str, top: float) -> str:
     ax.axis("off")
   fig.suptitle(title, fontsize=13)
   fig.tight_layout(rect=(0, 0, 1, top))
-  fig.savefig(path, dpi=_DPI)
-  plt.close(fig)
+  return _save(fig, path)
+
+
+def _save(fig, path: str) -> str:
+  """Writes `fig` as the PNG `path` (whole or not at all, never through a link: data/atomic_files.py;
+  a failed write is a UserError naming it) and closes it; returns `path`."""
+  try:
+    with atomic_files.replaced(path, "wb") as handle:
+      fig.savefig(handle, format="png", dpi=_DPI)
+  finally:
+    plt.close(fig)
   return path
 
 
@@ -340,7 +350,4 @@ def plot_training_curves(history: dict, outdir: str, title: str = "") -> str:
   ax_lr.grid(True, which="both", alpha=0.3)
   ax_lr.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
   fig.tight_layout()
-  path = os.path.join(outdir, TRAINING_CURVES_PNG)
-  fig.savefig(path, dpi=_DPI)
-  plt.close(fig)
-  return path
+  return _save(fig, os.path.join(outdir, TRAINING_CURVES_PNG))

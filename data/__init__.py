@@ -31,8 +31,10 @@ def load(name: str, config, layout, first_epoch: int = 0):
   return importlib.import_module(DATASETS[name]).load(config, layout, first_epoch)
 
 
-def check_named_files(name: str, config) -> None:
+def check_named_files(name: str, config):
   """The files of dataset `name` that `config` names, checked before TensorFlow starts (a UserError
-  names the file and what is wrong). Datasets without an entry in FILE_CHECKS are checked as loaded."""
+  names the file and what is wrong). Datasets without an entry in FILE_CHECKS are checked as loaded.
+  Returns what the check read (data/sizes.py sizes the flags by it), or None."""
   if name in FILE_CHECKS:
-    importlib.import_module(FILE_CHECKS[name]).check_named_files(config)
+    return importlib.import_module(FILE_CHECKS[name]).check_named_files(config)
+  return None

@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from data import atomic_files, cellspike_file, hdf5_native, staging, synthetic
+from data import atomic_files, cellspike_file, hdf5_native, pinned_files, staging, synthetic
 from data import splits as splits_lib
 from data.splits import BatchLayout, Split, Splits, count_steps, eval_layout
 from errors import UserError
@@ -132,7 +132,7 @@ def _shard_stream(source: ShardSource, plan: ShardPlan, first_epoch: int) -> tf.
   unconverted = splits_lib.unconverted  # 36 AutoGraph conversions less in a short main.py run
   indices = tf.data.Dataset.range(first_epoch, 2**62).flat_map(
       unconverted(lambda epoch: _epoch_batches(plan, epoch)))
-  mapped = hdf5_native.mapped_file(source.frames.path, source.frames.file_size)
+  mapped = hdf5_native.mapped_file(source.frames.region, source.frames.file_size)
   if plan.whole_block:  # gathered once into host memory; every batch is then gathered from there
     block = tf.range(block_start, block_start + plan.block[1] - plan.block[0], dtype=tf.int64)
     held = mapped.take(1).map(unconverted(
@@ -151,17 +151,23 @@ def _shard_stream(source: ShardSource, plan: ShardPlan, first_epoch: int) -> tf.
 
 def _contiguous_source(info, split: str, rows: tuple, stage_dir) -> ShardSource:
   """The split's datasets, memory-mappable: the file itself, or a staged copy of rows [start, stop)
-  (always in `stage_dir` when one is given: node-local staging; see data/staging.py)."""
+  (always in `stage_dir` when one is given: node-local staging; see data/staging.py). Either is read
+  through a descriptor held open from its check (data/pinned_files.py), and watched for changes."""
   keys = (cellspike_file.FRAMES_KEY % split, cellspike_file.TARGETS_KEY % split)
+  pinned_files.guard_bus_errors()  # a mapped file that shrinks: one line, not "Bus error"
+  source = pinned_files.held(info.path, info.pin)
   if stage_dir:
-    staged = staging.stage_to(info.path, keys, rows[0], rows[1], stage_dir)
+    staged = staging.stage_to(info.path, keys, rows[0], rows[1], stage_dir, source=source)
   else:
-    with h5py.File(info.path, "r") as f:
+    with source.opened() as f:
       if not any(hdf5_native.not_contiguous_reason(f[key], info.path) for key in keys):
-        return ShardSource(*(hdf5_native.row_layout(info.path, f[key]) for key in keys))
-    staged = staging.stage_rows(info.path, keys, rows[0], rows[1])
-  with h5py.File(staged, "r") as f:
-    return ShardSource(*(hdf5_native.row_layout(staged, f[key]) for key in keys), first_row=rows[0])
+        pinned_files.watch(source)
+        return ShardSource(*(hdf5_native.row_layout(info.path, f[key], source) for key in keys))
+    staged = staging.stage_rows(info.path, keys, rows[0], rows[1], source=source)
+  copy = pinned_files.PinnedFile.open(staged)
+  pinned_files.watch(copy)
+  with copy.opened() as f:
+    return ShardSource(*(hdf5_native.row_layout(staged, f[key], copy) for key in keys), first_row=rows[0])
 
 
 def chunk_rows_for(read_chunk: int, batch_rows: int) -> int:
@@ -220,18 +226,26 @@ def _log_split(info, split, layout, source, plans, steps, samples, in_memory) ->
                source.frames.dtype.name, source.targets.dtype.name)
 
 
-def training_mean(path: str):
-  """The mean target vector of the file's train split (float64), or None if the file has none."""
-  with h5py.File(path, "r") as f:
+def _opened(data):
+  """h5py's view of `data`: a CellSpikeFile (read through the file it holds open) or a path."""
+  pin = getattr(data, "pin", None)
+  return pin.opened() if pin is not None else h5py.File(getattr(data, "path", data), "r")
+
+
+def training_mean(data):
+  """The mean target vector of the train split (float64) of `data` (a CellSpikeFile, or a file's
+  path), or None if the file has none."""
+  with _opened(data) as f:
     key = cellspike_file.TARGETS_KEY % "train"
     return np.asarray(f[key][:], np.float64).mean(axis=0) if key in f else None
 
 
-def mean_predictor_losses(path: str, rows: dict) -> dict:
+def mean_predictor_losses(data, rows: dict) -> dict:
   """MSE of always predicting the training-set mean on the [start, stop) row ranges `rows[split]` of
-  each split: the baselines a model must beat (the train split read once for all of them)."""
-  mean = training_mean(path)
-  with h5py.File(path, "r") as f:
+  each split of `data` (a CellSpikeFile, or a file's path): the baselines a model must beat (the train
+  split read once for all of them)."""
+  mean = training_mean(data)
+  with _opened(data) as f:
     targets = {split: np.concatenate([np.asarray(f[cellspike_file.TARGETS_KEY % split][start:stop], np.float64)
                                       for start, stop in ranges])
                for split, ranges in rows.items()}
@@ -325,7 +339,7 @@ def load(config: RunConfig, layout: BatchLayout, first_epoch: int = 0) -> Splits
                            first_epoch=0, shuffle=False, max_steps=config.eval_steps)
 
   validation, test = evaluation("val"), evaluation("test")
-  baselines = mean_predictor_losses(info.path, {"val": evaluated_rows(validation, layout.total_shards),
+  baselines = mean_predictor_losses(info, {"val": evaluated_rows(validation, layout.total_shards),
                                                 "test": evaluated_rows(test, layout.total_shards)})
   return Splits(
       train=train,

@@ -7,7 +7,9 @@ whose `dataInfo.h5nameTemplate` with `*` replaced by `--cell_name` names the fil
 
 Everything is checked when the file is opened, so that a bad file fails in a second with one line
 naming the file and key, not an hour into training. Any malformation, corruption or truncation is a
-`UserError` naming the file (and the key where there is one), never another exception.
+`UserError` naming the file (and the key where there is one), never another exception. The file is
+opened once for the check and held open (`CellSpikeFile.pin`, data/pinned_files.py): the run then
+reads the file it checked, whatever happens to its name, or stops in one line if the file changes.
 
 NaN/Inf check: a dataset of at most `FULL_SCAN_BYTES` is scanned completely (in chunks of
 `SCAN_CHUNK_BYTES`, so memory stays bounded); that covers every target array (N x 15 values: 68 MB for a
@@ -30,7 +32,7 @@ import h5py
 import numpy as np
 import yaml
 
-from data import checked_files
+from data import checked_files, pinned_files
 from errors import UserError
 
 SPLITS = ("train", "val", "test")
@@ -61,6 +63,8 @@ class CellSpikeFile:
   num_params: int
   par_names: tuple
   meta: dict                   # meta.JSON (if present), its dataInfo completed from the meta yaml's
+  # The checked file, held open: every later read goes through it (data/pinned_files.py).
+  pin: object = dataclasses.field(default=None, compare=False, repr=False)
 
   @property
   def input_shape(self):
@@ -118,10 +122,22 @@ def _inside(path: str, folder: str) -> bool:
   return os.path.commonpath([path, folder]) == folder
 
 
+def _refuse_paths_in_names(data_path: str, **values) -> None:
+  """Flag values that fill in a file name (meta.cellSpike_<probe_type>.yaml, h5nameTemplate's *) are
+  names: with a '/' the file could lie outside --data_path's folder, through '..' or a link in it that
+  no check of the written path sees. A UserError names the flag, as a template leaving the folder."""
+  for flag, value in values.items():
+    if value and (os.sep in value or (os.altsep and os.altsep in value) or value in (".", "..")
+                  or "\0" in value):
+      raise UserError("--%s=%s is a path, and the file it names could lie outside --data_path=%s: give a "
+                      "name (without '/')" % (flag, value, data_path))
+
+
 def resolve(data_path: str, cell_name, probe_type: str):
   """Returns (h5 path, meta yaml dataInfo or None) for `--data_path` (a file, or a folder + cell name)."""
   if not os.path.exists(data_path):
     raise UserError("--data_path=%s does not exist" % data_path)
+  _refuse_paths_in_names(data_path, probe_type=probe_type, cell_name=cell_name)
   if not os.path.isdir(data_path):
     yaml_path = os.path.join(os.path.dirname(data_path), META_YAML % probe_type)
     return data_path, (_read_yaml(yaml_path) if os.path.isfile(yaml_path) else None)
@@ -366,27 +382,41 @@ def open_named(data_path: str, cell_name, probe_type: str) -> CellSpikeFile:
   return checked_files.take(_file_key(path, yaml_info), lambda: open_cellspike(path, yaml_info))
 
 
-def check_named_files(config) -> None:
-  """`data.check_named_files` for cellSpike: the `--data_path` file, if the run names one."""
+def check_named_files(config):
+  """`data.check_named_files` for cellSpike: the `--data_path` file, if the run names one (returned)."""
   if config.data_path:
     path, yaml_info = resolve(config.data_path, config.cell_name, config.probe_type)
     key = _file_key(path, yaml_info)  # before the read: a file changed while read is read again
-    checked_files.keep(key, open_cellspike(path, yaml_info))
+    info = open_cellspike(path, yaml_info)
+    checked_files.keep(key, info)
+    return info  # its split sizes are checked against the flags before TensorFlow too (data/sizes.py)
+  return None
 
 
 def open_cellspike(path: str, yaml_info=None) -> CellSpikeFile:
   """Opens and validates a cellSpike file; every problem is a UserError naming file and key."""
   if os.path.isdir(path):
     raise UserError("%s is a folder, expected a cellSpike .h5 file" % path)
+  pin = pinned_files.PinnedFile.open(path)
   try:
-    with h5py.File(path, "r") as f:
-      shapes = {dom: _check_split(path, f, dom) for dom in SPLITS}
-      meta = _read_meta_json(f, path)
-  except (OSError, RuntimeError, KeyError, ValueError, TypeError) as error:
-    # h5py reports a truncated, corrupt or foreign file as OSError on open, and damage inside the
-    # file (a bad object header, a garbled chunk index) as any of these while it is read.
-    raise UserError("%s: not a readable HDF5 file (truncated, corrupt, or not HDF5: %s)"
-                    % (path, " ".join(str(error).split()) or type(error).__name__)) from None
+    try:
+      with pin.opened() as f:
+        shapes = {dom: _check_split(path, f, dom) for dom in SPLITS}
+        meta = _read_meta_json(f, path)
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError) as error:
+      # h5py reports a truncated, corrupt or foreign file as OSError on open, and damage inside the
+      # file (a bad object header, a garbled chunk index) as any of these while it is read.
+      raise UserError("%s: not a readable HDF5 file (truncated, corrupt, or not HDF5: %s)"
+                      % (path, " ".join(str(error).split()) or type(error).__name__)) from None
+    return _checked_file(path, pin, shapes, meta, yaml_info)
+  except BaseException:
+    pin.close()
+    raise
+
+
+def _checked_file(path: str, pin, shapes: dict, meta: dict, yaml_info) -> CellSpikeFile:
+  """The CellSpikeFile of a file whose splits were read (`shapes`), once they agree with each other
+  and with the meta yaml."""
   frame_shapes = {shape[0][1:] for shape in shapes.values()}
   param_counts = {shape[1][1] for shape in shapes.values()}
   if len(frame_shapes) != 1 or len(param_counts) != 1:
@@ -402,5 +432,5 @@ def open_cellspike(path: str, yaml_info=None) -> CellSpikeFile:
     meta = dict(meta, dataInfo=dict(yaml_info, **own))
   return CellSpikeFile(
       path=path, time_bins=time_bins, num_probes=num_probes, num_params=num_params,
-      par_names=par_names, meta=meta,
+      par_names=par_names, meta=meta, pin=pin,
       splits={dom: SplitInfo(shape[0][0], np.dtype(shape[2])) for dom, shape in shapes.items()})

@@ -12,9 +12,12 @@ Frames are normalised per probe with a mean and std taken once over the first up
 samples (stored as packInfo fnorm_mean / fnorm_std), as the real data were packed.
 
 Samples are simulated a batch at a time and written into pre-created datasets, so memory is bounded by a
-batch (plus the buffered normalisation sample), not by the file. The file is written under a temporary
-name in out_dir and renamed at the end: an interrupted run never leaves a partial file under the final
-name.
+batch (plus the buffered normalisation sample), not by the file. The file is written under a fresh
+temporary name in out_dir (created exclusively, never through a link), fsynced and renamed at the end:
+an interrupted run never leaves a partial file under the final name. The free space and the file-size
+limit (`ulimit -f`) are checked before the simulation starts; a write that fails anyway (a disk that
+others fill, a quota, a read-only or failing file system) is one line naming the file and the cause,
+with the partial file removed and h5py closed without its crash (data/hdf5_writes.py).
 """
 
 import contextlib
@@ -31,6 +34,7 @@ import yaml
 from absl import logging
 
 from data import atomic_files
+from data import hdf5_writes
 from data import neuron_sim
 from errors import UserError, leave_interrupts_to_the_parent
 
@@ -307,6 +311,25 @@ def _check_free_space(out_dir: str, needed: int, label: str) -> None:
   if free < needed:
     raise UserError("%s: the dataset needs %.0f MB, and the file system of %s has %.0f MB free (free "
                     "some space, or choose another folder)" % (label, needed / 1e6, out_dir, free / 1e6))
+  hdf5_writes.check_size_limit(needed, "%s: the dataset" % label, "raise the limit")
+
+
+def _write_failed(label: str, out_dir: str, path: str, needed: int, error: BaseException) -> UserError:
+  """The one line for a write of the dataset that failed (its partial file already removed)."""
+  if atomic_files.disk_full(error):  # filled up meanwhile by others
+    return UserError("%s: the file system of %s filled up while the dataset was written (%.0f MB needed); "
+                     "its partial file was removed" % (label, out_dir, needed / 1e6))
+  return UserError("%s: %s; its partial file was removed"
+                   % (label, atomic_files.write_error(path, hdf5_writes.plain_error(error))))
+
+
+def _fsync(path: str) -> None:
+  """The written bytes on the disk before the rename makes them the dataset."""
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
 
 
 def generate_dataset(out_dir: str, cell_name: str = "synth", num_train: int = 20000, num_val: int = 2000,
@@ -336,11 +359,7 @@ def generate_dataset(out_dir: str, cell_name: str = "synth", num_train: int = 20
                num_train, num_val, num_test, seed, "fp16" if fp16 else "fp32", workers, "" if workers == 1 else "s")
   tmp = atomic_files.temporary_name(path)
   try:
-    h5 = h5py.File(tmp, "w")
-  except OSError as error:
-    raise UserError("%s: cannot write %s (%s)" % (label, tmp, error)) from None
-  try:
-    with h5:
+    with hdf5_writes.created(tmp) as h5:
       _create_datasets(h5, counts, dtype)
       # Closed here however _fill ends: a Ctrl-C that lands in _fill, not in the generator, left it to
       # the garbage collector, which once ran its pool.join() on the pool's own thread at exit
@@ -351,14 +370,13 @@ def generate_dataset(out_dir: str, cell_name: str = "synth", num_train: int = 20
       meta["packInfo"] = {"fnorm_mean": [float(x) for x in mean], "fnorm_std": [float(x) for x in std],
                           "fnorm_samples": int(min(NORM_SAMPLES, num_train)), "fnorm_domain": "train"}
       h5.create_dataset("meta.JSON", data=[json.dumps(meta)], dtype=h5py.special_dtype(vlen=str))
+    _fsync(tmp)
     os.replace(tmp, path)
   except BaseException as error:
-    if os.path.exists(tmp):
+    if os.path.lexists(tmp):
       os.remove(tmp)
-    if atomic_files.disk_full(error):  # filled up meanwhile by others
-      raise UserError("%s: the file system of %s filled up while the dataset was written (%.0f MB "
-                      "needed); its partial file was removed" % (label, out_dir,
-                                                                 _file_bytes(counts, dtype) / 1e6)) from None
+    if atomic_files.is_write_error(error) or isinstance(error, OSError):  # h5py's, its creation's too
+      raise _write_failed(label, out_dir, path, _file_bytes(counts, dtype), error) from None
     raise
   atomic_files.write_text(os.path.join(out_dir, meta_yaml_name(probe_type)),
                      yaml.safe_dump(meta, default_flow_style=None, sort_keys=False, width=110))

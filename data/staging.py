@@ -12,13 +12,20 @@ Two uses, one copy routine (h5py, window by window, so memory stays bounded):
   never reads the shared file system after start-up (`stage_to`):
   - only this process's rows (its shard blocks), into a small cellSpike file of its own, named after
     the source, its path, the keys and the rows, so processes and runs never collide;
-  - written to a temporary name, fsynced, then renamed: a killed copy leaves no file to mistake for a
-    good one;
+  - written to a fresh temporary name (created exclusively, never through a link), fsynced, then
+    renamed: a killed copy leaves no file to mistake for a good one (the next run on the host removes
+    it); a write that fails is one line naming the copy and the cause, with the copy removed and h5py
+    closed without its crash (data/hdf5_writes.py); the free space and the file-size limit are
+    checked first;
   - stamped with the source's identity (real path, size, modification time) and a BLAKE2b checksum of
     the copied rows. A later run reuses the copy when the stamp matches and the checksum still
     verifies. It copies again when the source changed, or when the copy is damaged;
   - the copy time and rate are logged. A full disk or an unwritable folder is one `error:` line that
     says what to do.
+
+The source is read through the descriptor that the run's check opened (`source`, a PinnedFile of
+data/pinned_files.py), so that the rows copied are those of the file checked; the caller holds the
+copy open in turn for the run's reads.
 """
 
 import atexit
@@ -36,7 +43,7 @@ import numpy as np
 import psutil
 from absl import logging
 
-from data import atomic_files
+from data import atomic_files, hdf5_writes
 from errors import UserError
 
 _COPY_BYTES = 64 * 2**20   # bytes copied per h5py read
@@ -77,8 +84,14 @@ def remove_orphans(folder: str) -> None:
       logging.info("removed %s, left by a process that was killed", os.path.join(folder, name))
 
 
-def stage_rows(path: str, keys: tuple, start: int, stop: int) -> str:
-  """Copies rows [start, stop) of datasets `keys` of `path` into a contiguous file in a temporary folder.
+def _opened(path: str, source=None):
+  """h5py's view of the source: through `source`, the file held open since its check, when given."""
+  return source.opened() if source is not None else h5py.File(path, "r")
+
+
+def stage_rows(path: str, keys: tuple, start: int, stop: int, source=None) -> str:
+  """Copies rows [start, stop) of datasets `keys` of `path` (read through `source`, the file held open,
+  when given) into a contiguous file in a temporary folder.
 
   The staged file holds the same keys, row `start` of the source becoming row 0; it is removed at
   exit. Returns its path.
@@ -92,13 +105,13 @@ def stage_rows(path: str, keys: tuple, start: int, stop: int) -> str:
                     % (folder, error.strerror)) from None
   atexit.register(shutil.rmtree, staged_dir, ignore_errors=True)
   staged = os.path.join(staged_dir, os.path.basename(path))
-  with h5py.File(path, "r") as source:
-    needed = _needed_bytes(source, keys, start, stop)
+  with _opened(path, source) as f:
+    needed = _needed_bytes(f, keys, start, stop)
     _check_space(path, keys, needed, staged_dir, "pass --stage_dir=<a larger disk> or convert the file "
                  "to contiguous datasets (h5repack -l CONTI)")
     logging.info("%s: %s not contiguous; staging rows %d-%d (%.1f MB) into %s", path, "/".join(keys),
                  start, stop, needed / 1e6, staged_dir)
-    _copy(source, keys, start, stop, staged, path)
+    _copy(f, keys, start, stop, staged, path)
   return staged
 
 
@@ -109,27 +122,32 @@ def staged_name(path: str, keys: tuple, start: int, stop: int) -> str:
   return "%s.%s.rows%d-%d.h5" % (os.path.splitext(os.path.basename(path))[0], digest, start, stop)
 
 
-def source_identity(path: str, keys: tuple, start: int, stop: int) -> dict:
-  """What a staged copy was made from: the file, and the files its keys' external links lead to (whose
-  replacement leaves the outer file as it was)."""
-  status = os.stat(path)
-  identity = {"source": os.path.realpath(path), "size": status.st_size, "mtime_ns": status.st_mtime_ns,
+def source_identity(path: str, keys: tuple, start: int, stop: int, source=None) -> dict:
+  """What a staged copy was made from: the file (`source`, held open, when given), and the files its
+  keys' external links lead to (whose replacement leaves the outer file as it was)."""
+  if source is not None:
+    size, mtime_ns = source.size, source.mtime_ns
+  else:
+    status = os.stat(path)
+    size, mtime_ns = status.st_size, status.st_mtime_ns
+  identity = {"source": os.path.realpath(path), "size": size, "mtime_ns": mtime_ns,
               "keys": list(keys), "rows": [start, stop]}
-  with h5py.File(path, "r") as f:
+  with _opened(path, source) as f:
     linked = sorted({os.path.realpath(f[key].file.filename) for key in keys} - {identity["source"]})
   if linked:  # only then: the copies staged from files without links keep their stamps
     identity["linked"] = [[name, os.stat(name).st_size, os.stat(name).st_mtime_ns] for name in linked]
   return identity
 
 
-def stage_to(path: str, keys: tuple, start: int, stop: int, stage_dir: str) -> str:
-  """The rows [start, stop) of `keys` of `path` in `stage_dir`: reused if still valid, else copied."""
+def stage_to(path: str, keys: tuple, start: int, stop: int, stage_dir: str, source=None) -> str:
+  """The rows [start, stop) of `keys` of `path` in `stage_dir`: reused if still valid, else copied
+  (from `source`, the file held open since its check, when given)."""
   try:
     os.makedirs(stage_dir, exist_ok=True)
   except OSError as error:
     raise _unwritable(stage_dir, error) from None
   staged = os.path.join(stage_dir, staged_name(path, keys, start, stop))
-  identity = source_identity(path, keys, start, stop)
+  identity = source_identity(path, keys, start, stop, source)
   if os.path.exists(staged):
     started = time.perf_counter()
     stale = _stale_reason(staged, identity)
@@ -138,22 +156,21 @@ def stage_to(path: str, keys: tuple, start: int, stop: int, stage_dir: str) -> s
                    stop, "/".join(keys), time.perf_counter() - started)
       return staged
     logging.warning("%s: staging again: %s", staged, stale)
-  with h5py.File(path, "r") as source:
-    needed = _needed_bytes(source, keys, start, stop)
+  for removed in atomic_files.remove_stale(staged):
+    logging.info("removed %s, the partial copy of a process on this host that was killed", removed)
+  with _opened(path, source) as f:
+    needed = _needed_bytes(f, keys, start, stop)
     _check_space(path, keys, needed, stage_dir, "free space there or choose a larger --stage_dir")
     started = time.perf_counter()
+    partial = atomic_files.temporary_name(staged)
     try:
-      handle, partial = tempfile.mkstemp(prefix=".staging-", suffix=".h5", dir=stage_dir)
-      os.close(handle)
-    except OSError as error:
-      raise _unwritable(stage_dir, error) from None
-    try:
-      checksum = _copy(source, keys, start, stop, partial, path, stamp=identity)
+      checksum = _copy(f, keys, start, stop, partial, path, stamp=identity, final_path=staged)
       _fsync(partial)
-      os.chmod(partial, 0o666 & ~_umask())  # mkstemp's 0600 would hide the copy from the user's group
       os.replace(partial, staged)
+    except OSError as error:  # the fsync's, the rename's
+      raise _failed_write(staged, keys, path, error) from None
     finally:
-      if os.path.exists(partial):
+      if os.path.lexists(partial):
         os.remove(partial)
   seconds = time.perf_counter() - started
   logging.info("%s: staged rows %d-%d of %s (%.1f MB) in %.1f s (%.0f MB/s), checksum %s", staged, start,
@@ -175,6 +192,21 @@ def _check_space(path: str, keys: tuple, needed: int, folder: str, what_to_do: s
   if needed > free:
     raise UserError("%s: staging %s needs %s but %s has %s free; %s"
                     % (path, "/".join(keys), _size(needed), folder, _size(free), what_to_do))
+  what = "%s: staging %s into %s" % (path, "/".join(keys), folder)
+  hdf5_writes.check_size_limit(hdf5_writes.with_headers(needed), what, "raise the limit")
+
+
+def _failed_write(target_path: str, keys: tuple, path: str, error: BaseException) -> UserError:
+  """The one line for a copy to `target_path` that could not be written (its partial file removed)."""
+  folder = os.path.dirname(target_path)
+  if atomic_files.disk_full(error):
+    return UserError("%s ran out of space while staging %s from %s; free space there or choose a larger "
+                     "--stage_dir" % (folder, "/".join(keys), path))
+  if atomic_files.is_write_error(error) and "read failed" not in str(error):  # not the source's
+    cause = atomic_files.write_error(target_path, hdf5_writes.plain_error(error))
+    return UserError("%s: staging %s from %s failed: %s" % (folder, "/".join(keys), path, cause))
+  return UserError("%s: staging %s into %s failed (%s)" % (path, "/".join(keys), folder,
+                                                          " ".join(str(error).split())))
 
 
 def _stale_reason(staged: str, identity: dict):
@@ -201,23 +233,19 @@ def _checksum(copy: h5py.File, keys: list) -> str:
 
 
 def _copy(source: h5py.File, keys: tuple, start: int, stop: int, target_path: str, path: str,
-          stamp: dict = None) -> str:
-  """Copies the rows into a new contiguous file. With a `stamp` (node-local staging), the file is stamped
-  with it and the rows' checksum, which is returned; a temporary copy is not hashed."""
+          stamp: dict = None, final_path: str = None) -> str:
+  """Copies the rows into a new contiguous file `target_path` (to be renamed `final_path`, which an
+  error names). With a `stamp` (node-local staging), the file is stamped with it and the rows'
+  checksum, which is returned; a temporary copy is not hashed."""
   digest = hashlib.blake2b() if stamp is not None else None
   try:
-    with h5py.File(target_path, "w") as target:
+    with hdf5_writes.created(target_path) as target:
       for key in keys:
         _copy_rows(source[key], target, key, start, stop, digest)
       if stamp is not None:
         target.attrs[_STAMP] = json.dumps(dict(stamp, checksum=digest.hexdigest()))
-  except (OSError, RuntimeError, ValueError) as error:  # damaged chunks, a full disk
-    folder = os.path.dirname(target_path)
-    if atomic_files.disk_full(error):
-      raise UserError("%s ran out of space while staging %s from %s; free space there or choose a larger "
-                      "--stage_dir" % (folder, "/".join(keys), path)) from None
-    raise UserError("%s: staging %s into %s failed (%s)" % (path, "/".join(keys), folder,
-                                                           " ".join(str(error).split()))) from None
+  except (OSError, RuntimeError, ValueError) as error:  # damaged chunks, a full disk, a file-size limit
+    raise _failed_write(final_path or target_path, keys, path, error) from None
   return digest.hexdigest() if digest is not None else None
 
 
@@ -228,12 +256,6 @@ def _copy_rows(dataset: h5py.Dataset, target: h5py.File, key: str, start: int, s
     if digest is not None:
       digest.update(rows.data)
     out[first - start:last - start] = rows
-
-
-def _umask() -> int:
-  mask = os.umask(0)
-  os.umask(mask)
-  return mask
 
 
 def _fsync(path: str) -> None:

@@ -5,6 +5,7 @@ the model (stage placement, gradient accumulation) and what to pass to `compile(
 the tf.distribute behaviour (CPU and GPU); `strategies/ipu.py` overrides it for IPUs.
 """
 
+import contextlib
 import dataclasses
 import inspect
 import tempfile
@@ -113,6 +114,11 @@ class Backend:
                   gradient_accumulation=1, steps_per_execution=1)
     return Backend(**fields)  # the same precision and hardware choices, on one device
 
+  def device_errors(self):
+    """A context for Keras' fit, evaluate and predict in which this hardware's failures to reach its
+    devices (none attached, busy, a time-out) become a UserError. Here: none to translate."""
+    return contextlib.nullcontext()
+
   def any_process(self, flag: bool) -> bool:
     """Whether `flag` is set in any process of the run (a collective every process must reach)."""
     return flag
@@ -129,6 +135,11 @@ class Backend:
   def effective_batch(self, micro_batch: int) -> int:
     """Samples per optimizer step: micro-batch x gradient accumulation x replicas."""
     return micro_batch * self.gradient_accumulation * self.replicas
+
+  def samples_per_step(self, micro_batch: int) -> int:
+    """Samples that one Keras training step takes, over all processes (what throughput counts per
+    step a callback sees): here one optimizer step's, the accumulating step walking through them."""
+    return self.effective_batch(micro_batch)
 
   def optimizer_steps(self, steps: int) -> int:
     """Optimizer updates in `steps` steps of a training split: here a step is one update (the

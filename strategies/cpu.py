@@ -318,6 +318,9 @@ def create(config: RunConfig) -> Backend:
     # issues, tfvariable_on_a_different_device).
     raise UserError("--jit_compile trains on one CPU replica only (XLA cannot reach the other replicas' "
                     "variables on their logical CPU devices); use --replicas=1 or leave --jit_compile off")
+  problem = cpuinfo.cpu_replicas_problem(config.replicas)  # before any thread or device is made
+  if problem:
+    raise UserError(problem)
   _set_threads(config.replicas)
   devices = _ensure_logical_cpus(config.replicas)
   strategy = _replicated_strategy(devices, config.gradient_accumulation)

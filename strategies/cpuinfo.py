@@ -100,3 +100,20 @@ def _ratio(quota: str, period: str) -> Optional[float]:
   except ValueError:  # "max": no quota
     return None
   return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+
+
+# The most replicas a CPU run may have. Each is a logical CPU device whose copy of the training step is
+# traced on its own (64 replicas took a minute to set up on 2 cores, 256 four minutes and 2 GB), and
+# with as many replicas as cores or more each gets an inter-op thread (strategies/cpu.py): 10,000
+# replicas made 10,000 threads, 20 s to start, during which no signal handler can run, and 2 minutes
+# to end. 256 stands in for any data-parallel system a command is tried out for on a CPU.
+MAX_CPU_REPLICAS = 256
+
+
+def cpu_replicas_problem(replicas: int) -> Optional[str]:
+  """Why a CPU run cannot have `replicas` replicas (one line), or None."""
+  if replicas <= MAX_CPU_REPLICAS:
+    return None
+  return ("--replicas=%d is more than the %d a CPU run may have: each replica is a logical CPU device, "
+          "traced into the training step on its own and given a thread (256 already take minutes to set "
+          "up); use at most --replicas=%d on the CPU" % (replicas, MAX_CPU_REPLICAS, MAX_CPU_REPLICAS))

@@ -25,15 +25,20 @@ semantics traps it handles:
   (keras/ipu/extensions/extensions_base.py warns for 0 < momentum < 1), and evaluation uses them: by
   default a pipelined run normalises with each batch's own statistics instead (strategies/select.py,
   model/normalization.py); one that asks for moving statistics gets a warning that says what it means.
+  Unpipelined replicas each update their own copy of the moving statistics, and the host reads replica
+  0's: each update is averaged over the replicas instead (`share_moving_statistics`).
 - One execution runs `steps_per_execution` steps, and Keras calls per-batch callbacks only between
   executions (keras/ipu/docs/keras.rst): the cosine learning rate is the optimizer's own schedule,
   computed in the step (training/lr_schedule.py), and a signal is acted on when an execution ends.
 """
 
+import contextlib
 import dataclasses
 import importlib
 import os
+import re
 import shutil
+import subprocess
 
 import tensorflow as tf
 from absl import logging
@@ -83,12 +88,27 @@ def check_precision(precision: str) -> None:
 
 
 def ipus_present() -> bool:
-  """True when this host can reach IPUs (IPU-over-fabric config, local tools, or the IPU Model)."""
+  """True when this host has an IPU to run on: the IPU Model, or a device that Graphcore's `gc-info`
+  lists. An SDK host (gc-info on the PATH, an IPU-over-fabric configuration) outside any partition or
+  Slurm job lists none. Without gc-info nothing can ask; an IPU-over-fabric configuration then counts."""
   if "--use_ipu_model" in os.environ.get("TF_POPLAR_FLAGS", ""):
     return True
-  if os.environ.get("IPUOF_CONFIG_PATH") or os.path.isdir("/etc/ipuof.conf.d"):
-    return True
-  return shutil.which("gc-info") is not None
+  gc_info = shutil.which("gc-info")
+  if gc_info is None:
+    return bool(os.environ.get("IPUOF_CONFIG_PATH")) or os.path.isdir("/etc/ipuof.conf.d")
+  try:
+    # --list-devices "can be used at any time", also while another program runs on the IPUs (Graphcore's
+    # command-line tools guide, gc-info); it lists the active partition's devices as "-+- Id: [0], ...".
+    listing = subprocess.run([gc_info, "--list-devices"], capture_output=True, text=True, timeout=30,
+                             check=False)
+  except (OSError, subprocess.TimeoutExpired):
+    return False
+  return listing.returncode == 0 and lists_a_device(listing.stdout)
+
+
+def lists_a_device(gc_info_listing: str) -> bool:
+  """Whether `gc-info --list-devices` output names a device ("-+- Id: [N], target: [...]")."""
+  return re.search(r"^\s*-\+- Id: \[\d+\]", gc_info_listing, re.MULTILINE) is not None
 
 
 def popdist_module():
@@ -139,7 +159,9 @@ def make_ipu_config(ipu, config: RunConfig, popdist=None):
     cfg.convolutions.poplar_options = {"availableMemoryProportion": value}
   cfg.floating_point_behaviour.esr = ipu.config.StochasticRoundingBehaviour.from_bool(
       config.stochastic_rounding)
-  # Seeded runs: identical random streams across executions need portable workers [1.2].
+  # configure_system seeds every replica alike (reset_ipu_seed(..., experimental_identical_replicas=True));
+  # the replicas draw identical random streams only with portable workers (tensorflow/python/ipu/
+  # utils.py `reset_ipu_seed`; docs/rand_and_fp.rst: with the seed reset, set this option) [1.2].
   cfg.compilation_poplar_options = {"target.deterministicWorkers": "portable"}
   if config.pipeline_stages > 1:
     cfg.allow_recompute = True
@@ -147,15 +169,43 @@ def make_ipu_config(ipu, config: RunConfig, popdist=None):
   return cfg
 
 
+# Poplar's reasons for not reaching the IPUs, the same from SDK 2.6 to 3.4 (graphcore/tensorflow
+# compiler/plugin/poplar/driver/poplar_executor.cc). They come from configure_ipu_system with the
+# "always" connection, and from the first execution (poplar_executable.cc attaches there) with
+# "on_demand", the default: inside Keras' fit, evaluate or predict.
+_NO_IPU_MODEL = "model disabled"  # CreatePoplarTarget: "... model disabled and no hardware IPU found";
+                                  # AttachToPoplarDevice: "Device not configured and IPU model disabled."
+_NO_DEVICE = ("No device matches the requested configuration", "Could not find an available device",
+              "Timed out trying to find an available device", "Unable to open Poplar device")
+
+
+def device_problem(error):
+  """The one line for a Poplar failure to reach the IPUs (`error` an exception or its text), or None
+  where `error` is something else."""
+  text = str(getattr(error, "message", error))
+  if _NO_IPU_MODEL in text:
+    return ("--backend=ipu: no IPU is attached to this host (use --ipu_model to emulate, or "
+            "--ipu_connection=pre_compile to fill the executable cache)")
+  for line in text.splitlines():
+    reason = next((reason for reason in _NO_DEVICE if reason in line), None)
+    if reason:  # Poplar's sentence, with its likely causes, without TensorFlow's prefix or op names
+      problem = "--backend=ipu: " + re.sub(r"\s*\[\[.*$", "", line[line.index(reason):]).strip()
+      if reason.startswith("Timed out"):
+        problem += (" (--ipu_connection=on_demand waits for busy IPUs up to TF_POPLAR_FLAGS="
+                    "--on_demand_device_timeout milliseconds, one hour by default)")
+      return problem
+  return None
+
+
 def configure_system(ipu, cfg, config: RunConfig) -> None:
   """Applies the config and seeds; Poplar's multi-line failure becomes one line."""
   try:
     cfg.configure_ipu_system()
   except (tf.errors.OpError, RuntimeError, ValueError) as error:
+    problem = device_problem(error)
+    if problem:
+      raise UserError(problem) from None
     first = (str(getattr(error, "message", error)).strip().splitlines() or [type(error).__name__])[0]
-    if "no hardware IPU found" in first or "model disabled" in first:
-      raise UserError("--backend=ipu: no IPU is attached to this host (use --ipu_model to emulate, or "
-                      "--ipu_connection=pre_compile to fill the executable cache)") from None
     raise UserError("--backend=ipu: configuring %d IPU(s) failed: %s" % (
         config.replicas * config.ipus_per_replica, first)) from None
   ipu.utils.reset_ipu_seed(config.seed, experimental_identical_replicas=True)
@@ -271,6 +321,69 @@ def _warn_pipelined_batch_norm(model: tf.keras.Model) -> None:
                     ", ".join(names))
 
 
+@contextlib.contextmanager
+def _device_errors_as_user_errors():
+  try:
+    yield
+  except tf.errors.OpError as error:
+    problem = device_problem(error)
+    if problem is None:
+      raise
+    raise UserError(problem) from None
+
+
+def share_moving_statistics(model: tf.keras.Model) -> list:
+  """Makes every BatchNormalization of `model` keep one set of moving statistics on all replicas;
+  returns the layers' names.
+
+  Each replica of an unpipelined model updates its own copy of the moving mean and variance (plain
+  variables on the IPU: tensorflow/python/ipu/ipu_strategy.py `IPUExtendedV1._create_variable`), from
+  its own micro-batches, and nothing reduces them. The host reads replica 0's copy
+  (compiler/plugin/poplar/driver/poplar_executor.cc `ConnectReplicatedDeviceToHost`): in the
+  checkpoints, and in every evaluation, since a change of executable (training to evaluation) moves
+  the variables to the host and back to every replica (`ExecuteEngineImpl`: MoveDeviceToHost, then
+  MoveHostToDevice). Left so, the statistics would come from 1/R of the data. Here each update takes
+  the mean over all replicas of what each computed (ipu.ops.cross_replica_ops.cross_replica_mean, over
+  all poprun instances' replicas too): a replica still normalises its micro-batch with that batch's
+  statistics, and the moving averages, linear in them, become the mean of the replicas' own, what
+  tf.distribute's mirrored strategies read and save on CPUs and GPUs (training/replica_statistics.py).
+  Every replica holds them, so evaluation and checkpoints see the same set. The cost: two all-reduces
+  of one value per feature, per layer and micro-batch.
+
+  SDK's IPUConfig.norms.experimental.distributed_batch_norm_replica_group_size would instead normalise
+  each micro-batch with statistics over the group's batches (poplar's distributedBatchNormStatistics,
+  driver/ops/custom_ops/popnn/norm.cc), another training computation than on CPUs and GPUs, and only
+  in fused batch norms, which Keras uses for 4-D and 5-D inputs alone.
+  """
+  layers = [layer for layer in model.submodules if isinstance(layer, tf.keras.layers.BatchNormalization)]
+  if layers:
+    mean = import_ipu().ops.cross_replica_ops.cross_replica_mean
+    for layer in layers:
+      _update_with(layer, mean)
+    logging.info("BatchNormalization (%s): each moving-statistics update is the mean over the replicas, "
+                 "so every replica and the checkpoints hold one set",
+                 ", ".join(layer.name for layer in layers))
+  return [layer.name for layer in layers]
+
+
+def _update_with(layer, mean) -> None:
+  """`layer`'s moving averages updated with `mean` of the values it computes. Keras' BatchNormalization
+  (keras 2.6 keras/layers/normalization/batch_normalization.py, and tf_keras) updates them through
+  these two methods only: the batch statistic into the average, or (fused kernels, renorm) the new
+  value; the mean of either is the update of the replicas' mean."""
+  # pylint: disable=protected-access
+  moving_average, new_value = layer._assign_moving_average, layer._assign_new_value
+
+  def assign_moving_average(variable, value, momentum, inputs_size):
+    return moving_average(variable, mean(value), momentum, inputs_size)
+
+  def assign_new_value(variable, value):
+    return new_value(variable, mean(value))
+
+  layer._assign_moving_average = assign_moving_average
+  layer._assign_new_value = assign_new_value
+
+
 def swap_ipu_layers(model: tf.keras.Model) -> tf.keras.Model:
   """Replaces Keras Dropout with IPU Dropout (no mask kept in memory) when the addons are installed [7]."""
   try:
@@ -280,7 +393,10 @@ def swap_ipu_layers(model: tf.keras.Model) -> tf.keras.Model:
 
   def clone(layer):
     # A rate of 0 stays Keras' Dropout, an identity; the IPU's would still draw a mask on the device.
-    if type(layer) is tf.keras.layers.Dropout and layer.rate > 0:  # pylint: disable=unidiomatic-typecheck
+    # So does a noise_shape with a None (the batch's size, say): the IPU op refuses any size but 1 or
+    # the input's (tensorflow/python/ipu/ops/rand_ops.py `dropout`), where Keras' takes the input's.
+    if type(layer) is tf.keras.layers.Dropout and layer.rate > 0 and None not in (  # pylint: disable=unidiomatic-typecheck
+        layer.noise_shape or ()):
       # No seed, even from a seeded Keras Dropout: with one, the IPU op draws the same mask at every
       # step (tensorflow/python/ipu/ops/rand_ops.py `dropout` -> ipu_dropout_with_seed; its
       # dropout_test.py testUserSeed); without, it draws from the IPU's own generator, which
@@ -315,6 +431,11 @@ class IPUBackend(Backend):
     # the optimizer runs once per G of them (GradientAccumulationOptimizerV2's resource update).
     return steps // self.gradient_accumulation
 
+  def samples_per_step(self, micro_batch: int) -> int:
+    # One Keras step is one micro-batch on each replica, all instances' (keras/ipu/docs/keras.rst;
+    # extensions_base.py `_fit_delegate` gives callbacks the steps per replica), not an optimizer step.
+    return micro_batch * self.replicas
+
   def layout(self, micro_batch: int) -> BatchLayout:
     # Each replica takes whole micro-batches from the infeed in turn; G micro-batches per optimizer step.
     # Under poprun each instance feeds its local replicas from its own shards [4.2].
@@ -345,11 +466,19 @@ class IPUBackend(Backend):
       _warn_pipelined_batch_norm(model)
       return assign_stages(model, tuple(stage_boundaries), self.pipeline_stages, self.pipeline_schedule,
                            self.ipus_per_replica, self.gradient_accumulation)
+    if self.replicas > 1:
+      share_moving_statistics(model)
     if self.gradient_accumulation > 1:
       model.set_gradient_accumulation_options(
           gradient_accumulation_steps_per_replica=self.gradient_accumulation,
           gradient_accumulation_reduction_method="mean")
     return model
+
+  def device_errors(self):
+    """Poplar's failures to reach the IPUs as one line, where they surface: with the on_demand
+    connection (the default) the device is attached at the first execution, inside fit, evaluate or
+    predict, not when the system is configured."""
+    return _device_errors_as_user_errors()
 
   def _reduce_metrics(self, model) -> None:
     """Metrics over all replicas where IPU Keras can (SDK 3.1+, unpipelined: `_reduce_metric` runs only
@@ -393,6 +522,9 @@ class IPUBackend(Backend):
       addons = importlib.import_module("ipu_tensorflow_addons.keras.optimizers")
     except ImportError:
       return {}
+    # make_optimizer gives "adam" PyTorch's epsilon: AdamIpuOptimizer adds it where PyTorch does, to the
+    # square root of the bias-corrected v (ipu_tensorflow_addons keras/optimizers/adam_optimizer.py
+    # `_adam_step`: m_hat / (sqrt(v_hat) + epsilon), in float32), so the update is the other backends'.
     return {
         "adam": lambda **kw: addons.AdamIpuOptimizer(m_dtype=tf.float32, v_dtype=tf.float32, **kw),
         "sgd": lambda **kw: addons.SGDIpuOptimizer(momentum_accum_dtype=tf.float32, **kw),

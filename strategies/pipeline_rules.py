@@ -53,6 +53,12 @@ def pipeline_overlap(schedule: str, stages: int, ipus_per_replica: int, training
 
 def pipeline_problem(schedule: str, stages: int, ipus_per_replica: int, accumulation: int):
   """Why these training settings cannot run as a pipeline (one line), or None."""
+  if stages < ipus_per_replica:
+    # stage_devices puts stage i on IPU i: with fewer stages, a replica's last IPUs hold nothing, and IPU
+    # Keras, which counts a replica's IPUs from the mapping (keras/ipu/extensions/extensions_base.py
+    # `_get_shard_count`), would make more replicas than --replicas of fewer IPUs each.
+    return ("--pipeline_stages must be at least --ipus_per_replica (every IPU of a replica needs a stage): "
+            "--pipeline_stages=%d with --ipus_per_replica=%d" % (stages, ipus_per_replica))
   if schedule == "interleaved" and stages > ipus_per_replica:
     # pipelining_ops.py: "The pipelining schedule 'Interleaved' does not currently support multiple
     # pipeline stages on the same device for training graphs."

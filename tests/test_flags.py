@@ -230,3 +230,44 @@ def test_the_shipped_reference_flagfile_gives_the_references_schedule():
   default = _config("--model=neuron_inverter")
   assert (default.batch_size, default.epochs, default.warmup_epochs, default.lr_schedule) == (48, 3, 0, "cosine")
   assert (default.dropout, _config("--model=mnist").dropout) == (0.0, 0.5)
+
+
+def test_every_integer_flag_has_an_upper_bound_that_tensorflow_takes():
+  """--read_chunk=10**19 and --steps_per_execution=10**19 overflowed TensorFlow's int64 into a traceback,
+  and --pipeline_stages=2**31 filled the memory while the flags were parsed: every integer flag is
+  bounded (--seed by numpy's range, the others by flags.INTEGER_FLAG_BOUNDS or MAX_INTEGER_FLAG)."""
+  for name in flags.RUN_CONFIG_FIELDS:
+    parser = FLAGS[name].parser
+    if not isinstance(parser, absl_flags.IntegerParser):
+      continue
+    bound = parser.upper_bound if parser.upper_bound is not None else flags.INTEGER_FLAG_BOUNDS.get(
+        name, flags.MAX_INTEGER_FLAG)
+    assert bound <= 2**32 - 1, name
+    with pytest.raises(absl_flags.IllegalFlagValueError, match="--%s" % name):
+      _config("--%s=%d" % (name, bound + 1))
+  config = _config("--model=neuron_inverter", "--read_chunk=%d" % flags.MAX_INTEGER_FLAG,
+                   "--shuffle_buffer=%d" % flags.MAX_INTEGER_FLAG)
+  assert config.read_chunk == config.shuffle_buffer == flags.MAX_INTEGER_FLAG
+
+
+def test_sizes_are_checked_against_the_data_and_the_cpu_before_tensorflow(tmp_path):
+  """data/sizes.py, which main.py runs before TensorFlow's import: the train split holds a global batch,
+  each evaluation split a sample per replica, and --backend=cpu at most MAX_CPU_REPLICAS replicas."""
+  from data import cellspike_file, sizes  # pylint: disable=import-outside-toplevel
+  from strategies import cpuinfo  # pylint: disable=import-outside-toplevel
+  from tests.support.cellspike_files import write_cellspike  # pylint: disable=import-outside-toplevel
+  read = cellspike_file.open_cellspike(write_cellspike(str(tmp_path / "tiny.h5")))  # 64 / 32 / 32
+  def check(*args):
+    sizes.check(_config("--model=neuron_inverter", "--data_path=%s" % read.path, *args), read)
+  check("--replicas=8", "--batch_size=8")  # 64 rows per step: the whole train split
+  check("--replicas=2", "--batch_size=8", "--gradient_accumulation=4")
+  with pytest.raises(UserError, match=r"--replicas=8 x --batch_size=9 = 72 rows .* the 64 of the train split"):
+    check("--replicas=8", "--batch_size=9")
+  with pytest.raises(UserError, match=r"--gradient_accumulation=5 = 80 rows"):
+    check("--replicas=2", "--batch_size=8", "--gradient_accumulation=5")
+  with pytest.raises(UserError, match=r"--replicas=33 is more than the 32 samples of the test split"):
+    check("--replicas=33", "--batch_size=1")
+  assert cpuinfo.cpu_replicas_problem(cpuinfo.MAX_CPU_REPLICAS) is None
+  with pytest.raises(UserError, match="at most --replicas=%d" % cpuinfo.MAX_CPU_REPLICAS):
+    sizes.check(_config("--backend=cpu", "--replicas=%d" % (cpuinfo.MAX_CPU_REPLICAS + 1)), None)
+  sizes.check(_config("--backend=auto", "--replicas=%d" % (cpuinfo.MAX_CPU_REPLICAS + 1)), None)  # cpu.py's

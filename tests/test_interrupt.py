@@ -3,6 +3,7 @@
 The same through real processes, killed and signalled mid-run, is in tests/e2e/test_loop_faults.py.
 """
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -163,7 +164,8 @@ def test_resumed_epoch_skips_exactly_the_trained_batches(tmp_path):
   config = RunConfig(model="neuron_inverter", data_path=path, batch_size=4, read_chunk=8,
                      shuffle_buffer=16, seed=1)
 
-  backend = types.SimpleNamespace(fit_input=lambda dataset, steps: (dataset, steps), is_chief=False)
+  backend = types.SimpleNamespace(fit_input=lambda dataset, steps: (dataset, steps), is_chief=False,
+                                  device_errors=contextlib.nullcontext)
 
   def batches(first_epoch, first_step):
     splits = dataclasses.replace(cellspike.load(config, BatchLayout(1, 4), first_epoch), validation=None)

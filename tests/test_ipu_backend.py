@@ -81,8 +81,28 @@ def test_ipu_dropout_keeps_the_noise_shape_and_draws_a_new_mask_at_every_step(mo
   assert (seeded(tf.ones((4, 64)), training=True).numpy() == seeded(tf.ones((4, 64)), training=True).numpy()).all()
   assert swapped(tf.ones((2, 64)), training=False).shape == (2, 64)
   inputs = tf.keras.Input((6,))
-  ipu_backend.swap_ipu_layers(tf.keras.Model(inputs, tf.keras.layers.Dropout(0.25, noise_shape=(None, 1))(inputs)))
-  assert _calls("ipu_layers.Dropout")[-1][2]["noise_shape"] == (None, 1)
+  ipu_backend.swap_ipu_layers(tf.keras.Model(inputs, tf.keras.layers.Dropout(0.25, noise_shape=(1, 6))(inputs)))
+  assert _calls("ipu_layers.Dropout")[-1][2]["noise_shape"] == (1, 6)
+
+
+def test_a_noise_shape_the_ipu_dropout_refuses_stays_keras_dropout(monkeypatch):
+  """rand_ops.py `dropout` takes 1 or the input's size in each dimension of noise_shape, never None
+  (Keras' Dropout reads None as the input's size)."""
+  fake_ipu.install(monkeypatch)
+  for name, module in fake_ipu.build_addons().items():
+    monkeypatch.setitem(sys.modules, name, module)
+  ipu_dropout = sys.modules["ipu_tensorflow_addons.keras.layers"].Dropout
+  with pytest.raises((TypeError, ValueError)):
+    ipu_dropout(0.25, noise_shape=(None, 1))(tf.ones((4, 6)), training=True)
+  with pytest.raises(ValueError, match="Dimension mismatch"):
+    ipu_dropout(0.25, noise_shape=(2, 1))(tf.ones((4, 6)), training=True)
+  assert ipu_dropout(0.25, noise_shape=(4, 1))(tf.ones((4, 6)), training=True).shape == (4, 6)
+  fake_ipu.CALLS.clear()
+  inputs = tf.keras.Input((6,))
+  swapped = ipu_backend.swap_ipu_layers(
+      tf.keras.Model(inputs, tf.keras.layers.Dropout(0.25, noise_shape=(None, 1))(inputs)))
+  assert not _calls("ipu_layers.Dropout")
+  assert swapped(tf.ones((4, 6)), training=True).shape == (4, 6)
 
 
 def test_a_zero_dropout_rate_stays_an_identity_on_the_ipu(monkeypatch):
@@ -795,3 +815,263 @@ def test_compile_only_also_compiles_the_test_evaluation(monkeypatch, tmp_path):
                                   cache_dir=str(tmp_path / "cache")))
   loop.run(config, select.select_backend(config))
   assert [options["steps_per_execution"] for _, _, options in _calls("evaluate")] == [8, 12]
+
+
+# --- What the stand-in computes: the replicas, their gradients, accumulation, and the step count -----
+
+def legacy_sgd(learning_rate, **kwargs):
+  """Keras' SGD of TensorFlow 2.6 (the SDK's): the OptimizerV2 class, which takes gradient_transformers
+  (TensorFlow 2.11 and later keep it as tf.keras.optimizers.legacy.SGD)."""
+  return getattr(tf.keras.optimizers, "legacy", tf.keras.optimizers).SGD(learning_rate, **kwargs)
+
+
+def _mean_gradient_step(initial, elements, learning_rate):
+  """The weights after one SGD step with the gradient of the mean loss over `elements` (all alike in
+  size), computed with plain Keras: what every backend should train."""
+  reference = TINY_MODEL.build(None)
+  reference.set_weights(initial)
+  x = tf.concat([x for x, _ in elements], 0)
+  y = tf.concat([y for _, y in elements], 0)
+  with tf.GradientTape() as tape:
+    loss = tf.reduce_mean(tf.square(reference(x) - y))
+  gradients = tape.gradient(loss, reference.trainable_variables)
+  return [w - learning_rate * g.numpy() for w, g in zip(initial, gradients)]
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("averaged", [True, False])
+def test_ipu_strategy_sums_the_replicas_gradients_and_the_backend_averages_them(monkeypatch, accumulation,
+                                                                               averaged):
+  """ipu_strategy.py `_reduce_to` sums, num_replicas_in_sync is 1: without the backend's 1/R the
+  update is R times the mean-gradient step (so this test fails if the transformer goes)."""
+  fake_ipu.install(monkeypatch)
+  backend = ipu_backend.create(_config(replicas=2, gradient_accumulation=accumulation))
+  if not averaged:
+    backend = dataclasses.replace(backend, sums_replica_gradients=False)
+  net = _tiny_net(backend)
+  net.compile(optimizer=legacy_sgd(0.1, **backend.optimizer_kwargs()), loss="mse",
+              steps_per_execution=accumulation)
+  initial = net.get_weights()
+  elements = list(_elements(2 * accumulation))   # one optimizer step: G micro-batches on each replica
+  net.fit(_elements(2 * accumulation), steps_per_epoch=2 * accumulation, verbose=0)
+  expected = _mean_gradient_step(initial, elements, 0.1)
+  assert int(net.optimizer.iterations) == 1
+  for trained, start, mean_step in zip(net.get_weights(), initial, expected):
+    update = mean_step - start
+    assert trained - start == pytest.approx(update if averaged else 2 * update, rel=1e-4, abs=1e-7)
+
+
+@pytest.mark.parametrize("sdk", ["3.x", "2.6"])
+def test_popdist_reports_all_replicas_and_keras_divides_the_loss_by_them(monkeypatch, sdk):
+  """distributed/popdist_strategy.py (horovod/ on 2.6): num_replicas_in_sync = getNumTotalReplicas(),
+  and compile_utils.py divides each replica's loss by it: the sum over all replicas is the mean."""
+  fake_ipu.install(monkeypatch, sdk=sdk, popdist=fake_ipu.build_popdist(total_replicas=4, instances=2))
+  backend = ipu_backend.create(_config(replicas=4))
+  assert backend.strategy.num_replicas_in_sync == 4
+  net = _tiny_net(backend)
+  net.compile(optimizer=legacy_sgd(0.1, **backend.optimizer_kwargs()), loss="mse")
+  initial = net.get_weights()
+  net.fit(_elements(2), steps_per_epoch=2, verbose=0)     # this instance's 2 replicas, one element each
+  for trained, mean_step in zip(net.get_weights(), _mean_gradient_step(initial, list(_elements(2)), 0.1)):
+    assert trained == pytest.approx(mean_step, rel=1e-4, abs=1e-7)
+
+
+class _Steps(tf.keras.callbacks.Callback):
+  """The batch indices and step count a fit's callbacks see."""
+
+  def __init__(self):
+    super().__init__()
+    self.ends = []
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.ends.append(batch)
+
+
+def test_accumulation_updates_once_per_g_micro_batches_and_callbacks_count_one_replicas_steps(monkeypatch):
+  """GradientAccumulationOptimizerV2 applies the Keras optimizer once every G micro-batches, so
+  `iterations` (and a schedule of it) counts updates; `_fit_delegate` gives callbacks the steps per
+  replica (data_adapter.py `_infer_steps`), at the end of each execution."""
+  fake_ipu.install(monkeypatch)
+  backend = ipu_backend.create(_config(replicas=2, gradient_accumulation=4))
+  net = _tiny_net(backend)
+  rates = tf.keras.optimizers.schedules.PiecewiseConstantDecay([3], [0.01, 0.0])   # no update after 4
+  net.compile(optimizer=legacy_sgd(rates, **backend.optimizer_kwargs()), loss="mse", steps_per_execution=4)
+  steps = _Steps()
+  net.fit(_elements(32).repeat(), steps_per_epoch=32, epochs=2, callbacks=[steps], verbose=0)
+  assert steps.params["steps"] == 16 and steps.ends == [3, 7, 11, 15] * 2
+  assert int(net.optimizer.iterations) == 8
+  before = net.get_weights()
+  net.fit(_elements(32).repeat(), steps_per_epoch=32, verbose=0)   # updates 9 to 12: a rate of 0
+  assert all((a == b).all() for a, b in zip(before, net.get_weights()))
+
+
+def test_each_replica_keeps_its_own_batch_norm_statistics_and_the_host_reads_replica_0s(monkeypatch):
+  """Nothing reduces BatchNormalization's moving statistics across IPUStrategy replicas; the host reads
+  replica 0's copy (poplar_executor.cc `ConnectReplicatedDeviceToHost`), and writes to all."""
+  fake_ipu.install(monkeypatch)
+  backend = ipu_backend.create(_config(replicas=2))
+  with backend.strategy.scope():
+    inputs = tf.keras.Input((3,))
+    norm = tf.keras.layers.BatchNormalization(momentum=0.5, name="norm")
+    net = tf.keras.Model(inputs, tf.keras.layers.Dense(1)(norm(inputs)))
+  net.compile(optimizer=legacy_sgd(0.0), loss="mse")
+  x = tf.constant([[[1.0] * 3] * 2, [[9.0] * 3] * 2])   # replica 0's element: ones, replica 1's: nines
+  net.fit(tf.data.Dataset.from_tensor_slices((x, tf.zeros((2, 2, 1)))), steps_per_epoch=2, verbose=0)
+  copies = [[v.numpy() for v in copy] for copy in net.ipu_extension.replicas.state]
+  assert norm.moving_mean.numpy() == pytest.approx([0.5] * 3)          # 0.5 * 0 + 0.5 * 1
+  assert copies[1][0] == pytest.approx([4.5] * 3)                       # 0.5 * 9
+  norm.moving_mean.assign([2.0] * 3)                                    # a host write reaches both
+  net.evaluate(tf.data.Dataset.from_tensor_slices((x, tf.zeros((2, 2, 1)))), steps=2, verbose=0)
+  assert all(copy[0].numpy() == pytest.approx([2.0] * 3) for copy in net.ipu_extension.replicas.state)
+
+
+def test_the_stand_ins_replicas_answer_cross_replica_means_with_all_replicas_values(monkeypatch):
+  """cross_replica_ops.py `cross_replica_mean` across the replicas the stand-in runs one after the other:
+  the backend's shared statistics updates (prepare_model) leave one set, the replicas' mean."""
+  fake_ipu.install(monkeypatch)
+  backend = ipu_backend.create(_config(replicas=2))
+  with backend.strategy.scope():
+    inputs = tf.keras.Input((3,))
+    net = tf.keras.Model(inputs, tf.keras.layers.BatchNormalization(momentum=0.5, name="norm")(inputs))
+    net = backend.prepare_model(net, ())
+  net.compile(optimizer=legacy_sgd(0.0), loss="mse")
+  x = tf.constant([[[1.0] * 3] * 2, [[9.0] * 3] * 2])
+  net.fit(tf.data.Dataset.from_tensor_slices((x, tf.zeros((2, 2, 3)))), steps_per_epoch=2, verbose=0)
+  for copy in net.ipu_extension.replicas.state:
+    assert copy[0].numpy() == pytest.approx([2.5] * 3)                 # 0.5 * 0 + 0.5 * mean(1, 9)
+  assert fake_ipu.cross_replica_sum(tf.constant(3.0)) == 3.0            # outside a step: one replica
+
+
+class _OwnTrainStep(tf.keras.Model):
+  def train_step(self, data):
+    return super().train_step(data)
+
+
+class _OwnTestStep(tf.keras.Model):
+  def test_step(self, data):
+    return super().test_step(data)
+
+
+def _own_model(backend, cls):
+  with backend.strategy.scope():
+    inputs = tf.keras.Input((3,))
+    x = tf.keras.layers.Dense(4, name="dense")(inputs)
+    x = tf.keras.layers.Flatten(name="flatten")(x)
+    net = cls(inputs, tf.keras.layers.Dense(1, name="head")(x))
+    return backend.prepare_model(net, ("flatten",))
+
+
+@pytest.mark.parametrize("sdk, kwargs", [("3.x", {}), ("2.6", {"gradient_accumulation": 2}),
+                                         ("2.6", {"ipus_per_replica": 2, "pipeline_stages": 2,
+                                                  "gradient_accumulation": 4})])
+def test_the_stand_in_refuses_an_overridden_train_step(monkeypatch, sdk, kwargs):
+  """extensions_base.py `_make_ipu_train_function_wrapper`: always from SDK 3.1; on 2.6 and 3.0 with
+  pipelining or gradient accumulation."""
+  fake_ipu.install(monkeypatch, sdk=sdk)
+  net = _own_model(ipu_backend.create(_config(**kwargs)), _OwnTrainStep)
+  net.compile(loss="mse", steps_per_execution=4)
+  with pytest.raises(RuntimeError, match="`train_step` for the model .* has been overridden"):
+    net.fit(_elements(4), steps_per_epoch=4, verbose=0)
+
+
+def test_the_stand_in_refuses_an_overridden_test_step_in_a_pipeline_and_eager_runs(monkeypatch):
+  """`_make_ipu_test_function_wrapper` (pipelined models only) and `_check_mode`, which fit, evaluate and
+  predict call first."""
+  fake_ipu.install(monkeypatch)
+  pipelined = _own_model(ipu_backend.create(_config(ipus_per_replica=2, pipeline_stages=2,
+                                                    gradient_accumulation=4)), _OwnTestStep)
+  pipelined.compile(loss="mse", steps_per_execution=4)
+  with pytest.raises(RuntimeError, match="`test_step` for the model .* not supported for pipelined"):
+    pipelined.evaluate(_elements(4), steps=4, verbose=0)
+  net = _own_model(ipu_backend.create(_config()), _OwnTestStep)
+  net.compile(loss="mse")
+  assert net.evaluate(_elements(4), steps=4, verbose=0) >= 0   # unpipelined: IPU Keras runs it
+  net.compile(loss="mse", run_eagerly=True)
+  for call in (lambda: net.fit(_elements(4), steps_per_epoch=4, verbose=0),
+               lambda: net.evaluate(_elements(4), steps=4, verbose=0),
+               lambda: net.predict(_elements(4).map(lambda x, y: x), steps=4)):
+    with pytest.raises(RuntimeError, match="cannot run eagerly"):
+      call()
+
+
+def test_the_stand_in_refuses_a_finite_dataset_without_enough_data(monkeypatch):
+  """data_adapter.py `IPUDataHandler._validate_dataset`: steps given that are not the dataset's size
+  keep one iterator for all epochs, which must hold them all (per replica)."""
+  fake_ipu.install(monkeypatch)
+  net = _tiny_net(ipu_backend.create(_config(replicas=2)))
+  net.compile(optimizer=legacy_sgd(0.01), loss="mse")
+  with pytest.raises(ValueError, match=r"does not have enough data.*at least 5 batches"):
+    net.fit(_elements(4), steps_per_epoch=2, epochs=5, verbose=0)
+  net.fit(_elements(4), steps_per_epoch=4, epochs=5, verbose=0)   # the dataset's size: a new pass each epoch
+  with pytest.raises(ValueError, match="does not have enough data"):
+    net.evaluate(_elements(4), steps=10, verbose=0)
+
+
+# --- Throughput: what one Keras step is on IPUs ---------------------------------------------------------
+
+def test_one_keras_step_is_one_micro_batch_per_replica_on_ipus_and_an_optimizer_step_elsewhere(monkeypatch):
+  from strategies.backend import Backend  # pylint: disable=import-outside-toplevel
+  fake_ipu.install(monkeypatch)
+  ipu = ipu_backend.create(_config(replicas=2, gradient_accumulation=4))
+  assert (ipu.samples_per_step(16), ipu.effective_batch(16)) == (32, 128)
+  cpu = Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",), replicas=2, gradient_accumulation=4)
+  assert cpu.samples_per_step(16) == cpu.effective_batch(16) == 128
+
+
+class _Clock:
+  """time.perf_counter for training/callbacks.py: one second later at every reading."""
+
+  def __init__(self):
+    self.now = 0.0
+
+  def perf_counter(self):
+    self.now += 1.0
+    return self.now
+
+
+@pytest.mark.parametrize("steps_per_execution", [2, 8])
+def test_ipu_throughput_counts_micro_batches_and_says_what_the_first_execution_held(monkeypatch, caplog,
+                                                                                  steps_per_execution):
+  """8 steps per replica and epoch, 2 replicas of 2 rows, G = 2, the clock one second on per reading:
+  with 2 steps per execution the first execution (compilation and 2 steps) is timed alone and each
+  epoch's rate counts 4 rows a step; with the epoch in one execution, compile_seconds is unknown and
+  epoch 1 has its rate with compilation only."""
+  from training import callbacks  # pylint: disable=import-outside-toplevel
+  fake_ipu.install(monkeypatch)
+  caplog.set_level(python_logging.INFO, logger="absl")
+  monkeypatch.setattr(callbacks, "time", _Clock())
+  backend = ipu_backend.create(_config(replicas=2, gradient_accumulation=2))
+  net = _tiny_net(backend)
+  net.compile(optimizer=legacy_sgd(0.01, **backend.optimizer_kwargs()), loss="mse",
+              steps_per_execution=steps_per_execution)
+  throughput = callbacks.ThroughputCallback(backend.samples_per_step(2), backend.replicas)
+  logger = callbacks.EpochLogger(2, 8, throughput)
+  history = net.fit(_elements(16).repeat(), steps_per_epoch=16, epochs=2, callbacks=[throughput, logger],
+                    verbose=0).history
+  # Readings: train begin 1; epoch 1 begins at 2, its executions end at 3, 4, ...
+  if steps_per_execution == 2:
+    assert (throughput.compile_seconds, throughput.first_execution_seconds,
+            throughput.first_execution_steps) == (None, 2.0, 2)
+    assert history["samples_per_sec"] == [6 * 4 / 3.0, 8 * 4 / 4.0]   # not G times these
+    assert throughput.samples_per_sec_per_replica == pytest.approx(14 * 4 / 7.0 / 2)
+    assert "samples_per_sec_with_compilation" not in history
+  else:
+    assert (throughput.compile_seconds, throughput.first_execution_seconds,
+            throughput.first_execution_steps) == (None, 2.0, 8)
+    assert history["samples_per_sec_with_compilation"] == [8 * 4 / 2.0]
+    assert history["samples_per_sec"] == [8 * 4 / 1.0]                  # epoch 2 alone
+    assert "first execution (8 steps)" in caplog.text and "with compilation" in caplog.text
+
+
+def test_a_first_execution_of_one_step_is_the_compile_time(monkeypatch):
+  """Where an execution is one step (CPUs and GPUs by default), compile_seconds is the first one's."""
+  from training import callbacks  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(callbacks, "time", _Clock())
+  throughput = callbacks.ThroughputCallback(samples_per_step=64, replicas=2)
+  logs = {}
+  for call in (throughput.on_train_begin, lambda: throughput.on_epoch_begin(0),
+               lambda: throughput.on_train_batch_end(0), lambda: throughput.on_train_batch_end(3),
+               lambda: throughput.on_epoch_end(0, logs)):
+    call()
+  assert (throughput.compile_seconds, throughput.first_execution_steps) == (2.0, 1)
+  assert logs["samples_per_sec"] == 3 * 64 / 1.0 and "samples_per_sec_with_compilation" not in logs

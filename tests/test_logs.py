@@ -159,8 +159,8 @@ def test_each_epoch_line_says_how_long_the_epochs_left_would_take(caplog):
   assert "left" not in lines[2], lines
   # A resumed run's first epoch is the rest of one (the steps after the checkpoint, numbered from 0):
   # 100 of 400 steps in 13 s make whole epochs of 52 s.
-  throughput = ThroughputCallback(global_batch_size=8, replicas=1)
-  throughput.compile_seconds = 1.0  # its first fit's step was timed already
+  throughput = ThroughputCallback(samples_per_step=8, replicas=1)
+  throughput.first_execution_seconds, throughput.first_execution_steps = 1.0, 1  # the first fit's
   throughput.on_epoch_begin(1)
   throughput.on_train_batch_end(99)
   resumed = EpochLogger(epochs=3, steps_per_epoch=400, throughput=throughput)
@@ -191,7 +191,7 @@ def test_the_epoch_line_names_every_loss_and_metric_and_the_bar_leaves_the_bookk
   from training.callbacks import BOOKKEEPING_KEYS, EpochLogger, RunProgbar  # pylint: disable=import-outside-toplevel
   epoch_logs = {"loss": 0.25, "mae": 0.5, "val_loss": 0.125, "val_mae": 0.375, "epoch_seconds": 30.0,
                 "epoch_wall_seconds": 31.0, "samples_per_sec": 2000.0, "samples_per_sec_per_replica": 500.0,
-                "lr": 0.001}
+                "samples_per_sec_with_compilation": 1000.0, "lr": 0.001}
   assert set(BOOKKEEPING_KEYS) < set(epoch_logs)
   with caplog.at_level(python_logging.INFO, logger="absl"):
     EpochLogger(epochs=3).on_epoch_end(0, dict(epoch_logs))

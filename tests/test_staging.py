@@ -1,5 +1,6 @@
 """Node-local staging (--stage_dir, data/staging.py): each process's rows copied once, checked, reused."""
 
+import errno
 import logging
 import os
 import subprocess
@@ -96,7 +97,7 @@ def test_a_damaged_copy_is_detected_by_its_checksum_and_replaced(tmp_path, caplo
   assert "does not match its checksum" in caplog.text
   with h5py.File(staged, "r") as copy:
     np.testing.assert_array_equal(copy["train_frames"][3], np.full((16, 4), 3.0))
-  assert not [name for name in os.listdir(stage) if name.startswith(".staging-")]  # nothing left over
+  assert not [name for name in os.listdir(stage) if name.endswith(".tmp")]  # nothing left over
 
 
 def test_a_full_staging_disk_is_one_clear_error_and_leaves_nothing(tmp_path, monkeypatch):
@@ -148,3 +149,39 @@ def test_temporary_copies_of_killed_processes_are_removed_by_the_next_run(tmp_pa
   own = "%s%d-" % (staging._host_prefix(), os.getpid())  # pylint: disable=protected-access
   assert os.path.dirname(os.path.dirname(staged)) == str(tmp_path)
   assert os.path.basename(os.path.dirname(staged)).startswith(own)
+
+
+@pytest.mark.parametrize("code, cause", [(errno.EFBIG, "File too large"), (errno.EDQUOT, "Disk quota exceeded"),
+                                         (errno.EROFS, "Read-only file system"), (errno.EIO, "Input/output error")])
+def test_a_copy_that_cannot_be_written_is_one_line_with_its_cause(tmp_path, monkeypatch, code, cause):
+  path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64)
+  stage = tmp_path / "local"
+
+  def failing(*args):
+    raise OSError(code, os.strerror(code))
+  monkeypatch.setattr(staging, "_copy_rows", failing)
+  with pytest.raises(UserError, match=r"local: staging train_frames/train_unitStar_par from .*rows.h5 failed: "
+                                      r"cannot write .*local/rows\.\w+\.rows0-32\.h5 \(%s\)" % cause):
+    staging.stage_to(path, KEYS, 0, 32, str(stage))
+  assert os.listdir(stage) == []
+
+
+def test_a_copy_larger_than_the_file_size_limit_is_refused_before_copying(tmp_path, monkeypatch):
+  path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64)
+  stage = tmp_path / "local"
+  monkeypatch.setattr(staging.hdf5_writes, "size_limit", lambda: 4096)
+  with pytest.raises(UserError, match=r"rows.h5: staging train_frames/train_unitStar_par into .*local needs 1\.1 MB, "
+                                      r"and this process may write files of at most 0\.0 MB \(the file-size limit"):
+    staging.stage_to(path, KEYS, 0, 32, str(stage))
+  assert os.listdir(stage) == []
+
+
+def test_the_staged_copy_is_read_from_the_source_checked(tmp_path):
+  """The rows copied are those of the file the run checked and holds open, not of a file renamed over
+  its name since."""
+  from data import pinned_files  # pylint: disable=import-outside-toplevel
+  path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64)
+  source = pinned_files.PinnedFile.open(path)
+  os.replace(write_row_marked(str(tmp_path / "other.h5"), n_train=64), path)
+  with pytest.raises(UserError, match="rows.h5 was replaced by another file while the run started"):
+    staging.stage_to(path, KEYS, 0, 32, str(tmp_path / "local"), source=source)

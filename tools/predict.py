@@ -9,8 +9,9 @@ model, design, data and precision it was trained with, and checkpoints/best (els
 `--data_path` and `--backend` may point elsewhere. Writes into `--outdir` (default `<logdir>/predict`):
 `sum_pred.yaml` (overall and per-parameter MSE, residual mean/std, Pearson r, learned/weak/not-learned
 verdicts with their thresholds), `truth_vs_pred.png`, `residuals.png`, `training_curves.png`, and
-prints the per-parameter table. A problem (no run, no checkpoint, data that do not fit) is one
-`error:` line and exit status 1.
+prints the per-parameter table. A problem (no run, no checkpoint, data that do not fit, an output folder
+that is full or has a link at an output's name) is one `error:` line and exit status 1. The outputs are
+written together (analysis/evaluation.py): a report that fails leaves the folder's earlier one as it was.
 """
 
 import os

@@ -19,7 +19,7 @@ def _cache_entries(folder) -> set:
 # Values the callbacks add to each epoch's logs for TensorBoard and History, which EpochLogger's line
 # says in its own words (ThroughputCallback's, and the learning-rate schedule's "lr").
 BOOKKEEPING_KEYS = ("epoch_seconds", "epoch_wall_seconds", "samples_per_sec", "samples_per_sec_per_replica",
-                    "lr")
+                    "samples_per_sec_with_compilation", "lr")
 
 
 # Keras names an epoch's scalar `epoch_` + its key; these keys already start with it (History and
@@ -145,12 +145,19 @@ class QuietNativeLines(tf.keras.callbacks.Callback):
 
 
 class ThroughputCallback(tf.keras.callbacks.Callback):
-  """Measures first-step (trace + compile) time and steady training throughput.
+  """Measures the first execution (trace + compile) and steady training throughput.
 
-  The first step of a run includes tracing and graph compilation, so it is timed on its own as
-  `compile_seconds` and left out of the throughput. Each epoch's window ends at its last training
-  batch, so validation time does not dilute the figure. The per-epoch rate is added to the epoch logs
-  as `samples_per_sec`, which TensorBoard and History record.
+  Keras calls the batch callbacks once per execution of `steps_per_execution` steps, at its end (on
+  IPUs too: keras/ipu/extensions/extensions_base.py `_fit_delegate`), and a step is what the backend
+  says (`Backend.samples_per_step`: an optimizer step on CPUs and GPUs, one micro-batch per replica on
+  IPUs). The first execution of a run includes tracing and compilation, so it is timed on its own and
+  left out of the throughput: `compile_seconds` when it ran one step; when it ran several (an IPU
+  epoch may be one execution), compilation cannot be told from those steps, so `compile_seconds` is
+  None and `first_execution_seconds` / `first_execution_steps` say what was timed. Each epoch's window
+  ends at its last training batch, so validation time does not dilute the figure. The per-epoch rate
+  is added to the epoch logs as `samples_per_sec`, which TensorBoard and History record; an epoch
+  that ran within the first execution has none, and gets `samples_per_sec_with_compilation`: its
+  samples over its training time, compilation included.
 
   `epoch_wall_seconds` is the clock from the previous epoch's end (the start of training for the
   first) to this one's: training, validation, the previous epoch's checkpoint and whatever else ran in
@@ -158,21 +165,27 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
   waiting outside its epochs.
   """
 
-  def __init__(self, global_batch_size: int, replicas: int, cache_dir=None):
+  def __init__(self, samples_per_step: int, replicas: int, cache_dir=None):
     super().__init__()
-    self.global_batch_size = global_batch_size
+    self.samples_per_step = samples_per_step
     self.replicas = replicas
     self.cache_dir = cache_dir
-    self.compile_seconds = None
+    self.first_execution_seconds = None
+    self.first_execution_steps = None
     self.from_cache = None    # True/False once the first step ran with an executable cache in effect
     self._timed_steps = 0
     self._timed_seconds = 0.0
+
+  @property
+  def compile_seconds(self):
+    """Tracing, compilation and one step; None where the first execution ran more steps than one."""
+    return self.first_execution_seconds if self.first_execution_steps == 1 else None
 
   def on_train_begin(self, logs=None):
     self._cached_before = _cache_entries(self.cache_dir)
     self._train_start = time.perf_counter()
     self._previous_epoch_end = self._train_start
-    if self.compile_seconds is None:  # a resumed run's second fit reuses the traced step
+    if self.first_execution_steps is None:  # a resumed run's second fit reuses the traced step
       logging.info("Compiling the training step (first step includes tracing and compilation)...")
 
   def on_epoch_begin(self, epoch, logs=None):
@@ -181,12 +194,21 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
     self._window_first_step = 0
     self._steps_done = 0
     self._last_batch_time = None
+    self._compiled_in_epoch = False
 
   def on_train_batch_end(self, batch, logs=None):
     now = time.perf_counter()
-    if self.compile_seconds is None:
-      self.compile_seconds = now - self._train_start
-      logging.info("Compilation and first step done in %.1f s%s", self.compile_seconds, self._cache_note())
+    if self.first_execution_steps is None:
+      self.first_execution_seconds = now - self._train_start
+      self.first_execution_steps = batch + 1
+      self._compiled_in_epoch = True
+      if batch == 0:
+        logging.info("Compilation and first step done in %.1f s%s", self.first_execution_seconds,
+                     self._cache_note())
+      else:
+        logging.info("Compilation and the first execution (%d steps) done in %.1f s%s; compilation "
+                     "alone is not timed (compile_seconds: null)", batch + 1, self.first_execution_seconds,
+                     self._cache_note())
       self._window_start, self._window_first_step = now, batch + 1
     self._steps_done = batch + 1  # With steps_per_execution > 1, `batch` is the last step run.
     self._last_batch_time = now
@@ -199,9 +221,13 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
     self._previous_epoch_end = now
     steps = self._steps_done - self._window_first_step
     if steps <= 0 or self._last_batch_time is None:
-      return  # A one-step first epoch has only the compile step; nothing steady to time.
+      # Every step of the epoch ran in the first execution: nothing steady to time.
+      if logs is not None and self._compiled_in_epoch and self._last_batch_time is not None:
+        logs["samples_per_sec_with_compilation"] = (self._steps_done * self.samples_per_step
+                                                    / (self._last_batch_time - self._train_start))
+      return
     seconds = self._last_batch_time - self._window_start
-    rate = steps * self.global_batch_size / seconds
+    rate = steps * self.samples_per_step / seconds
     self._timed_steps += steps
     self._timed_seconds += seconds
     if logs is not None:
@@ -227,7 +253,7 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
   def samples_per_sec_per_replica(self):
     if not self._timed_steps:
       return None
-    return self._timed_steps * self.global_batch_size / self._timed_seconds / self.replicas
+    return self._timed_steps * self.samples_per_step / self._timed_seconds / self.replicas
 
 
 def duration(seconds: float) -> str:
@@ -268,6 +294,9 @@ class EpochLogger(tf.keras.callbacks.Callback):
     parts += _train_and_validation_values(logs)
     if "samples_per_sec_per_replica" in logs:
       parts.append("%.0f samples/s per replica" % logs["samples_per_sec_per_replica"])
+    elif "samples_per_sec_with_compilation" in logs and self.throughput is not None:
+      parts.append("%.0f samples/s per replica with compilation (the epoch ran in the first execution)"
+                   % (logs["samples_per_sec_with_compilation"] / self.throughput.replicas))
     left = self.run_epochs - (epoch + 1)
     if left > 0 and logs.get("epoch_wall_seconds"):
       parts.append("about %s left for %d more epoch%s" % (

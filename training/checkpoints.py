@@ -106,7 +106,8 @@ def _write_index(folder: str, names: list) -> None:
   lines = ['model_checkpoint_path: "%s"' % names[-1]]
   lines += ['all_model_checkpoint_paths: "%s"' % name for name in names]
   path = os.path.join(folder, INDEX_FILE)
-  temporary = path + ".tmp%d" % os.getpid()
+  # Unguessable: GFile opens with fopen, which would write through a link planted at a predictable name.
+  temporary = path + ".tmp%d.%s" % (os.getpid(), os.urandom(4).hex())
   with tf.io.gfile.GFile(temporary, "w") as f:
     f.write("\n".join(lines) + "\n")
   _fsync(temporary)
@@ -269,11 +270,19 @@ def _sweep(folder: str, kept: list) -> None:
     if not (stale_checkpoint or stale_staging):
       continue
     try:
-      if tf.io.gfile.isdir(path):
+      if _is_local(path):
+        # Never through a link (saves make none: one was planted): TensorFlow's rmtree follows links to
+        # folders, and would empty the folder a `.saving-x` link points at. Here a link itself is
+        # removed, and shutil's rmtree removes links inside a folder without following them.
+        if os.path.isdir(path) and not os.path.islink(path):
+          shutil.rmtree(path)
+        else:
+          os.remove(path)
+      elif tf.io.gfile.isdir(path):
         tf.io.gfile.rmtree(path)
       else:
         tf.io.gfile.remove(path)
-    except tf.errors.OpError as error:
+    except (OSError, tf.errors.OpError) as error:
       logging.warning("Could not delete the old checkpoint file %s (%s)", path, _reason(error))
 
 

@@ -13,6 +13,7 @@ import tensorflow as tf
 from tensorboard.plugins.hparams import api as hp
 
 import model
+from data import atomic_files
 from run_config import RunConfig
 
 # The settings that tell runs apart (every RunConfig field is in run_config.yaml as well).
@@ -40,11 +41,16 @@ def write_hparams(logdir: str, config: RunConfig, global_batch_size: int) -> Non
   TensorBoard keeps the first settings it reads in a folder, so a resumed run (with more --epochs)
   removes the earlier event file, the only one in the run folder itself (Keras writes into train/ and
   validation/, the test into test/)."""
-  for path in tf.io.gfile.glob(os.path.join(logdir, "events.out.tfevents.*")):
-    tf.io.gfile.remove(path)
-  writer = tf.summary.create_file_writer(logdir)
-  with writer.as_default():
-    # The run folder's name is the trial: runs with equal settings stay apart (a rerun, a resumed copy).
-    hp.hparams(run_hparams(config, global_batch_size),
-               trial_id=os.path.basename(os.path.normpath(config.logdir)))
-  writer.close()
+  try:
+    for path in tf.io.gfile.glob(os.path.join(logdir, "events.out.tfevents.*")):
+      tf.io.gfile.remove(path)  # a link is removed, not what it points at
+    writer = tf.summary.create_file_writer(logdir)
+    with writer.as_default():
+      # The run folder's name is the trial: runs with equal settings stay apart (a rerun, a resumed copy).
+      hp.hparams(run_hparams(config, global_batch_size),
+                 trial_id=os.path.basename(os.path.normpath(config.logdir)))
+    writer.close()
+  except (OSError, tf.errors.OpError) as error:  # a full disk: TensorFlow names the cause in its message
+    if not atomic_files.is_write_error(error):
+      raise
+    raise atomic_files.write_error(os.path.join(logdir, "events.out.tfevents.*"), error) from None

@@ -8,7 +8,11 @@ A terminal that closes (an ssh connection lost) sends SIGHUP: the output that we
 129. Started under nohup, which ignores SIGHUP, a run keeps it ignored and trains on.
 
 Design:
-- The signal handler only records the signal (and writes one line with `os.write`, which is safe in a
+- Until the first training step of the process has ended (its tracing and compilation included), a
+  signal stops the run at once, as in its set-up: one `interrupted by SIG...` line, status 128 + signal
+  number, nothing saved (nothing is trained yet; a resumed run keeps its checkpoints). On IPUs the first
+  step is the first execution, one epoch by default, which a stop then does not save.
+- After it, the signal handler only records the signal (and writes one line with `os.write`, which is safe in a
   handler); repeated signals are noted and ignored, so a second Ctrl-C or SIGTERM can never interrupt
   the save. It stays installed until the interrupted run has saved, closed its writers and logged its
   line, and then gives way to SIG_IGN (not to the default action) for the rest of the exit, so a second
@@ -50,7 +54,7 @@ import threading
 import tensorflow as tf
 from absl import logging
 
-from errors import handles, leave_a_closed_terminal, remember_terminal_outputs
+from errors import handles, leave_a_closed_terminal, remember_terminal_outputs, set_graceful_stops, stop_now
 from training.checkpoints import in_run_folder
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -71,7 +75,11 @@ class TrainingInterrupted(SystemExit):
 
 class InterruptFlag:
   """Records SIGTERM/SIGINT/SIGHUP while installed (a context manager); the handler does nothing else
-  (but for SIGHUP, move the output off a closed terminal)."""
+  (but for SIGHUP, move the output off a closed terminal). With `immediate_until_first_step`, a signal
+  before the first training step has ended (while the step is traced and compiled: minutes for many
+  CPU replicas, or a Poplar compilation) stops the run at once instead, as in its set-up
+  (errors.stop_now): there is nothing to save yet, and waiting for the step would hold the stop for as
+  long as the compilation takes."""
 
   # What a signal does in each phase of the run, as the handler's line says it.
   MESSAGES = {
@@ -85,10 +93,29 @@ class InterruptFlag:
                                  "report, which --resume makes (more signals are ignored)",
   }
 
-  def __init__(self):
+  def __init__(self, immediate_until_first_step: bool = False):
     self.signum = None
+    self._immediate = immediate_until_first_step
     self.phase = "training"  # set by the loop as it moves on (MESSAGES)
     self._previous = {}
+    self._graceful_before = None  # errors.set_graceful_stops' setting outside the flag
+
+  @property
+  def phase(self) -> str:
+    return self._phase
+
+  @phase.setter
+  def phase(self, phase: str) -> None:
+    self._phase = phase
+    if phase != "training":
+      self.first_step_done()
+
+  def first_step_done(self) -> None:
+    """From now on a signal is taken at the next safe point (GracefulStop calls it at every batch end)."""
+    if self._immediate:
+      self._immediate = False
+      if self._graceful_before is not None:
+        set_graceful_stops(True)
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():  # handlers can only be set there
@@ -96,6 +123,7 @@ class InterruptFlag:
       for signum in SIGNALS:
         if handles(signum):
           self._previous[signum] = signal.signal(signum, self._handle)
+      self._graceful_before = set_graceful_stops(not self._immediate)
     return self
 
   def __exit__(self, exc_type, exc, tb):
@@ -108,10 +136,15 @@ class InterruptFlag:
     for signum, handler in self._previous.items():
       signal.signal(signum, signal.SIG_IGN if exiting else handler)
     self._previous = {}
+    if self._graceful_before is not None:
+      set_graceful_stops(self._graceful_before)
+      self._graceful_before = None
     return False
 
   def _handle(self, signum, frame):
     del frame
+    if self._immediate:
+      stop_now(signum)  # raises
     if signum == signal.SIGHUP:
       leave_a_closed_terminal()
     name = signal.Signals(signum).name
@@ -142,6 +175,17 @@ class InterruptFlag:
 
 def _finite(logs: dict) -> bool:
   return all(math.isfinite(v) for v in logs.values())
+
+
+class FirstStepEnds(tf.keras.callbacks.Callback):
+  """Tells `flag` that the first training step has ended, at every batch end (put it first)."""
+
+  def __init__(self, flag: InterruptFlag):
+    super().__init__()
+    self.flag = flag
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.flag.first_step_done()
 
 
 class ResumedEpochLogs(tf.keras.callbacks.Callback):
@@ -192,6 +236,7 @@ class GracefulStop(tf.keras.callbacks.Callback):
     self._epoch = epoch
 
   def on_train_batch_end(self, batch, logs=None):
+    self.flag.first_step_done()  # where FirstStepEnds is not among the callbacks
     if not self._agreed_stop():  # with several processes, every one calls this at every batch end
       return
     offset = self.resumed.step_offset if self.resumed is not None else 0

@@ -23,6 +23,7 @@ import time
 
 from absl import logging
 
+from data import atomic_files
 from errors import UserError
 
 # Lines TensorFlow's C++ core prints while it builds a step's or an input's graph (a first step, a
@@ -104,41 +105,106 @@ def setup() -> None:
 LOG_FILE = "log.txt"
 
 
+class _RunLog(python_logging.Handler):
+  """log.txt's handler: keeps the lines in memory until `start` opens the file (appending, never through
+  a link), then writes each line as it comes. A write that fails (a full disk) ends the copy with one
+  warning: the run's checkpoints say more than its log, and their own failures stop it."""
+
+  def __init__(self, path: str, header: str):
+    super().__init__()
+    self.path, self.stream, self.failed = path, None, False
+    self.pending = [header]
+    self.setFormatter(ShortPrefix())
+    self.addFilter(_OwnInfoOnly())
+
+  def start(self) -> None:
+    if self.stream is None and not self.failed:
+      self.stream = atomic_files.open_append(self.path)  # a link there: a UserError naming it
+      self.write("".join(self.pending))
+      self.pending = []
+
+  def write(self, text: str) -> None:
+    if self.failed:
+      return
+    if self.stream is None:
+      self.pending.append(text)
+      return
+    try:
+      self.stream.write(text)
+      self.stream.flush()
+    except OSError as error:
+      self.failed = True  # before the warning, which comes back here
+      with contextlib.suppress(OSError):
+        self.stream.close()
+      self.stream = None
+      logging.warning("The run's log stopped being copied to %s: %s", self.path,
+                      atomic_files.write_error(self.path, error))
+
+  def emit(self, record) -> None:
+    try:
+      text = self.format(record) + "\n"
+    except Exception:  # pylint: disable=broad-except  (logging's own contract: never raise from emit)
+      self.handleError(record)
+      return
+    self.write(text)
+
+  def close(self) -> None:
+    if self.stream is not None:
+      with contextlib.suppress(OSError):
+        self.stream.close()
+      self.stream = None
+    super().close()
+
+
+_run_logs = []  # the copies that copied_to_file holds open, newest last
+
+
 @contextlib.contextmanager
 def copied_to_file(path: str):
-  """Appends the log's lines to the file `path` while the block runs, after a line with the command
-  and the process, and an error that ends it (its one `error:` line goes to stderr only otherwise).
-  Kept beside the run's checkpoints, the log says what happened where the terminal is gone: a run
-  whose ssh connection dropped stops with its `--resume` line (SIGHUP) written to a terminal that no
-  longer exists. A resumed run appends."""
-  handler = python_logging.FileHandler(path, mode="a", encoding="utf-8")
-  handler.setFormatter(ShortPrefix())
-  handler.addFilter(_OwnInfoOnly())
-  handler.stream.write("# %s (pid %d on %s, %s)\n" % (
+  """Copies the log's lines to the file `path` while the block runs, after a line with the command and
+  the process, and an error that ends it (its one `error:` line goes to stderr only otherwise). Kept
+  beside the run's checkpoints, the log says what happened where the terminal is gone: a run whose
+  ssh connection dropped stops with its `--resume` line (SIGHUP) written to a terminal that no longer
+  exists. A resumed run appends.
+
+  Nothing is written to `path` until `start_file_copy()` (the run's checks passed): the lines until
+  then are kept and written first. A command refused before it (a --resume that does not fit the run)
+  leaves the file as it was, and says why on the terminal only."""
+  handler = _RunLog(path, "# %s (pid %d on %s, %s)\n" % (
       " ".join(shlex.quote(part) for part in [os.path.basename(sys.argv[0])] + sys.argv[1:]), os.getpid(),
       socket.gethostname(), time.strftime("%Y-%m-%d %H:%M:%S")))
   logger = logging.get_absl_logger()
   logger.addHandler(handler)
+  _run_logs.append(handler)
   try:
     yield
   except Exception as error:  # a graceful stop (SystemExit) logs its own line
-    handler.stream.write("error: %s\n" % (error if isinstance(error, UserError) else "%s: %s" % (
-        type(error).__name__, error)))
+    if handler.stream is not None:
+      handler.write("error: %s\n" % (error if isinstance(error, UserError) else "%s: %s" % (
+          type(error).__name__, error)))
     raise
   finally:
+    _run_logs.remove(handler)
     logger.removeHandler(handler)
     handler.close()
+
+
+def start_file_copy() -> None:
+  """Starts writing the log file of the innermost `copied_to_file` (none: nothing to do), with the lines
+  logged so far. A link at its name is a UserError naming it."""
+  if _run_logs:
+    _run_logs[-1].start()
 
 
 def append_to_file(path: str, text: str) -> None:
   """Adds `text` (the closing report: results, where they are, the next commands) to the run folder's
   log `path` after the run's own lines, when the run made one. It is the run's end, which the file
-  otherwise lacks; one that cannot be written is a warning, since the run's results are saved."""
-  if not os.path.exists(path):
+  otherwise lacks; one that cannot be written (a full disk, a link planted at its name, which is never
+  written through) is a warning, since the run's results are saved."""
+  if not os.path.lexists(path):
     return
   try:
-    with open(path, "a", encoding="utf-8") as f:
-      f.write(text.lstrip("\n") + "\n")
+    atomic_files.append_text(path, text.lstrip("\n") + "\n")
   except OSError as error:
     logging.warning("The closing report was not added to %s: %s", path, error)
 

@@ -27,6 +27,7 @@ from absl import logging
 
 import data
 import model
+from data import atomic_files, pinned_files
 from errors import UserError
 from run_config import RunConfig
 from stderr_lines import DroppedLines
@@ -55,10 +56,7 @@ def set_seeds(seed: int) -> None:
 def prepare_logdir(logdir: str) -> None:
   try:
     os.makedirs(logdir, exist_ok=True)
-    probe = os.path.join(logdir, ".write_test")
-    with open(probe, "w"):
-      pass
-    os.remove(probe)
+    atomic_files.check_writable_folder(logdir)  # a probe of a fresh name: no link to follow
   except OSError as error:
     raise UserError("--logdir=%s is not a writable folder (%s)" % (logdir, error.strerror)) from None
 
@@ -259,12 +257,12 @@ def _restore(config, schedule, checkpointing, steps_per_epoch) -> dict:
   return state
 
 
-def _make_callbacks(config, backend, schedule, checkpointing, state, global_batch_size, outdir, flag,
-                    steps_per_epoch):
+def _make_callbacks(config, backend, schedule, checkpointing, state, outdir, flag, steps_per_epoch):
   """The fit's callbacks, in the order they must run; returns them and the throughput callback."""
   if config.lr_schedule == "cosine":  # the optimizer's own rate, the same function of the update count
     schedule.cosine = _learning_rate(config, backend, steps_per_epoch)
-  throughput = callbacks_lib.ThroughputCallback(global_batch_size, backend.replicas, backend.cache_dir)
+  throughput = callbacks_lib.ThroughputCallback(backend.samples_per_step(config.batch_size), backend.replicas,
+                                                backend.cache_dir)
   # After `throughput`, whose "Compiling..." line must show while the first step compiles.
   quiet = callbacks_lib.QuietNativeLines(DroppedLines(logs.ONE_OFF_NATIVE_LINES))
   if config.compile_only:
@@ -276,8 +274,12 @@ def _make_callbacks(config, backend, schedule, checkpointing, state, global_batc
   # Order matters: each callback may add to the epoch logs that the later ones record; `resumed`
   # completes a resumed epoch's metrics before anything records them, `graceful` acts after the
   # epoch's checkpoint and TensorBoard scalars are written.
-  callbacks = [resumed, throughput, quiet, replica_statistics.ShareBeforeEvaluation(), schedule,
-               checkpointing, tf.keras.callbacks.TerminateOnNaN(),
+  # The data files unchanged first: a changed file stops the run before anything is saved from it.
+  # Then the first step's end: from there a signal waits for the next safe point (training/interrupt.py),
+  # also one sent on a line that a later callback logs.
+  callbacks = [pinned_files.keras_callback(), interrupt_lib.FirstStepEnds(flag), resumed, throughput, quiet,
+               replica_statistics.ShareBeforeEvaluation(), schedule, checkpointing,
+               tf.keras.callbacks.TerminateOnNaN(),
                callbacks_lib.EpochScalars(log_dir=outdir, profile_batch=0)]
   if config.profile_dir and backend.profiles_with_tensorflow:
     callbacks.append(tf.keras.callbacks.TensorBoard(log_dir=config.profile_dir, profile_batch=(2, 4),
@@ -323,8 +325,11 @@ def _fit(net, config, backend, splits, first_epoch, first_step, callbacks) -> di
   """Keras fit from `first_epoch`; a run resumed mid-epoch first trains the rest of that epoch.
 
   Training and validation input are endless streams with explicit step counts, so Keras keeps one
-  iterator of each for the whole fit: nothing is torn down or refilled between epochs, and the
-  pipeline keeps reading ahead across the epoch boundary while validation runs. Keras' steps_per_epoch
+  training iterator for the whole fit: nothing is torn down or refilled between epochs, and the
+  pipeline keeps reading ahead across the epoch boundary while validation runs. The validation iterator
+  is kept too on CPUs and GPUs; IPU Keras makes a new infeed for it at every evaluation (graphcore/keras
+  keras/ipu/extensions/data_feed_manager.py), so there each validation starts its stream again, which
+  reads the same samples (the split is not shuffled) in the same order. Keras' steps_per_epoch
   applies to every epoch, so the rest of an interrupted epoch is a fit of its own, on that epoch's
   stream without its first `first_step` steps (the order of an epoch depends only on seed, shard and
   epoch); the remaining epochs follow.
@@ -338,17 +343,19 @@ def _fit(net, config, backend, splits, first_epoch, first_step, callbacks) -> di
   if first_step:
     part_x, part_steps = backend.fit_input(splits.train.epochs_from(first_epoch, first_step),
                                            steps - first_step)
-    histories.append(net.fit(part_x, epochs=first_epoch + 1, initial_epoch=first_epoch,
-                             steps_per_epoch=part_steps, validation_data=val_x,
-                             validation_steps=val_steps, callbacks=callbacks, verbose=verbose).history)
+    with backend.device_errors():
+      histories.append(net.fit(part_x, epochs=first_epoch + 1, initial_epoch=first_epoch,
+                               steps_per_epoch=part_steps, validation_data=val_x,
+                               validation_steps=val_steps, callbacks=callbacks, verbose=verbose).history)
     first_epoch += 1
     if any(not np.isfinite(v) for v in histories[0].get("loss", [])):
       return histories[0]
   if first_epoch < config.epochs or not histories:
     train_x, train_steps = backend.fit_input(splits.train.epochs_from(first_epoch), steps)
-    histories.append(net.fit(train_x, epochs=config.epochs, initial_epoch=first_epoch,
-                             steps_per_epoch=train_steps, validation_data=val_x,
-                             validation_steps=val_steps, callbacks=callbacks, verbose=verbose).history)
+    with backend.device_errors():
+      histories.append(net.fit(train_x, epochs=config.epochs, initial_epoch=first_epoch,
+                               steps_per_epoch=train_steps, validation_data=val_x,
+                               validation_steps=val_steps, callbacks=callbacks, verbose=verbose).history)
   return _merge_histories(*histories)
 
 
@@ -390,7 +397,9 @@ def run(config: RunConfig, backend: Backend) -> dict:
       run_folder.claim(config.logdir, config.resume)
     # The writer's folder keeps the log; the other processes' folders are removed at their end.
     logged = contextlib.nullcontext() if scratch else logs.copied_to_file(os.path.join(outdir, logs.LOG_FILE))
-    with logged:
+    # The data files this run reads, checked at its steps; one that shrinks ends the process at once.
+    watched = pinned_files.watched_in_run(before_sudden_exit=lambda: run_folder.release(config.logdir))
+    with logged, watched:
       try:
         summary = _train_and_test(config, backend, info, outdir, started)
       except tf.errors.UnavailableError as error:
@@ -439,6 +448,7 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
   # --- Data and model (nothing is written before the flags, data and checkpoint are found good) -------
   resume_state = _resume_state(config, backend)
   if resume_state.get("left") == "report":  # main.py makes it
+    _accepted(outdir)
     logging.info("The run in %s finished its %s and its test (summary.yaml): --predict makes its report",
                  config.logdir, _epochs(resume_state["epoch"]))
     return summary_lib.read_summary(outdir)
@@ -458,13 +468,14 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
   # --- Checkpoints, resume, callbacks -----------------------------------------------------------------
   schedule, checkpointing = _make_checkpointing(config, backend, net, outdir)
   state = _restore(config, schedule, checkpointing, splits.train.steps)
-  # SIGTERM/SIGINT from the first step to the summary: a stop at the next safe point with every
-  # checkpoint saved, then exit 128 + signal number (training/interrupt.py).
-  flag = interrupt_lib.InterruptFlag()
-  callbacks, throughput = _make_callbacks(config, backend, schedule, checkpointing, state,
-                                          global_batch_size, outdir, flag, splits.train.steps)
+  # SIGTERM/SIGINT from the end of the first step to the summary: a stop at the next safe point with
+  # every checkpoint saved, then exit 128 + signal number; before it, at once (training/interrupt.py).
+  flag = interrupt_lib.InterruptFlag(immediate_until_first_step=True)
+  callbacks, throughput = _make_callbacks(config, backend, schedule, checkpointing, state, outdir, flag,
+                                          splits.train.steps)
   # Only now, with the flags, data and any checkpoint to resume found good: a bad command leaves the
-  # outputs of the run already in the logdir untouched.
+  # outputs of the run already in the logdir untouched, its log and lock file too.
+  _accepted(outdir)
   # --compile_only trains nothing: no run to continue or evaluate, and so no run marker in the folder
   # (run_folder.RUN_MARKERS), which would refuse the training run that the compilation prepares.
   if not config.compile_only:
@@ -477,7 +488,7 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
     if config.compile_only:
       _compile_test(net, backend, splits)
       logging.info("--compile_only: compiled in %.1f s; exiting before training",
-                   throughput.compile_seconds or 0.0)
+                   throughput.first_execution_seconds or 0.0)
       return {"compile_seconds": throughput.compile_seconds}
     _check_losses_finite(history, config, checkpointing, splits, resume_state["epoch"])
 
@@ -504,6 +515,13 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
       interrupt_lib.stop_if_signalled(flag, checkpointing.checkpoints.latest(), "before the --predict report",
                                       config.logdir, _any_process(backend))
   return summary
+
+
+def _accepted(outdir: str) -> None:
+  """The run passed its checks: its log file is written from here (with the lines so far), and its
+  lock file is its own (training/run_folder.py). Before, a refused command changes nothing there."""
+  logs.start_file_copy()
+  run_folder.accepted(outdir)
 
 
 def _print_model(net, module) -> None:
@@ -564,8 +582,9 @@ def _train(net, config, backend, splits, resume_state, callbacks):
   interrupted = None
   fit_started = time.perf_counter()
   try:
-    history = _fit(net, config, backend, splits, resume_state["epoch"], resume_state.get("step", 0),
-                   callbacks)
+    with pinned_files.changes_reported():
+      history = _fit(net, config, backend, splits, resume_state["epoch"], resume_state.get("step", 0),
+                     callbacks)
   except interrupt_lib.TrainingInterrupted as stop:
     interrupted = stop.with_traceback(None)  # frees fit's frames (and its data iterators) below
   finally:
@@ -585,7 +604,7 @@ def _evaluate_test(net, backend, splits, verbose: int, callbacks=()) -> dict:
   """The test split's metrics with `net`'s current weights (the application's one evaluation of it)."""
   test_x, test_steps = backend.fit_input(splits.test.dataset, splits.test.steps)
   replica_statistics.share(net)  # the statistics the checkpoints hold, in every replica
-  with DroppedLines(logs.ONE_OFF_NATIVE_LINES):
+  with DroppedLines(logs.ONE_OFF_NATIVE_LINES), backend.device_errors(), pinned_files.changes_reported():
     return net.evaluate(test_x, steps=test_steps, return_dict=True, verbose=verbose, callbacks=list(callbacks))
 
 
@@ -609,7 +628,8 @@ def _test(net, config, backend, splits, checkpointing, outdir, last_epoch, stop_
   try:
     test_results = _evaluate_test(net, backend, splits,
                                   verbose=logs.evaluate_verbosity(config.progress, backend.is_chief),
-                                  callbacks=[stop_test, callbacks_lib.RunProgbar()])
+                                  callbacks=[pinned_files.keras_callback(), stop_test,
+                                             callbacks_lib.RunProgbar()])
   except interrupt_lib.TrainingInterrupted as stop:
     stop = stop.with_traceback(None)
     interrupt_lib.log_interrupted(stop, config.logdir)

@@ -80,12 +80,16 @@ def make_optimizer(name: str, learning_rate, factories=None, checkpoint_format=N
   """The optimizer `name`. The backend may supply replacement `factories` (IPU-specific optimizers)
   and `backend_kwargs` (e.g. the IPU's gradient averaging over replicas). `checkpoint_format` is the
   family of the checkpoint a resumed run continues from (None for a new run). `learning_rate` is a
-  number or a Keras LearningRateSchedule of the update count."""
+  number or a Keras LearningRateSchedule of the update count. A backend's "adam" factory is given
+  PyTorch's epsilon and must add it where PyTorch does, to the bias-corrected sqrt(v), as `_adam` does:
+  one Adam on every backend."""
   if name not in OPTIMIZERS:
     raise UserError("unknown optimizer %r; valid optimizers: %s" % (name, ", ".join(sorted(OPTIMIZERS))))
   if name == "adam" and name not in (factories or {}):
     return _adam(learning_rate, checkpoint_format, **backend_kwargs)
   factory = (factories or {}).get(name, OPTIMIZERS[name])
+  if name == "adam":
+    backend_kwargs.setdefault("epsilon", TORCH_ADAM_EPSILON)
   return factory(learning_rate=learning_rate, **backend_kwargs)
 
 

@@ -13,14 +13,17 @@ Setting every copy to the mean before each evaluation makes the reported losses 
 model. Training is unchanged: the training step normalises with each batch's own statistics, and the
 moving averages are linear in them, so the copies' mean evolves as before (up to float32 rounding).
 CPU replicas without accumulation (CentralStorageStrategy) keep a single copy: nothing to share there.
+IPU replicas keep a copy each in plain variables, of which the host reads replica 0's alone, so it
+cannot average them: there every update is averaged over the replicas inside the training step
+instead (strategies/ipu.py `share_moving_statistics`).
 """
 
 import tensorflow as tf
 
 
 def _per_replica_means(model: tf.keras.Model) -> list:
-  # Distributed variables only: a plain variable (one replica, the default strategy, an IPU) holds one
-  # value, and rewriting it would only cost an op on its device.
+  # Distributed variables only: a plain variable (one replica, the default strategy) holds one value,
+  # and rewriting it would only cost an op on its device; an IPU's replicas already agree.
   return [v for v in model.non_trainable_weights
           if isinstance(v, tf.distribute.DistributedValues)
           and v.synchronization == tf.VariableSynchronization.ON_READ

@@ -4,7 +4,14 @@
   others write scratch folders) holds `fcntl.flock` on `<logdir>/.lock` for its whole life. The kernel
   drops the lock when the process dies, however it dies, so a killed job never leaves it stuck. A
   second job into the same folder gets one line naming the holder's pid and host. flock is reliable
-  on local file systems; on NFS it depends on the server's lock support.
+  on local file systems; on NFS it depends on the server's lock support. A run that ends (finished,
+  failed or stopped) removes `.lock`; only a killed one leaves it, unlocked.
+- **A refused command changes nothing.** The lock is taken before the run's checks (the flags against
+  the checkpoint, the data), but what `.lock` held before is put back, and the log file is written
+  only once the checks pass (`accepted`, training/logs.py): the error is on the terminal only.
+- **No links.** A link (or a FIFO, a folder...) at a name the run writes (`refuse_links`) is one
+  error naming it, before anything is written; the files themselves are opened with O_NOFOLLOW or
+  written under fresh names and renamed (data/atomic_files.py).
 - **No run over another.** A folder that already holds a run (its `summary.yaml` or checkpoints) is
   continued with `--resume` or left alone: a new run there would replace its checkpoints and summary.
   Start over in a fresh `--logdir`, or delete the old folder yourself. A run that stopped before its
@@ -19,6 +26,7 @@ import socket
 
 from absl import logging
 
+from data import atomic_files
 from errors import UserError
 from training import checkpoints
 from training.logs import LOG_FILE
@@ -72,37 +80,127 @@ def started_without_saving(logdir: str) -> bool:
   return not holds_run(logdir) and any(os.path.exists(os.path.join(logdir, name)) for name in RUN_MARKERS)
 
 
+class _Held:
+  """A lock this process holds: its open file, what the file held before (None: this process made it),
+  and whether the run was accepted (`accepted`)."""
+
+  def __init__(self, handle, previous):
+    self.handle, self.previous, self.accepted = handle, previous, False
+
+
+def _open_lock(path: str):
+  """(the lock file `path`, opened for reading and writing without following a link; whether it existed
+  before; whether this process now holds its lock, false if another process does). A file that a
+  finishing run removed after this process opened it is opened again: locking the removed file would
+  lock nothing that a newcomer sees."""
+  for _ in range(10):
+    existed = os.path.lexists(path)
+    handle = os.fdopen(atomic_files.open_lock_file(path), "r+")
+    try:
+      fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      return handle, existed, False
+    try:
+      current = os.lstat(path)
+    except FileNotFoundError:
+      current = None
+    opened = os.fstat(handle.fileno())
+    if current is not None and (current.st_ino, current.st_dev) == (opened.st_ino, opened.st_dev):
+      return handle, existed, True
+    handle.close()
+  raise UserError("%s keeps being replaced while this run tries to lock it: is another program "
+                  "removing it?" % path)
+
+
 def lock(logdir: str) -> None:
-  """Takes the folder's lock for this process; a UserError naming the holder if another has it."""
+  """Takes the folder's lock for this process, and writes its pid and host into `.lock` (for another
+  job's message); a UserError naming the holder if another has it, or naming a link planted at
+  `.lock` (which is never written through). What `.lock` held before (a killed run's pid) is kept
+  until the run is `accepted`: a refused command puts it back (`release`)."""
   path = os.path.abspath(logdir)
   if path in _held:
     return
-  handle = open(os.path.join(path, LOCK_FILE), "a+")  # pylint: disable=consider-using-with
-  try:
-    fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except OSError:
+  lock_path = os.path.join(path, LOCK_FILE)
+  handle, existed, locked = _open_lock(lock_path)
+  if not locked:
     handle.seek(0)
     holder = handle.read().strip() or "another process"
     handle.close()
     raise UserError("--logdir=%s is in use by %s; wait for that run to end or choose another --logdir"
                     % (logdir, holder)) from None
   handle.seek(0)
+  previous = handle.read() if existed else None
+  try:
+    _rewrite(handle, "pid %d on %s\n" % (os.getpid(), socket.gethostname()))
+  except OSError as error:
+    handle.close()
+    raise atomic_files.write_error(lock_path, error) from None
+  _held[path] = _Held(handle, previous)
+
+
+def _rewrite(handle, text: str) -> None:
+  handle.seek(0)
   handle.truncate()
-  handle.write("pid %d on %s\n" % (os.getpid(), socket.gethostname()))
+  handle.write(text)
   handle.flush()
-  _held[path] = handle
+
+
+def accepted(logdir: str) -> None:
+  """The run in `logdir` passed its checks and writes its outputs: `.lock` is removed at its end
+  (`release`), whatever it held before."""
+  held = _held.get(os.path.abspath(logdir))
+  if held is not None:
+    held.accepted = True
 
 
 def release(logdir: str) -> None:
-  """Gives the lock up before the process ends (tests that run several jobs in one process)."""
-  handle = _held.pop(os.path.abspath(logdir), None)
-  if handle is not None:
-    handle.close()
+  """Gives the lock up (at the end of a run; tests that run several jobs in one process). A run that
+  was accepted removes `.lock`: a finished or stopped run leaves none behind (a killed one does, which
+  holds no lock). A refused one leaves the folder as it was: `.lock` removed if it made it, else given
+  back what it held."""
+  path = os.path.abspath(logdir)
+  held = _held.pop(path, None)
+  if held is None:
+    return
+  try:
+    if held.accepted or held.previous is None:
+      os.remove(os.path.join(path, LOCK_FILE))  # while locked: no newcomer can hold the removed file
+    else:
+      _rewrite(held.handle, held.previous)
+  except OSError as error:
+    logging.warning("Could not tidy %s (%s)", os.path.join(path, LOCK_FILE), error.strerror)
+  finally:
+    held.handle.close()
+
+
+# The names a run writes in its folder (files, and folders it writes into), besides TensorFlow's event
+# files, which TensorFlow names afresh: a link at any of them is refused before anything is written.
+# summary.yaml.tmp is no name the run writes (its temporaries are fresh), so a link there was planted.
+FIXED_FILES = (LOCK_FILE, LOG_FILE, "summary.yaml", "summary.yaml.tmp", "run_config.yaml")
+FIXED_FOLDERS = ("checkpoints", os.path.join("checkpoints", checkpoints.LAST),
+                 os.path.join("checkpoints", checkpoints.BEST), "train", "validation", "test", "predict")
+
+
+def refuse_links(logdir: str) -> None:
+  """A UserError naming the first link (or other non-file) found where the run writes a file, or a
+  folder it writes into: whoever can create names in a shared run folder could otherwise make this
+  run overwrite the link's target, a file of the user's elsewhere. The folder itself may be a link
+  (the user's own choice of where it lies)."""
+  for name in FIXED_FILES:
+    atomic_files.refuse_link(os.path.join(logdir, name))
+  for name in FIXED_FOLDERS:
+    atomic_files.refuse_link(os.path.join(logdir, name), folder=True)
+  index_files = [os.path.join(logdir, "checkpoints", which, checkpoints.INDEX_FILE)
+                 for which in (checkpoints.LAST, checkpoints.BEST)]
+  for path in index_files:
+    atomic_files.refuse_link(path)
 
 
 def claim(logdir: str, resume: bool) -> None:
   """Locks `logdir` for this run and refuses to start a new run over an earlier one, or to resume a
-  run that saved nothing."""
+  run that saved nothing, or a folder with a link where the run writes (`refuse_links`). A refused
+  claim leaves the folder as it was."""
+  refuse_links(logdir)  # before the lock file, itself one of the names
   lock(logdir)
   if resume and not holds_run(logdir):
     release(logdir)

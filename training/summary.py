@@ -18,6 +18,7 @@ from absl import logging
 
 import flags
 import model
+from data import atomic_files
 from errors import UserError, given_path, shown_path
 from run_config import RunConfig
 from training.logs import LOG_FILE
@@ -57,7 +58,9 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
       # shapes, of a size that divides each replica's share where one does (data.splits.eval_layout).
       "test_samples": splits.test.samples * backend.world_size if splits.test and test_results else None,
       "samples_per_sec_per_replica": throughput.samples_per_sec_per_replica,
-      "compile_seconds": throughput.compile_seconds,
+      "compile_seconds": throughput.compile_seconds,  # null where the first execution ran several steps
+      "first_execution_seconds": throughput.first_execution_seconds,
+      "first_execution_steps": throughput.first_execution_steps,
       "executable_from_cache": throughput.from_cache,
       "wall_seconds": wall_seconds,
       "seconds_per_epoch": _epoch_time_stats(history),
@@ -126,14 +129,11 @@ def write_summary(logdir: str, summary: dict) -> str:
 
 
 def write_yaml(path: str, content: dict) -> str:
-  """Writes `content` (numpy scalars as plain numbers) to `path` atomically: a temporary name, fsync,
-  rename. Returns `path`."""
-  temporary = path + ".tmp"
-  with open(temporary, "w") as f:
-    yaml.safe_dump(_plain(content), f, sort_keys=False)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(temporary, path)
+  """Writes `content` (numpy scalars as plain numbers) to `path` atomically (data/atomic_files.py: a
+  fresh temporary name, fsync, rename; never through a link). Returns `path`. A link at `path`, or a
+  failed write (a full disk), is a UserError naming it, with `path` as it was."""
+  text = yaml.safe_dump(_plain(content), sort_keys=False)  # whole before the file is touched
+  atomic_files.write_text(path, text)
   return path
 
 

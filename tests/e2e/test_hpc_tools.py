@@ -25,8 +25,10 @@ def test_definition_files_parse(name, base):
   assert recipe.files == _files_lines(name)
   installs = " ".join(recipe.install)
   assert "pip install" in installs and "tensorflow-cpu" not in installs
-  if "ipu" in name:  # never a PyPI TensorFlow over Graphcore's wheel
+  if "ipu" in name:  # never a PyPI TensorFlow over Graphcore's wheel, nor other versions of its packages
     assert "requirements-ipu.txt" in installs
+    assert "-c /opt/neuron_inverter/requirements-sdk-constraints.txt" in installs
+    assert recipe.install[-1] == "python3 -m pip check"
   assert recipe.cmd == 'exec python3 /opt/neuron_inverter/main.py "$@"'
 
 
@@ -56,6 +58,7 @@ def test_the_images_get_the_application_and_nothing_of_the_checkout(tmp_path):
   needed = {entry for entry in os.listdir(REPO_ROOT)
             if entry.endswith(".py") or os.path.isfile(os.path.join(REPO_ROOT, entry, "__init__.py"))}
   assert needed - {"tests"} <= copied and {"requirements.txt", "requirements-ipu.txt", "configs"} <= copied
+  assert "requirements-sdk-constraints.txt" in copied  # requirements-ipu.txt's -c line names it
   assert not copied & {".venv", ".venv-tf26", ".venv-torch", "logs", "tests", ".git", "docs"}
   result = subprocess.run([sys.executable, str(app / "main.py"), "--model=neuron_inverter", "--design=dev",
                            "--synthetic_data", "--epochs=1", "--steps_per_epoch=2", "--eval_steps=1",
@@ -233,6 +236,48 @@ def test_a_job_script_gives_main_py_its_resubmission_and_keeps_the_status(tmp_pa
   command = "IPUS=4 sbatch --ipus=4 /app/tools/slurm/" if script == "ipu.sbatch" else "sbatch /app/tools/slurm/"
   assert shlex.split(line) == ["resubmit:"] + shlex.split(command + script) + args, line
   assert ("TensorBoard: " in result.stdout) == (status == 0)
+
+
+@pytest.mark.parametrize("ipus, args, expected", [
+    (None, [], ["--ipus=4", "--replicas=4"]),
+    ("8", ["--ipus_per_replica=2", "--pipeline_stages=2"], ["--ipus=8", "--replicas=4"]),
+    ("8", ["--ipus_per_replica", "4", "--pipeline_stages=4"], ["--ipus=8", "--replicas=2"]),
+    ("8", ["--ipus_per_replica=4", "--ipus_per_replica=2"], ["--ipus=8", "--replicas=4"]),  # the last wins
+])
+def test_the_ipu_job_trains_as_many_replicas_as_its_ipus_hold(tmp_path, ipus, args, expected):
+  """srun asks for IPUS IPUs and main.py for IPUS / --ipus_per_replica replicas of that many each:
+  together exactly the IPUs that `sbatch --ipus` reserved (a replica of 2 IPUs is half a replica
+  per IPU)."""
+  fake = tmp_path / "srun"
+  fake.write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\necho "resubmit: $NEURON_INVERTER_RESUBMIT"\n')
+  fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+  env = dict(os.environ, PATH="%s:%s" % (tmp_path, os.environ["PATH"]), SLURM_JOB_ID="77",
+             SLURM_SUBMIT_DIR=str(tmp_path), APP_DIR="/app")
+  env.pop("IPUS", None)
+  if ipus:
+    env["IPUS"] = ipus
+  result = subprocess.run(["bash", os.path.join(TOOLS, "slurm", "ipu.sbatch")] + args, env=env,
+                          capture_output=True, text=True, timeout=30)
+  assert result.returncode == 0, result.stderr
+  given = result.stdout.splitlines()
+  resubmit = next(line for line in given if line.startswith("resubmit: "))
+  main_flags = given[given.index("/app/main.py") + 1:given.index(resubmit)]
+  assert given[0] == expected[0] and [f for f in main_flags if f.startswith("--replicas=")] == expected[1:]
+  assert main_flags[len(main_flags) - len(args):] == args  # the user's flags last: they win
+  assert resubmit.startswith("resubmit: IPUS=%s sbatch --ipus=%s " % ((ipus or "4",) * 2))
+
+
+@pytest.mark.parametrize("ipus, args", [("4", ["--ipus_per_replica=3"]), ("four", []),
+                                        ("4", ["--ipus_per_replica=0"])])
+def test_the_ipu_job_refuses_ipus_that_replicas_cannot_divide(tmp_path, ipus, args):
+  fake = tmp_path / "srun"
+  fake.write_text("#!/bin/sh\necho ran\n")
+  fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+  env = dict(os.environ, PATH="%s:%s" % (tmp_path, os.environ["PATH"]), IPUS=ipus, SLURM_SUBMIT_DIR=str(tmp_path))
+  result = subprocess.run(["bash", os.path.join(TOOLS, "slurm", "ipu.sbatch")] + args, env=env,
+                          capture_output=True, text=True, timeout=30)
+  assert result.returncode == 2 and "ran" not in result.stdout
+  assert_one_line_error(result, "IPUS=%s must be a whole multiple of --ipus_per_replica" % ipus)
 
 
 def test_tensorboard_tunnel_prints_the_ssh_command(tmp_path):

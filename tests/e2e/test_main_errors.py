@@ -248,7 +248,7 @@ def test_folder_where_a_file_is_expected(tmp_path, logdir):
 
 def test_fewer_samples_than_one_global_batch(good_file, logdir):
   # 64 training samples, 2 replicas x 48: not one global batch (the file itself is valid).
-  check_bad_resume(logdir, ["train split has 64 samples", "--batch_size"], "--data_path=" + good_file,
+  check_bad_resume(logdir, ["train split", "64", "--batch_size"], "--data_path=" + good_file,
                 "--replicas=2", "--batch_size=48")
 
 
@@ -424,12 +424,9 @@ def test_a_data_cache_that_cannot_hold_the_builtin_dataset_is_one_error_line(tmp
       logdir.mkdir()
     result = run_main(*BASE_ARGS, "--epochs=1", "--data_cache=%s" % cache, "--logdir=%s" % logdir)
     assert_one_line_error(result, "--data_cache=%s: cannot create %s" % (cache, cache / "cellspike-v3-seed0"))
-    # The run folder it made, with nothing in it but its lock and log, is gone; one the user made stays,
-    # with the log of the failed start.
-    assert logdir.exists() == given and (not given or set(os.listdir(logdir)) <= {".lock", LOG_FILE})
-    if given:
-      assert (logdir / LOG_FILE).read_text().splitlines()[-1].startswith(
-          "error: --data_cache=%s: cannot create %s" % (cache, cache / "cellspike-v3-seed0"))
+    # The run folder it made is gone; one the user made stays as it was, empty: a start refused by its
+    # checks writes nothing there (its error is on the terminal only).
+    assert logdir.exists() == given and (not given or os.listdir(logdir) == [])
 
 
 @pytest.mark.parametrize("where", ["HOME", "XDG_CACHE_HOME"])

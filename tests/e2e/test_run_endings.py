@@ -382,16 +382,26 @@ def test_runs_started_in_the_same_second_without_a_logdir_each_make_a_folder_of_
   assert sorted(os.listdir(os.path.dirname(dated))) == ["20261127-091653", "20261127-091653-2"]
 
 
-def test_the_run_folder_keeps_its_log_and_the_error_that_ended_it(tmp_path, data_file):
+def test_the_run_folder_keeps_its_log_and_the_error_that_ended_it(tmp_path, data_file, monkeypatch):
   """A run's lines went to the terminal only: where it is gone (a lost ssh connection) nothing said how
-  the run ended. log.txt has each start's command, the log's lines and an error that ended a start."""
+  the run ended. log.txt has each start's command, the log's lines and an error that ended a start; a
+  start refused by its checks leaves it as it was (its error is on the terminal only)."""
   logdir = str(tmp_path / "run")
   verbosity = logging.get_verbosity()
   logging.set_verbosity(logging.INFO)  # as main.py's (training/logs.py)
   try:
     _run(_config(data_file, logdir))
+    with open(os.path.join(logdir, "log.txt"), "rb") as f:
+      finished = f.read()
+    with pytest.raises(UserError):
+      _run(_config(data_file, logdir, resume=True))  # it finished its 2 epochs: refused
+    with open(os.path.join(logdir, "log.txt"), "rb") as f:
+      assert f.read() == finished
+    def fail(*args):
+      raise UserError("the summary could not be written")
+    monkeypatch.setattr(summary_lib, "write_summary", fail)
     with pytest.raises(UserError) as error:
-      _run(_config(data_file, logdir, resume=True))  # it finished its 2 epochs
+      _run(_config(data_file, logdir, resume=True, epochs=3))  # accepted, then failed at its end
   finally:
     logging.set_verbosity(verbosity)
   with open(os.path.join(logdir, "log.txt")) as f:

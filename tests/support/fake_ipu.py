@@ -1,4 +1,4 @@
-"""A recording stand-in for Graphcore's `tensorflow.python.ipu` (and `popdist`), for tests only.
+"""A stand-in for Graphcore's `tensorflow.python.ipu` (and `popdist`, `ipu_tensorflow_addons`), for tests.
 
 No IPU and no Graphcore wheel exist on CI machines, so the IPU path is checked against the documented
 API (shared/reference/ipu_tf2_keras_api.md) with this stand-in: the same module paths, class and
@@ -6,11 +6,14 @@ function signatures, enum names, and the behaviours our code relies on (typed co
 reject unknown names and wrong types, PRE_COMPILE needing a version, the Keras extension methods). Every
 call is recorded in `CALLS` so tests can assert on what the application asked for.
 
-Models made in `IPUStrategy.scope()` also get IPU Keras' fit, evaluate and predict (`_Extension`): the
-data handler's steps_per_execution rules, the pipeline's iteration count, the replication factor, and
-metrics that are one replica's unless reduced across replicas. Each rule names the Graphcore source it
-follows (graphcore/keras and graphcore/tensorflow, branches r2.6/sdk-release-2.6 to -3.4).
-"""
+Models made in a strategy's scope also get IPU Keras' fit, evaluate and predict (`_Extension`): the
+data handler's rules, the pipeline's iteration count, the replication factor, and metrics that are one
+replica's unless reduced across replicas. They compute what the IPUs compute (`_Replicas`): R replicas,
+each on its own elements of the infeed, Keras' loss divided by what the strategy reports as
+`num_replicas_in_sync`, the replicas' gradients summed, accumulated over G micro-batches into one
+optimizer update, and callbacks that count the steps of one replica. Each rule names the Graphcore
+source it follows (graphcore/keras, graphcore/tensorflow and graphcore/ipu_tensorflow_addons, branches
+r2.6/sdk-release-2.6 to -3.4)."""
 
 import contextlib
 import enum
@@ -125,7 +128,7 @@ def reset_ipu_seed(seed, device="/device:IPU:0", cpu_device="cpu", experimental_
 
 
 @contextlib.contextmanager
-def _keras_extensions_scope():
+def _keras_extensions_scope(strategy):
   """What IPUStrategy.scope() gives Keras (ipu_strategy.py with enable_keras_extensions=True: models
   made in the scope get the IPU extension methods; keras/ipu/extensions): here, every Model made in
   the scope gets the stand-in methods, inside the default strategy's scope."""
@@ -134,7 +137,7 @@ def _keras_extensions_scope():
 
   def init(self, *args, **kwargs):
     original(self, *args, **kwargs)
-    inject_keras_extensions(self)
+    inject_keras_extensions(self, strategy)
 
   tf.keras.Model.__init__ = init
   try:
@@ -145,28 +148,36 @@ def _keras_extensions_scope():
 
 
 class IPUStrategy:
-  """IPUStrategyV1: num_replicas_in_sync is 1 whatever the replication."""
+  """IPUStrategyV1. tensorflow/python/ipu/ipu_strategy.py `IPUExtendedV1`: `_num_replicas_in_sync` is
+  1 whatever the replication (so Keras does not divide the loss among the replicas), and `_reduce_to`
+  SUMs (cross_replica_sum) the values Keras reduces across replicas, the gradients among them."""
 
   num_replicas_in_sync = 1
+  instances = 1   # processes whose replicas the reductions span
 
   def __init__(self, ipu_device="/device:IPU:0", cpu_device="/device:CPU:0",
                enable_dataset_iterators=True, enable_keras_extensions=True):
     _record("IPUStrategy", ipu_device=ipu_device, cpu_device=cpu_device)
 
   def scope(self):
-    return _keras_extensions_scope()
+    return _keras_extensions_scope(self)
 
 
 class PopDistStrategy:
   """distributed/popdist_strategy.py (horovod/ on SDK 2.6): a StrategyV1 with KerasExtensions, so its
-  scope() gives models the IPU Keras methods as IPUStrategy's does."""
+  scope() gives models the IPU Keras methods as IPUStrategy's does. `PopDistExtendedV1.
+  _num_replicas_in_sync` is popdist.getNumTotalReplicas(), and its `_reduce_to` on the IPU is a
+  cross_replica_sum over all instances' replicas."""
 
   def __init__(self, ipu_device="/device:IPU:0", add_ipu_cross_replica_reductions=True,
                enable_dataset_iterators=True, enable_keras_extensions=True):
     _record("PopDistStrategy", ipu_device=ipu_device)
+    popdist = sys.modules["popdist"]
+    self.num_replicas_in_sync = popdist.getNumTotalReplicas()
+    self.instances = popdist.getNumInstances()
 
   def scope(self):
-    return _keras_extensions_scope()
+    return _keras_extensions_scope(self)
 
 
 class PipelineSchedule(enum.IntEnum):
@@ -327,6 +338,276 @@ def _reduce_logs(per_replica, method):
   return {name: sum(v) * scale for name, v in values.items()}
 
 
+def _check_enough_data(data, steps_given, inferred, epochs=1, initial_epoch=0):
+  """keras/ipu/extensions/data_adapter.py `IPUDataHandler._validate_dataset`: a dataset of known size
+  must hold the steps each replica runs: one epoch's where Keras makes a new iterator every epoch
+  (keras/engine/data_adapter.py `DatasetAdapter.should_recreate_iterator`: no steps given, or as many
+  as the dataset's elements), else every epoch's."""
+  size = int(data.cardinality())
+  if size < 0:  # infinite or unknown
+    return
+  recreated = steps_given is None or steps_given == size
+  total = inferred if recreated else (epochs - initial_epoch) * inferred
+  if total > size:
+    raise ValueError("Your input does not have enough data. Make sure that your dataset or generator can "
+                     "generate at least %d batches (currently it can only generate %d batches). You may "
+                     "need to use the repeat() function when building your dataset." % (total, size))
+
+
+def _overridden(model, name):
+  """extensions_base.py `_train_step_overridden` and its siblings: the model's method is not Keras'."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  return getattr(getattr(model, name), "__func__", None) is not getattr(tf.keras.Model, name)
+
+
+def _refuse_overridden(model, name, why="This is not supported when using Keras within an IPUStrategy."):
+  if _overridden(model, name):
+    raise RuntimeError("The function `%s` for the model %s has been overridden. %s" % (name, model.name, why))
+
+
+def _check_mode(model):
+  """extensions_base.py `_check_mode`, first in `_fit_delegate`, `_evaluate_delegate` and
+  `_predict_delegate` (SDK 2.6 to 3.4)."""
+  if model.run_eagerly:
+    raise RuntimeError("Keras models cannot run eagerly when using `IPUStrategy`. Set `run_eagerly=False` "
+                       "when calling `compile`.")
+
+
+FAIL_EXECUTION = None   # tests set a Poplar error that fit, evaluate and predict then raise
+
+
+def _execute():
+  """Where Poplar attaches with the on_demand connection: at an execution (poplar_executable.cc), inside
+  Keras' fit, evaluate or predict."""
+  if FAIL_EXECUTION:
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    raise tf.errors.InternalError(None, None, FAIL_EXECUTION)
+
+
+def _accumulation_scales(method, count, micro_batch):
+  """tensorflow/python/ipu/optimizers/gradient_accumulation_optimizer.py `_compute_scales`: a
+  micro-batch's gradient is added as accumulator * accum_scale + gradient * grad_scale; `micro_batch`
+  is the iteration counter (a tensor), used by RUNNING_MEAN."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  if method == "SUM":
+    return 1.0, 1.0
+  if method == "MEAN":
+    return 1.0, 1.0 / count
+  n = tf.cast(micro_batch % count, tf.float32)
+  return n / (n + 1), 1.0 / (n + 1)
+
+
+class _Lockstep:
+  """The replicas' collectives (cross_replica_ops) in the stand-in's replica step, which runs the
+  replicas one after the other: a first pass runs every replica's forward pass and records what each
+  collective is given, in call order; the second, the real one, answers each call with the reduction of
+  the values recorded at the same place. What a collective returns carries no gradient here (the
+  application reduces statistics, which are not differentiated), and random draws (dropout) differ
+  between the passes."""
+
+  active = None   # the _Lockstep of the step being traced, if any
+
+  def __init__(self, replicas, instances):
+    self.replicas, self.instances = replicas, instances
+    self.recorded = [[] for _ in range(replicas)]
+    self.replica, self.calls, self.recording = 0, 0, True
+
+  def start(self, replica, recording):
+    self.replica, self.calls, self.recording = replica, 0, recording
+
+  def reduce(self, x, op, group_size):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    if self.recording:
+      self.recorded[self.replica].append(x)
+      return x
+    size = group_size or self.replicas
+    first = self.replica // size * size
+    values = [self.recorded[r][self.calls] for r in range(first, first + size)]
+    self.calls += 1
+    total = tf.add_n(values)
+    if group_size is None:  # all instances' replicas; the other instances' values taken as this one's
+      total, size = total * self.instances, size * self.instances
+    return tf.stop_gradient(total / size if op == "mean" else total)
+
+
+COLLECTIVES_SEEN = []   # a cross-replica op was asked for (the step then runs its replicas in lockstep)
+
+
+def _cross_replica(x, op, replica_group_size):
+  COLLECTIVES_SEEN.append(op)
+  if _Lockstep.active is None:  # one replica, or outside a training step: nothing to reduce with
+    return x
+  return _Lockstep.active.reduce(x, op, replica_group_size)
+
+
+def cross_replica_sum(x, replica_group_size=None, name=None):
+  """tensorflow/python/ipu/ops/cross_replica_ops.py (SDK 2.6 to 3.4): the sum over the replicas, or
+  over consecutive groups of `replica_group_size`."""
+  del name
+  return _cross_replica(x, "sum", replica_group_size)
+
+
+def cross_replica_mean(x, replica_group_size=None, name=None):
+  """cross_replica_ops.py: the mean over the replicas (or groups)."""
+  del name
+  return _cross_replica(x, "mean", replica_group_size)
+
+
+class _Replicas:
+  """One instance's replicas, as the stand-in trains them; what the hardware computes:
+
+  - Each replica runs its own elements of the infeed (replica r takes elements r, r + R, ...), and
+    Keras' loss there is divided by the strategy's `num_replicas_in_sync` (keras/engine/compile_utils.py
+    `LossesContainer.__call__` -> keras/utils/losses_utils.py `scale_loss_for_distribution`): by 1 under
+    IPUStrategy, by all instances' replicas under PopDistStrategy.
+  - Each replica's gradients, accumulated over the G micro-batches of an optimizer step
+    (`GradientAccumulationOptimizerV2.apply_gradients`, or the pipeline's accumulation, both with the
+    model's `gradient_accumulation_reduction_method`), go to the Keras optimizer's apply_gradients once
+    every G micro-batches (its `resource_update`), so `optimizer.iterations` counts updates. There
+    `_aggregate_gradients` reduces them across the replicas through the strategy's `_reduce_to`: a SUM
+    (cross_replica_sum), then `_transform_gradients` runs the gradient_transformers. Under PopDist the
+    sum spans every instance's replicas; the other instances are not run here, and their replicas'
+    gradients are taken to be this instance's.
+  - The loss goes through the optimizer's `get_gradients` (extensions_base.py `_KerasOptimizerWrapper.
+    compute_gradients`), which a LossScaleOptimizer scales and unscales.
+  - Each replica keeps its own copy of the non-trainable variables (BatchNormalization's moving
+    statistics): nothing reduces them, and the host reads replica 0's (poplar_executor.cc
+    `ConnectReplicatedDeviceToHost`); a value the host writes goes to every replica.
+  - cross_replica_ops' sums and means reduce over the replicas (_Lockstep).
+  """
+
+  def __init__(self, model, count, reported_replicas=1, instances=1):
+    self.model, self.count = model, count
+    self.reported_replicas, self.instances = reported_replicas, instances
+    self.state = None          # per replica: its copy of the model's non-trainable variables
+    self.accumulators = None   # per replica: one accumulator per trainable variable
+    self.micro_batches = None  # micro-batches run, for the accumulation's position in its step
+    self.collectives = False   # whether the training step asks for cross-replica ops
+
+  # The replicas' own variables.
+
+  def from_host(self):
+    """Before an execution: every replica's copy of the non-trainable variables, written anew where
+    the host changed the model's (replica 0's copy as last read)."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    variables = self.model.non_trainable_variables
+    if self.state is None or len(self.state[0]) != len(variables):
+      self.state = [[tf.Variable(v, trainable=False) for v in variables] for _ in range(self.count)]
+      return
+    if any(not np.array_equal(v.numpy(), c.numpy()) for v, c in zip(variables, self.state[0])):
+      for copies in self.state:
+        for v, c in zip(variables, copies):
+          c.assign(v)
+
+  def use(self, replica):
+    """Replica `replica`'s copy into the model's variables (in a graph or eagerly)."""
+    for v, c in zip(self.model.non_trainable_variables, self.state[replica]):
+      v.assign(c)
+
+  def keep(self, replica):
+    for v, c in zip(self.model.non_trainable_variables, self.state[replica]):
+      c.assign(v)
+
+  # Training.
+
+  def prepare(self, accumulation, features):
+    """Eagerly, before a fit: the state the training step updates (accumulators, optimizer slots), and
+    whether the model's training pass asks for collectives (traced, not run, on `features`' spec)."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    self.from_host()
+    if self.count > 1:
+      del COLLECTIVES_SEEN[:]
+      tf.function(lambda x: self.model(x, training=True)).get_concrete_function(features)
+      self.collectives = bool(COLLECTIVES_SEEN)
+    variables = self.model.trainable_variables
+    optimizer = self.model.optimizer
+    if hasattr(optimizer, "_create_all_weights"):   # slots now, not inside the step's condition
+      optimizer._create_all_weights(variables)      # pylint: disable=protected-access
+    elif hasattr(optimizer, "build"):
+      optimizer.build(variables)
+    if accumulation > 1 and self.accumulators is None:
+      self.accumulators = [[tf.Variable(tf.zeros_like(v), trainable=False) for v in variables]
+                           for _ in range(self.count)]
+      self.micro_batches = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+  def gradients(self, x, y):
+    """One replica's gradients on its micro-batch (x, y); updates the compiled metrics."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    model = self.model
+    scaler = model.optimizer if isinstance(model.optimizer, tf.keras.mixed_precision.LossScaleOptimizer) \
+        else None
+    with tf.GradientTape() as tape:
+      predictions = model(x, training=True)
+      loss = model.compiled_loss(y, predictions, regularization_losses=model.losses)
+      loss = loss / self.reported_replicas
+      if scaler:
+        loss = scaler.get_scaled_loss(loss)
+    variables = model.trainable_variables
+    gradients = tape.gradient(loss, variables)
+    if scaler:
+      gradients = scaler.get_unscaled_gradients(gradients)
+    model.compiled_metrics.update_state(y, predictions)
+    return [tf.zeros_like(v) if g is None else g for g, v in zip(gradients, variables)]
+
+  def apply(self, per_replica):
+    """The optimizer's update with the replicas' gradients summed (cross_replica_sum)."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    summed = [tf.add_n(list(gradients)) for gradients in zip(*per_replica)]
+    if self.instances > 1:
+      summed = [gradient * self.instances for gradient in summed]
+    self.model.optimizer.apply_gradients(zip(summed, self.model.trainable_variables))
+
+  def train_step(self, accumulation, method):
+    """The step Keras runs per element of the grouped infeed: (R, micro-batch, ...) tensors."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    def step(data):
+      x, y = data
+      per_replica = []
+      own_state = bool(self.state[0])
+      lockstep = _Lockstep(self.count, self.instances) if self.collectives else None
+      _Lockstep.active = lockstep
+      try:
+        for replica in range(self.count if lockstep else 0):   # the collectives' values
+          if own_state:
+            self.use(replica)
+          lockstep.start(replica, recording=True)
+          self.model(x[replica], training=True)
+        for replica in range(self.count):
+          if own_state:
+            self.use(replica)
+          if lockstep:
+            lockstep.start(replica, recording=False)
+          per_replica.append(self.gradients(x[replica], y[replica]))
+          if own_state:
+            self.keep(replica)
+      finally:
+        _Lockstep.active = None
+      if own_state:
+        self.use(0)
+      if accumulation == 1:
+        self.apply(per_replica)
+      else:
+        accum_scale, grad_scale = _accumulation_scales(method, accumulation, self.micro_batches)
+        for accumulators, gradients in zip(self.accumulators, per_replica):
+          for accumulator, gradient in zip(accumulators, gradients):
+            accumulator.assign(accumulator * tf.cast(accum_scale, accumulator.dtype)
+                               + gradient * tf.cast(grad_scale, accumulator.dtype))
+        self.micro_batches.assign_add(1)
+
+        def update():
+          self.apply([[a.read_value() for a in accumulators] for accumulators in self.accumulators])
+          for accumulators in self.accumulators:
+            for accumulator in accumulators:
+              accumulator.assign(tf.zeros_like(accumulator))
+          return tf.constant(True)
+
+        tf.cond(tf.equal(self.micro_batches % accumulation, 0), update, lambda: tf.constant(False))
+      return {metric.name: metric.result() for metric in self.model.metrics}
+
+    return step
+
+
 def _results_list(model, logs):
   """evaluate(return_dict=False) in `_evaluate_delegate`: metrics_names order, then the rest sorted."""
   results = [logs[name] for name in model.metrics_names if name in logs]
@@ -345,13 +626,18 @@ class _Extension:
   run first, then Keras computes on the CPU what the replicas would (see `evaluate`).
   """
 
-  def __init__(self, model):
+  def __init__(self, model, strategy=None):
     self.model = model
+    self.strategy = strategy or IPUStrategy   # the class's num_replicas_in_sync when made outside a scope
     self.assignment = None                # layer name -> stage; `_is_pipelined` once it is set
     self.device_mapping = None
     self.schedule = PipelineSchedule.Grouped   # pipelining_ops.py `pipeline`'s default
     self.pipelining_accumulation = None   # `_pipelining_gradient_accumulation_steps_per_replica`
     self.accumulation = None              # `_gradient_accumulation_steps_per_replica`
+    # `_gradient_accumulation_reduction_method`, which each setter sets (its default: SUM).
+    self.accumulation_reduction = "SUM"
+    self.replicas = None                  # _Replicas, once the replication factor is known
+    self.compiled_step = None             # (replicas, accumulation, reduction) of the traced step
     self.metric_reduction = "NONE"        # extensions_base.py (3.1+) `__init__`
     self.steps_per_execution = 1          # compile()'s; Keras' default is 1
     self._keras = {name: getattr(type(model), name).__get__(model)
@@ -402,6 +688,7 @@ class _Extension:
         raise ValueError("Found `%s` key in `pipelining_kwargs`." % key)
     if gradient_accumulation_steps_per_replica is not None:  # None leaves each setting alone
       self.pipelining_accumulation = gradient_accumulation_steps_per_replica
+    self.accumulation_reduction = _parse_accumulation_reduction(gradient_accumulation_reduction_method)
     if device_mapping is not None:
       self.device_mapping = device_mapping
     # Each call replaces all pipelining kwargs (extensions_base.py `_set_pipelining_options_impl`:
@@ -419,6 +706,7 @@ class _Extension:
     _check_accumulation_count(gradient_accumulation_steps_per_replica)
     if gradient_accumulation_steps_per_replica is not None:
       self.accumulation = gradient_accumulation_steps_per_replica
+    self.accumulation_reduction = _parse_accumulation_reduction(gradient_accumulation_reduction_method)
     _record("set_gradient_accumulation_options", gradient_accumulation_steps_per_replica=
             gradient_accumulation_steps_per_replica,
             gradient_accumulation_reduction_method=gradient_accumulation_reduction_method,
@@ -534,51 +822,133 @@ class _Extension:
     self.steps_per_execution = int(kwargs.get("steps_per_execution") or 1)
     return self._keras["compile"](*args, **kwargs)
 
+  def replicas_for(self, count):
+    """The replicas' state (_Replicas) for a replication factor of `count`."""
+    if self.replicas is None or self.replicas.count != count:
+      self.replicas = _Replicas(self.model, count, self.strategy.num_replicas_in_sync,
+                                self.strategy.instances)
+    return self.replicas
+
+  def check_train_functions(self, accumulation):
+    """extensions_base.py `_make_ipu_train_function_wrapper`, when fit makes its train function: from
+    SDK 3.1 an overridden `make_train_function` or `train_step` is refused; SDK 2.6 and 3.0 refuse
+    `train_step` only for a pipelined model or with gradient accumulation, and otherwise run it."""
+    _refuse_overridden(self.model, "make_train_function")
+    if SDK not in ("2.6", "3.0"):
+      _refuse_overridden(self.model, "train_step")
+    elif self.pipelined():
+      _refuse_overridden(self.model, "train_step", "This is not supported for pipelined Keras models.")
+    elif accumulation > 1:
+      _refuse_overridden(self.model, "train_step", "This is not supported for Keras models with gradient "
+                         "accumulation enabled.")
+    elif _overridden(self.model, "train_step"):
+      raise NotImplementedError("the stand-in does not run a model's own train_step")
+
+  def check_inference_functions(self, kind):
+    """`_make_ipu_test_function_wrapper`, `_make_ipu_predict_function_wrapper` (SDK 2.6 to 3.4): an
+    overridden `make_test_function` (`make_predict_function`) is refused, and `test_step`
+    (`predict_step`) in a pipelined model."""
+    _refuse_overridden(self.model, "make_%s_function" % kind)
+    if self.pipelined():
+      _refuse_overridden(self.model, "%s_step" % kind, "This is not supported for pipelined Keras models.")
+
   def fit(self, x=None, y=None, **kwargs):
-    """`_fit_delegate`'s checks, then Keras' fit over the elements the replicas take. Validation comes
-    through `evaluate` (Keras' fit calls self.evaluate). The training metrics are Keras' over all the
-    elements, not the last replica's: the replicas share their weights, so the stand-in cannot train
-    them apart."""
-    steps = _keras_steps(x, kwargs.get("steps_per_epoch"))
+    """`_fit_delegate`'s checks, then the replicas' training (_Replicas) through Keras' fit.
+
+    Keras runs one step per micro-batch of each replica, as IPU Keras counts them (keras/ipu/docs/
+    keras.rst; `_fit_delegate`'s CallbackList gets `steps=data_handler.inferred_steps`, the steps per
+    replica): each Keras step takes the R elements the replicas take from the infeed. So callbacks see
+    per-replica step indices, once per execution. Validation comes through `evaluate` (Keras' fit
+    calls self.evaluate). The training metrics are Keras' over all the replicas' micro-batches."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    _check_mode(self.model)
+    given = kwargs.get("steps_per_epoch")
+    steps = _keras_steps(x, given)
     validation = kwargs.get("validation_data")
     validation_steps = (None if validation is None
                         else _keras_steps(validation, kwargs.get("validation_steps")))
-    self.check_fit(steps, validation_steps)
-    if kwargs.get("steps_per_epoch") is not None:  # a remainder of steps % replicas is dropped
-      replicas = self.replication_factor()
-      kwargs["steps_per_epoch"] = steps // replicas * replicas
-    return self._keras["fit"](x, y, **kwargs)
+    per_execution = self.check_fit(steps, validation_steps)
+    replicas = self.replication_factor()
+    _check_enough_data(x, given, steps // replicas, kwargs.get("epochs", 1), kwargs.get("initial_epoch", 0))
+    if validation is not None:  # its data handler is made with replication_factor=1 (see check_fit)
+      _check_enough_data(validation, kwargs.get("validation_steps"), validation_steps)
+    accumulation = self.accumulation_count(per_execution)
+    self.check_train_functions(accumulation)
+    _execute()
+    training = self.replicas_for(replicas)
+    training.prepare(accumulation, tf.nest.flatten(x.element_spec)[0])
+    method = self.accumulation_reduction
+    if self.compiled_step != (replicas, accumulation, method):
+      self.model.train_function = None   # IPU Keras makes a new train function for new settings
+      self.compiled_step = (replicas, accumulation, method)
+    if given is not None:
+      kwargs["steps_per_epoch"] = steps // replicas
+    self.model.train_step = training.train_step(accumulation, method)
+    try:
+      return self._keras["fit"](x.batch(replicas, drop_remainder=True), y, **kwargs)
+    finally:
+      del self.model.train_step
 
   def evaluate(self, x=None, y=None, steps=None, callbacks=None, return_dict=False, **kwargs):
     """`_evaluate_delegate`'s checks, then every replica's metrics, reduced as IPU Keras reduces them.
 
-    Replica r takes elements r, r + R, ... of the infeed (`Dataset.shard` here), and its metrics are
-    running means over them; `_reduce_logs` then returns what IPU Keras would. Every replica's values
-    are recorded in CALLS ("evaluate"), so that tests can tell one replica's figures from all of them.
-    Batch-level callbacks are not called; the test-begin and test-end ones are.
+    Replica r takes elements r, r + R, ... of the infeed (`Dataset.shard` here), with its own
+    non-trainable variables (_Replicas), and its metrics are running means over them; `_reduce_logs`
+    then returns what IPU Keras would. Every replica's values are recorded in CALLS ("evaluate"), so
+    that tests can tell one replica's figures from all of them. Batch-level callbacks are not called;
+    the test-begin and test-end ones are.
     """
     verbose = kwargs.pop("verbose", 1)
     del kwargs  # batch_size, ...; tf_keras' fit also asks for its cached dataset
+    _check_mode(self.model)
     if y is not None:
       raise TypeError("the stand-in runs tf.data datasets of (x, y), as the application passes them")
     replicas, inferred, per_execution = self.check_inference(_keras_steps(x, steps))
+    _check_enough_data(x, steps, inferred)
+    self.check_inference_functions("test")
+    _execute()
     callbacks = _callback_list(callbacks, self.model, verbose=verbose, steps=inferred)
     callbacks.on_test_begin()
-    per_replica = [self._keras["evaluate"](x.shard(replicas, r), steps=inferred, verbose=0,
-                                           return_dict=True) for r in range(replicas)]
+    per_replica = self.per_replica(replicas, lambda r: self._keras["evaluate"](
+        x.shard(replicas, r), steps=inferred, verbose=0, return_dict=True))
     method = self.reduction(replicas)
     logs = _reduce_logs(per_replica, method)
     _record("evaluate", per_replica, replicas=replicas, steps_per_execution=per_execution, reduction=method)
     callbacks.on_test_end(logs)
     return logs if return_dict else _results_list(self.model, logs)
 
+  def per_replica(self, replicas, run):
+    """[run(r) for each replica r], each with that replica's non-trainable variables in the model."""
+    state = self.replicas_for(replicas)
+    state.from_host()
+    try:
+      results = []
+      for replica in range(replicas):
+        state.use(replica)
+        results.append(run(replica))
+      return results
+    finally:
+      state.use(0)
+
   def predict(self, x, steps=None, **kwargs):
-    """`_predict_delegate`'s checks, then Keras' predict on the elements the replicas take, in the order
-    the outfeed returns them (extensions_util.py `merge_into_batch_dimension`: steps, then replicas,
-    then rows: the infeed's order). SDK 3.1+ `_reduce_metric` applies to predictions too: MEAN or SUM
-    on an unpipelined model combines the replicas' predictions of each step."""
+    """`_predict_delegate`'s checks, then Keras' predict on the elements each replica takes, merged in
+    the order the outfeed returns them (extensions_util.py `merge_into_batch_dimension`: steps, then
+    replicas, then rows: the infeed's order). SDK 3.1+ `_reduce_metric` applies to predictions too:
+    MEAN or SUM on an unpipelined model combines the replicas' predictions of each step."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    _check_mode(self.model)
     replicas, inferred, per_execution = self.check_inference(_keras_steps(x, steps))
-    outputs = self._keras["predict"](x, steps=inferred * replicas, **kwargs)
+    _check_enough_data(x, steps, inferred)
+    self.check_inference_functions("predict")
+    _execute()
+    per_replica = self.per_replica(replicas, lambda r: self._keras["predict"](
+        x.shard(replicas, r), steps=inferred, **kwargs))
+
+    def merged(*arrays):   # each (inferred x rows, ...) -> (inferred, replicas, rows, ...) -> rows
+      by_step = np.stack([a.reshape((inferred, -1) + a.shape[1:]) for a in arrays], axis=1)
+      return by_step.reshape((-1,) + by_step.shape[3:])
+
+    outputs = tf.nest.map_structure(merged, *per_replica)
     method = self.reduction(replicas)
     _record("predict", replicas=replicas, steps_per_execution=per_execution, reduction=method)
     if method == "NONE":
@@ -591,7 +961,6 @@ class _Extension:
       combined = by_replica.sum(axis=1, keepdims=True) / (replicas if method == "MEAN" else 1)
       return np.broadcast_to(combined, by_replica.shape).reshape(array.shape)
 
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
     return tf.nest.map_structure(combine, outputs)
 
 
@@ -606,10 +975,10 @@ def _callback_list(callbacks, model, **params):
   return tf.keras.callbacks.CallbackList(callbacks, model=model, **params)
 
 
-def inject_keras_extensions(model):
-  """What IPUStrategy.scope() does to a functional model: the extension's methods on the model, and
-  the extension itself as `model.ipu_extension` for tests."""
-  extension = _Extension(model)
+def inject_keras_extensions(model, strategy=None):
+  """What IPUStrategy.scope() (or `strategy`'s) does to a functional model: the extension's methods on
+  the model, and the extension itself as `model.ipu_extension` for tests."""
+  extension = _Extension(model, strategy)
   for name in ("get_pipeline_stage_assignment", "set_pipeline_stage_assignment", "set_pipelining_options",
                "set_gradient_accumulation_options", "compile", "fit", "evaluate", "predict"):
     setattr(model, name, getattr(extension, name))
@@ -682,11 +1051,14 @@ def build_modules(sdk="3.x"):
   strategy = _module("tensorflow.python.ipu.ipu_strategy", IPUStrategy=IPUStrategy,
                      IPUStrategyV1=IPUStrategy)
   pipelining = _module("tensorflow.python.ipu.ops.pipelining_ops", PipelineSchedule=PipelineSchedule)
-  ops = _module("tensorflow.python.ipu.ops", pipelining_ops=pipelining)
+  collectives = _module("tensorflow.python.ipu.ops.cross_replica_ops", cross_replica_sum=cross_replica_sum,
+                        cross_replica_mean=cross_replica_mean)
+  ops = _module("tensorflow.python.ipu.ops", pipelining_ops=pipelining, cross_replica_ops=collectives)
   ipu = _module("tensorflow.python.ipu", config=config, utils=utils, ipu_strategy=strategy, ops=ops)
   modules = {"tensorflow.python.ipu": ipu, "tensorflow.python.ipu.config": config,
              "tensorflow.python.ipu.utils": utils, "tensorflow.python.ipu.ipu_strategy": strategy,
-             "tensorflow.python.ipu.ops": ops, "tensorflow.python.ipu.ops.pipelining_ops": pipelining}
+             "tensorflow.python.ipu.ops": ops, "tensorflow.python.ipu.ops.pipelining_ops": pipelining,
+             "tensorflow.python.ipu.ops.cross_replica_ops": collectives}
   popdist_strategy = _module("popdist_strategy", PopDistStrategy=PopDistStrategy)
   if sdk == "2.6":
     horovod = _horovod_module(popdist_strategy)
@@ -755,6 +1127,16 @@ def _ipu_dropout_class():
     def call(self, inputs, training=None):
       if not training:
         return inputs
+      if self.noise_shape:  # tensorflow/python/ipu/ops/rand_ops.py `dropout`, SDK 2.6 to 3.4, verbatim:
+        # a None (or any size but 1 or the input's) is refused; "%d" of None is itself a TypeError
+        x_shape = inputs.get_shape().as_list()
+        if len(x_shape) != len(self.noise_shape):
+          raise ValueError("The length of noise_shape must equal the rank of x.")
+        for i, j in zip(x_shape, self.noise_shape):
+          if j == 1:
+            continue
+          if i != j:
+            raise ValueError("Dimension mismatch, %d != %d." % (i, j))
       if self.seed is not None:  # ipu_dropout_with_seed: the same mask at every run (dropout_test.py
         # testUserSeed asserts equal outputs over repeated runs)
         shape = tf.shape(inputs) if self.noise_shape is None else [
@@ -798,6 +1180,7 @@ def install(monkeypatch, sdk="3.x", popdist=None):
   """Puts the stand-in into sys.modules for one test; returns the `ipu` module."""
   CALLS.clear()
   monkeypatch.setattr(sys.modules[__name__], "OTHER_INSTANCES_FLAGGED", 0)
+  monkeypatch.setattr(sys.modules[__name__], "FAIL_EXECUTION", None)
   monkeypatch.setattr(sys.modules[__name__], "SDK", sdk)
   monkeypatch.setattr(sys.modules[__name__], "SYSTEM", {"ipus": 0})
   modules = build_modules(sdk)
