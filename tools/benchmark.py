@@ -35,6 +35,7 @@ sys.path.insert(0, REPO_ROOT)
 
 from errors import parse_flags, report_missing_packages, with_one_line_errors  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
+from data import atomic_files  # noqa: E402  pylint: disable=wrong-import-position
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
@@ -399,7 +400,7 @@ def main(argv):
     results["matmul_peak"] = _run_child("peak", FLAGS.designs[0], FLAGS.precisions[0])
   _print_table(results)
   if FLAGS.json:
-    with open(FLAGS.json, "w") as f:
+    with atomic_files.replaced(FLAGS.json) as f:  # whole or not at all, never through a link
       json.dump(results, f, indent=1)
 
 

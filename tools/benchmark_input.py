@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from errors import leave_interrupts_to_the_parent, parse_flags, report_missing_packages, with_one_line_errors  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
+from data import atomic_files  # noqa: E402  pylint: disable=wrong-import-position
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
@@ -187,7 +188,7 @@ def main(argv):
                            pipeline.get("rssanon", float("nan")), pipeline.get("rssfile", float("nan"))))
   print(feeds_line(pipeline["samples_per_sec"], FLAGS.replicas))
   if FLAGS.json:
-    with open(FLAGS.json, "w") as f:
+    with atomic_files.replaced(FLAGS.json) as f:  # whole or not at all, never through a link
       json.dump(result, f, indent=1)
 
 

@@ -20,6 +20,7 @@ sys.path.insert(0, REPO_ROOT)
 
 from errors import UserError, check_output_path, parse_flags, report_missing_packages  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
+from data import atomic_files  # noqa: E402  pylint: disable=wrong-import-position
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
@@ -120,7 +121,7 @@ def main(argv):
   for kind, ms in by_type(table["ops"])[:FLAGS.top]:
     print("%8.2f %5.1f%%  %s" % (ms, 100 * ms / total, kind))
   if FLAGS.json:
-    with open(FLAGS.json, "w") as f:
+    with atomic_files.replaced(FLAGS.json) as f:  # whole or not at all, never through a link
       json.dump(table, f, indent=1)
   return 0
 

@@ -33,6 +33,7 @@ sys.path.insert(0, REPO)
 from errors import (OneLineArgumentParser, UserError, check_output_path, existing_file,  # noqa: E402  pylint: disable=wrong-import-position
                     report_missing_packages, reported_on_one_line)
 report_missing_packages()  # before the first third-party import: one line where one is missing
+from data import atomic_files  # noqa: E402  pylint: disable=wrong-import-position
 
 import h5py  # noqa: E402  pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
@@ -279,9 +280,9 @@ def main(argv=None):
         side = "ours %s (%s)%s" % (precision, run["precision"], "" if schedule == "plateau" else " " + schedule)
         runs.setdefault(side, []).append(run)
   text = report(args, runs)
-  with open(os.path.join(args.out, "parity.md"), "w") as f:
+  with atomic_files.replaced(os.path.join(args.out, "parity.md")) as f:
     f.write(text)
-  with open(os.path.join(args.out, "parity.json"), "w") as f:
+  with atomic_files.replaced(os.path.join(args.out, "parity.json")) as f:
     json.dump({"args": {k: v for k, v in vars(args).items()}, "runs": runs}, f, indent=1)
   plot(runs, os.path.join(args.out, "parity.png"))
   print(text + "\nWrote %s/parity.md, parity.png and parity.json" % args.out)

@@ -35,6 +35,7 @@ import yaml
 from absl import logging
 
 import model
+from data import atomic_files
 from run_config import AUTOTUNE_MIN_STEPS, RunConfig
 from stderr_lines import DroppedLines
 from strategies.backend import Backend
@@ -165,11 +166,9 @@ def _write(path: str, key: dict, choice: Choice) -> None:
              "measured": datetime.datetime.now().isoformat(timespec="seconds")}
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    partial = "%s.%d.partial" % (path, os.getpid())
-    with open(partial, "w") as stream:
+    with atomic_files.replaced(path) as stream:  # never through a link planted in the cache
       yaml.safe_dump(content, stream, sort_keys=False)
-    os.replace(partial, path)
-  except OSError as error:
+  except OSError as error:  # atomic_files' WriteError and LinkError are OSErrors too
     logging.warning("Could not write the autotune cache %s (%s)", path, error)
 
 
