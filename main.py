@@ -28,7 +28,8 @@ from data import sizes  # noqa: E402  pylint: disable=wrong-import-position
 import flags  # noqa: E402  pylint: disable=wrong-import-position
 import model  # noqa: E402  pylint: disable=wrong-import-position
 from strategies import environment  # noqa: E402  pylint: disable=wrong-import-position
-from training import logs  # noqa: E402  pylint: disable=wrong-import-position
+from training import logs, run_folder  # noqa: E402  pylint: disable=wrong-import-position
+from training import summary as summary_lib  # noqa: E402  pylint: disable=wrong-import-position
 
 FLAGS = absl_flags.FLAGS
 
@@ -44,19 +45,26 @@ def train_and_evaluate(config, dated_logdir: bool = False, then_exit: bool = Fal
   # The data files that the flags name, and the sizes the flags imply, before TensorFlow's start: a
   # wrong one is an error at once.
   sizes.check(config, data.check_named_files(model.get_model_info(config.model).dataset, config))
-  config, backend = environment.start_backend(config)  # imports TensorFlow
-  from training import run_folder  # pylint: disable=import-outside-toplevel
-  if dated_logdir and backend.is_chief:
-    config = dataclasses.replace(config, logdir=run_folder.make_new(config.logdir))
-  from analysis.evaluation import check_report_possible, report  # pylint: disable=import-outside-toplevel
-  from training.loop import run  # pylint: disable=import-outside-toplevel
-  from training.interrupt import TrainingInterrupted  # pylint: disable=import-outside-toplevel
-  from training import summary as summary_lib  # pylint: disable=import-outside-toplevel
+  # The run folder, claimed before TensorFlow's start where this process is the run's only one (and so
+  # its writer); in a run of several, the backend says which one is the chief (training/run_folder.py).
+  alone = sizes.processes() == 1
+  if alone:
+    config = _claim_run_folder(config, dated_logdir)
+  try:
+    config, backend = environment.start_backend(config)  # imports TensorFlow
+    if not alone and backend.is_chief:
+      config = _claim_run_folder(config, dated_logdir)
+    from analysis.evaluation import check_report_possible, report  # pylint: disable=import-outside-toplevel
+    from training.loop import run  # pylint: disable=import-outside-toplevel
+    from training.interrupt import TrainingInterrupted  # pylint: disable=import-outside-toplevel
+    check_report_possible(config)  # before training, not after it
+  except BaseException:
+    run_folder.abandon(config.logdir)  # the run (training/loop.py) releases the folder from here on
+    raise
   def print_how_to_continue(intro=""):
     if backend.is_chief:
       print(intro + summary_lib.interrupted_report(sys.argv, config.logdir, config.epochs, backend.world_size),
             flush=True)
-  check_report_possible(config)  # before training, not after it
   try:
     summary = run(config, backend)
   except TrainingInterrupted:
@@ -74,6 +82,15 @@ def train_and_evaluate(config, dated_logdir: bool = False, then_exit: bool = Fal
     print(closing, flush=True)
     logs.append_to_file(os.path.join(config.logdir, logs.LOG_FILE), closing)
   return summary
+
+
+def _claim_run_folder(config, dated_logdir: bool):
+  """Makes (`dated_logdir`) and claims the run's folder (training/run_folder.py: a finished run there is
+  refused); prints where it is and how to watch it. Returns the config with the folder's name."""
+  logdir = run_folder.open_for_run(config.logdir, config.resume, dated=dated_logdir)
+  if not config.compile_only:  # nothing to watch: its folder is removed at its end
+    print(summary_lib.run_folder_lines(logdir), flush=True)
+  return dataclasses.replace(config, logdir=logdir)
 
 
 def main(argv):

@@ -80,7 +80,7 @@ def _check_batches_fit(config, rows: dict, source: str) -> None:
                       % (config.replicas, count, split, source, count))
 
 
-def _processes() -> int:
+def processes() -> int:
   """The processes the run's data is shared between, as the launcher's environment says (srun, poprun,
   TF_CONFIG); 1 where it says nothing. Each holds its own replicas' share."""
   counts = [1]
@@ -104,7 +104,7 @@ def _gb(count: float) -> str:
 def _check_memory(config, rows: dict, row_bytes: int, source: str) -> None:
   import psutil  # pylint: disable=import-outside-toplevel  (only where a file's sizes are known)
   memory = psutil.virtual_memory()
-  share = _processes()
+  share = processes()
   if config.in_memory:
     held = sum(rows.values()) * row_bytes // share
     if held > memory.available:

@@ -1,11 +1,16 @@
 """Keras callbacks that report what a person watching a run wants to know: compile time and speed."""
 
+import csv
+import io
 import os
 import shutil
 import time
 
 import tensorflow as tf
 from absl import logging
+
+from data import atomic_files
+from training.run_folder import HISTORY_FILE
 
 
 def _cache_entries(folder) -> set:
@@ -315,6 +320,92 @@ def _train_and_validation_values(logs: dict) -> list:
       values += ", val=%.4f" % logs["val_" + name]
     parts.append(values)
   return parts
+
+
+# history.csv's columns besides the losses and metrics, which Keras' names give.
+HISTORY_KEYS = ("epoch_seconds", "epoch_wall_seconds", "lr", "samples_per_sec")
+
+
+class HistoryCSV(tf.keras.callbacks.Callback):
+  """`history.csv` in the run folder, for plotting with one's own tools: a row per epoch as Keras'
+  CSVLogger writes it (a header, `epoch` then the columns in sorted order, commas, NA where an epoch has
+  no value), its epochs numbered from 1 as the log numbers them. The columns: each loss and metric on
+  the training and validation data, the epoch's samples/s (NA for one that ran within the first
+  execution, compilation included), learning rate, training seconds and wall seconds (HISTORY_KEYS).
+
+  Written without following links (data/atomic_files.py), which CSVLogger's file cannot be: the header
+  with the first row, each row appended. A resumed run (`done`: the epochs its checkpoint completed)
+  keeps the header and the rows of those epochs, dropping those of epochs it trains again, and appends.
+  A write that fails (a full disk) ends the file with one warning, as the log's copy does."""
+
+  def __init__(self, logdir: str, done: int = 0):
+    super().__init__()
+    self.path, self.done = os.path.join(logdir, HISTORY_FILE), done
+    self.columns, self.failed, self._started = None, False, False
+
+  def on_train_begin(self, logs=None):
+    if self._started:  # a resumed run's second fit (the rest of an interrupted epoch was the first)
+      return
+    self._started = True
+    try:
+      self._keep_done_epochs()
+    except OSError as error:
+      self._fail(error)
+
+  def _keep_done_epochs(self) -> None:
+    if not os.path.lexists(self.path):
+      return
+    if not self.done:  # a run started again where one stopped before its first checkpoint
+      os.remove(self.path)
+      return
+    with open(self.path, encoding="utf-8") as handle:
+      lines = handle.read().splitlines()
+    if not lines:
+      return
+    self.columns = lines[0].split(",")
+    kept = [lines[0]] + [line for line in lines[1:] if _epoch_of(line) <= self.done]
+    if len(kept) < len(lines):
+      atomic_files.write_text(self.path, "".join(line + "\n" for line in kept))
+
+  def on_epoch_end(self, epoch, logs=None):
+    if self.failed:
+      return
+    logs = logs or {}
+    rows = []
+    if self.columns is None:
+      measured = [key for key in logs if key not in BOOKKEEPING_KEYS]
+      self.columns = ["epoch"] + sorted(set(measured) | set(HISTORY_KEYS))
+      rows.append(self.columns)
+    values = dict(logs, epoch=epoch + 1)
+    rows.append([_csv_value(values.get(column)) for column in self.columns])
+    text = io.StringIO()
+    csv.writer(text, lineterminator="\n").writerows(rows)
+    try:
+      atomic_files.append_text(self.path, text.getvalue())
+    except OSError as error:
+      self._fail(error)
+
+  def _fail(self, error) -> None:
+    self.failed = True
+    logging.warning("%s is not written on: %s", self.path, atomic_files.write_error(self.path, error))
+
+
+def _epoch_of(line: str) -> int:
+  try:
+    return int(line.split(",", 1)[0])
+  except ValueError:
+    return 0  # not a row of an epoch: kept
+
+
+def _csv_value(value) -> str:
+  if value is None:
+    return "NA"
+  if isinstance(value, int):
+    return str(value)
+  try:
+    return repr(float(value))
+  except (TypeError, ValueError):
+    return str(value)
 
 
 class StopAfterFirstStep(tf.keras.callbacks.Callback):

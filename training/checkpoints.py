@@ -37,10 +37,9 @@ from absl import logging
 
 from errors import UserError
 from training import optimizers
+from training.checkpoint_names import BEST, INDEX_FILE, LAST
 
-LAST, BEST = "last", "best"
 KEEP = {LAST: 2, BEST: 1}
-INDEX_FILE = "checkpoint"
 STAGING_PREFIX = ".saving-"
 STATE_KEY = "run_state/.ATTRIBUTES/VARIABLE_VALUE"
 

@@ -27,7 +27,7 @@ from absl import logging
 
 import data
 import model
-from data import atomic_files, pinned_files
+from data import pinned_files
 from errors import UserError
 from run_config import RunConfig
 from stderr_lines import DroppedLines
@@ -54,11 +54,7 @@ def set_seeds(seed: int) -> None:
 
 
 def prepare_logdir(logdir: str) -> None:
-  try:
-    os.makedirs(logdir, exist_ok=True)
-    atomic_files.check_writable_folder(logdir)  # a probe of a fresh name: no link to follow
-  except OSError as error:
-    raise UserError("--logdir=%s is not a writable folder (%s)" % (logdir, error.strerror)) from None
+  run_folder.prepare(logdir)
 
 
 def build_and_compile(config: RunConfig, backend: Backend, model_module, splits,
@@ -276,9 +272,11 @@ def _make_callbacks(config, backend, schedule, checkpointing, state, outdir, fla
   # epoch's checkpoint and TensorBoard scalars are written.
   # The data files unchanged first: a changed file stops the run before anything is saved from it.
   # Then the first step's end: from there a signal waits for the next safe point (training/interrupt.py),
-  # also one sent on a line that a later callback logs.
+  # also one sent on a line that a later callback logs. history.csv's row before the epoch's checkpoint:
+  # a resume drops the row of an epoch whose checkpoint a kill cut short.
+  history = [callbacks_lib.HistoryCSV(outdir, state.get("epoch", 0))] if backend.is_chief else []
   callbacks = [pinned_files.keras_callback(), interrupt_lib.FirstStepEnds(flag), resumed, throughput, quiet,
-               replica_statistics.ShareBeforeEvaluation(), schedule, checkpointing,
+               replica_statistics.ShareBeforeEvaluation(), schedule, *history, checkpointing,
                tf.keras.callbacks.TerminateOnNaN(),
                callbacks_lib.EpochScalars(log_dir=outdir, profile_batch=0)]
   if config.profile_dir and backend.profiles_with_tensorflow:

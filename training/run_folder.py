@@ -12,6 +12,9 @@
 - **No links.** A link (or a FIFO, a folder...) at a name the run writes (`refuse_links`) is one
   error naming it, before anything is written; the files themselves are opened with O_NOFOLLOW or
   written under fresh names and renamed (data/atomic_files.py).
+- **Before TensorFlow.** Nothing here imports it: main.py claims the folder of a run of one process
+  before TensorFlow starts (a run of several, once the backend says which process is the chief), so
+  the folder is named, and a finished one refused, within a second of the command.
 - **No run over another.** A folder that already holds a run (its `summary.yaml` or checkpoints) is
   continued with `--resume` or left alone: a new run there would replace its checkpoints and summary.
   Start over in a fresh `--logdir`, or delete the old folder yourself. A run that stopped before its
@@ -28,10 +31,11 @@ from absl import logging
 
 from data import atomic_files
 from errors import UserError
-from training import checkpoints
+from training import checkpoint_names
 from training.logs import LOG_FILE
 
 LOCK_FILE = ".lock"
+HISTORY_FILE = "history.csv"  # a row per epoch, as Keras' CSVLogger writes it (training/callbacks.py)
 RUN_MARKERS = ("run_config.yaml", "summary.yaml")  # what makes a folder a run's: predict reads it
 SAVED_MARKERS = ("summary.yaml",)  # with the checkpoints, what a new run there would replace
 
@@ -71,8 +75,8 @@ def holds_run(logdir: str) -> bool:
   save cut short)."""
   if any(os.path.exists(os.path.join(logdir, name)) for name in SAVED_MARKERS):
     return True
-  return any(os.path.exists(os.path.join(logdir, "checkpoints", which, checkpoints.INDEX_FILE))
-             for which in (checkpoints.LAST, checkpoints.BEST))
+  return any(os.path.exists(os.path.join(logdir, "checkpoints", which, checkpoint_names.INDEX_FILE))
+             for which in (checkpoint_names.LAST, checkpoint_names.BEST))
 
 
 def started_without_saving(logdir: str) -> bool:
@@ -176,9 +180,9 @@ def release(logdir: str) -> None:
 # The names a run writes in its folder (files, and folders it writes into), besides TensorFlow's event
 # files, which TensorFlow names afresh: a link at any of them is refused before anything is written.
 # summary.yaml.tmp is no name the run writes (its temporaries are fresh), so a link there was planted.
-FIXED_FILES = (LOCK_FILE, LOG_FILE, "summary.yaml", "summary.yaml.tmp", "run_config.yaml")
-FIXED_FOLDERS = ("checkpoints", os.path.join("checkpoints", checkpoints.LAST),
-                 os.path.join("checkpoints", checkpoints.BEST), "train", "validation", "test", "predict")
+FIXED_FILES = (LOCK_FILE, LOG_FILE, HISTORY_FILE, "summary.yaml", "summary.yaml.tmp", "run_config.yaml")
+FIXED_FOLDERS = ("checkpoints", os.path.join("checkpoints", checkpoint_names.LAST),
+                 os.path.join("checkpoints", checkpoint_names.BEST), "train", "validation", "test", "predict")
 
 
 def refuse_links(logdir: str) -> None:
@@ -190,8 +194,8 @@ def refuse_links(logdir: str) -> None:
     atomic_files.refuse_link(os.path.join(logdir, name))
   for name in FIXED_FOLDERS:
     atomic_files.refuse_link(os.path.join(logdir, name), folder=True)
-  index_files = [os.path.join(logdir, "checkpoints", which, checkpoints.INDEX_FILE)
-                 for which in (checkpoints.LAST, checkpoints.BEST)]
+  index_files = [os.path.join(logdir, "checkpoints", which, checkpoint_names.INDEX_FILE)
+                 for which in (checkpoint_names.LAST, checkpoint_names.BEST)]
   for path in index_files:
     atomic_files.refuse_link(path)
 
@@ -199,7 +203,9 @@ def refuse_links(logdir: str) -> None:
 def claim(logdir: str, resume: bool) -> None:
   """Locks `logdir` for this run and refuses to start a new run over an earlier one, or to resume a
   run that saved nothing, or a folder with a link where the run writes (`refuse_links`). A refused
-  claim leaves the folder as it was."""
+  claim leaves the folder as it was. A folder this process holds already is claimed (open_for_run)."""
+  if os.path.abspath(logdir) in _held:
+    return
   refuse_links(logdir)  # before the lock file, itself one of the names
   lock(logdir)
   if resume and not holds_run(logdir):
@@ -216,6 +222,45 @@ def claim(logdir: str, resume: bool) -> None:
   if not resume and started_without_saving(logdir):
     logging.info("%s holds the start of a run that stopped before its first checkpoint: starting it "
                  "again there (its event files stay beside this run's)", logdir)
+
+
+def prepare(logdir: str) -> None:
+  """Makes `logdir` where it does not exist yet (`is_new` then still says it is new) and checks that a
+  file can be created in it; a UserError if not."""
+  path = os.path.abspath(logdir)
+  made = not os.path.isdir(logdir)
+  try:
+    os.makedirs(logdir, exist_ok=True)
+    if made:
+      _made.add(path)
+    atomic_files.check_writable_folder(logdir)  # a probe of a fresh name: no link to follow
+  except OSError as error:
+    raise UserError("--logdir=%s is not a writable folder (%s)" % (logdir, error.strerror)) from None
+
+
+def open_for_run(logdir: str, resume: bool, dated: bool = False) -> str:
+  """Makes the run's folder (`dated`: the dated default, `make_new`) and claims it for this process;
+  returns its name. A refusal leaves no folder that this call made, and a folder that was there as it
+  was. The run releases the folder (training/loop.py run), or `abandon` does if it fails before."""
+  if dated:
+    logdir = make_new(logdir)
+  else:
+    prepare(logdir)
+  try:
+    claim(logdir, resume)
+  except BaseException:
+    abandon(logdir)
+    raise
+  return logdir
+
+
+def abandon(logdir: str) -> None:
+  """Gives up `logdir` after a failure before the run began: its lock released, and the folder removed
+  if this process made it and nothing but the lock and log is in it (`remove_if_unused`)."""
+  if is_new(logdir):
+    remove_if_unused(logdir)
+  else:
+    release(logdir)
 
 
 def remove_if_unused(logdir: str) -> None:

@@ -22,6 +22,7 @@ from data import atomic_files
 from errors import UserError, given_path, shown_path
 from run_config import RunConfig
 from training.logs import LOG_FILE
+from training.run_folder import HISTORY_FILE
 
 REQUIRED_KEYS = ("model", "backend", "replicas", "global_batch_size", "epochs", "train_loss",
                  "val_loss", "test_loss", "samples_per_sec_per_replica", "compile_seconds",
@@ -194,6 +195,14 @@ def closing_report(summary: dict, logdir: str, argv=(), processes: int = 1) -> s
   return "\n".join(lines)
 
 
+def run_folder_lines(logdir: str) -> str:
+  """A run's first lines: its folder, and the commands that watch it while it trains (TensorBoard, and
+  its log, which appears once the run's checks pass: `tail -F` waits for it)."""
+  return "\n".join(["Run folder: %s" % given_path(logdir),
+                    "  watch: " + tool_command("serve_tensorboard.py", logdir),
+                    "  tail -F %s" % shlex.quote(given_path(os.path.join(logdir, LOG_FILE)))])
+
+
 def interrupted_report(argv, logdir: str, epochs: int, processes: int = 1) -> str:
   """After a graceful stop: the command that continues the run (its warning line names the checkpoint)."""
   lines = ["Continue with:", "  " + resume_line(argv, given_path(logdir), epochs)]
@@ -220,7 +229,7 @@ def _outputs(logdir: str) -> str:
   """What the run folder holds, as the closing report lists it (only what is there)."""
   def present(*names):
     return [name for name in names if os.path.exists(os.path.join(logdir, *name.split("/")))]
-  parts = present("summary.yaml", "run_config.yaml", LOG_FILE)
+  parts = present("summary.yaml", "run_config.yaml", LOG_FILE, HISTORY_FILE)
   checkpoints = [name.split("/")[1] for name in present("checkpoints/last", "checkpoints/best")]
   if checkpoints:
     parts.append("checkpoints/{%s}" % ",".join(checkpoints) if len(checkpoints) > 1
