@@ -12,10 +12,9 @@ import shutil
 import subprocess
 import sys
 
-import h5py
 import pytest
 
-from tests.support.cellspike_files import make_arrays, write_meta_yaml
+from tests.support.cellspike_files import write_contiguous_folder
 from tests.support.helpers import REPO_ROOT, assert_one_line_error, can_mount_tmpfs, run_main
 
 RUN_FLAGS = ("--model=neuron_inverter", "--design=dev", "--backend=cpu", "--batch_size=16", "--precision=32.32",
@@ -27,15 +26,7 @@ VICTIM = b"a file of the user's, outside the run folder\n"
 def data_file(tmp_path_factory):
   """A small cellSpike file stored contiguously (read in place: nothing is staged to /tmp, which a
   file-size limit would also stop)."""
-  folder = tmp_path_factory.mktemp("data")
-  write_meta_yaml(str(folder / "meta.cellSpike_excite_4prB8kHz.yaml"))
-  path = str(folder / "contiguous.h5")
-  with h5py.File(path, "w") as f:
-    for seed, (split, rows) in enumerate((("train", 64), ("val", 32), ("test", 32))):
-      frames, targets = make_arrays(rows, seed)
-      f.create_dataset(split + "_frames", data=frames)
-      f.create_dataset(split + "_unitStar_par", data=targets)
-  return path
+  return write_contiguous_folder(str(tmp_path_factory.mktemp("data")))
 
 
 @pytest.fixture(scope="module")

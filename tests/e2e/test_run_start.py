@@ -10,10 +10,9 @@ import math
 import os
 import shutil
 
-import h5py
 import pytest
 
-from tests.support.cellspike_files import make_arrays, write_meta_yaml
+from tests.support.cellspike_files import write_contiguous_folder
 from tests.support.helpers import assert_one_line_error, run_main
 
 RUN_FLAGS = ("--model=neuron_inverter", "--design=dev", "--backend=cpu", "--batch_size=16", "--precision=32.32",
@@ -23,15 +22,7 @@ NO_TENSORFLOW = "the stand-in tensorflow package was imported"
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
-  folder = tmp_path_factory.mktemp("data")
-  write_meta_yaml(str(folder / "meta.cellSpike_excite_4prB8kHz.yaml"))
-  path = str(folder / "contiguous.h5")
-  with h5py.File(path, "w") as f:
-    for seed, (split, rows) in enumerate((("train", 64), ("val", 32), ("test", 32))):
-      frames, targets = make_arrays(rows, seed)
-      f.create_dataset(split + "_frames", data=frames)
-      f.create_dataset(split + "_unitStar_par", data=targets)
-  return path
+  return write_contiguous_folder(str(tmp_path_factory.mktemp("data")))
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Hand-made cellSpike files for tests: the reference layout, with learnable random data."""
 
 import json
+import os
 
 import h5py
 import numpy as np
@@ -42,6 +43,19 @@ def write_meta_yaml(path, template="*_excite.cellSpike_4prB8kHz.data.h5", num_fe
                        "parName": PAR_NAMES[:num_par], "numPar": num_par, "numTimeBin": 1600}}
   with open(path, "w") as f:
     yaml.safe_dump(info, f)
+  return path
+
+
+def write_contiguous_folder(folder, name="contiguous.h5", sizes=(("train", 64), ("val", 32), ("test", 32))):
+  """A small cellSpike file stored contiguously, with its meta yaml beside it, in `folder`; its path. Read
+  in place (memory-mapped), where write_cellspike's chunked frames are staged to a temporary copy first."""
+  write_meta_yaml(os.path.join(folder, "meta.cellSpike_excite_4prB8kHz.yaml"))
+  path = os.path.join(folder, name)
+  with h5py.File(path, "w") as f:
+    for seed, (split, rows) in enumerate(sizes):
+      frames, targets = make_arrays(rows, seed)
+      f.create_dataset(split + "_frames", data=frames)
+      f.create_dataset(split + "_unitStar_par", data=targets)
   return path
 
 
