@@ -63,7 +63,11 @@ DATASET_FLAGS = {
 # Flags that only some networks read: flag -> the ModelInfo attribute that says a model's does.
 NETWORK_FLAGS = {"design": "uses_design", "batch_norm_statistics": "has_batch_norm"}
 # Paths made absolute: run_config.yaml must work from any working directory (tools/predict.py).
-PATH_FLAGS = ("data_path", "data_cache", "stage_dir", "cache_dir")
+PATH_FLAGS = ("data_path", "data_cache", "stage_dir", "cache_dir", "init_from")
+# torch.optim.AdamW's default weight decay, the one the reference trains with (poptorch.optim.AdamW).
+ADAMW_WEIGHT_DECAY = 0.01
+# Flags whose unset value (None) is resolved in to_config from the other flags.
+DERIVED = ("model", "logdir", "pipeline_stages", "weight_decay")
 # Folders whose empty value would fall back unseen: `--logdir=` to a dated folder, `--data_cache=` to the
 # working folder. (An empty --cache_dir means no cache, and --stage_dir or --profile_dir none: as documented.)
 FOLDER_FLAGS = ("logdir", "data_cache")
@@ -110,6 +114,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                     "Keras' progress bar, rewritten in place; epoch = one line per epoch; auto = the bar "
                     "when stdout is a terminal, else one line per epoch (a Slurm job's output file, a "
                     "pipe to tee).")
+  _define_training_flags()
   _define_neuron_inverter_flags()
   _define_placement_flags()
   _register_integer_bounds()  # first: absl runs validators in order, and the pipeline's rules loop over stages
@@ -117,6 +122,33 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   _register_data_validators()
   _register_hardware_validators()
   _register_run_mode_validators()
+
+
+def _define_training_flags() -> None:
+  """What a run starts from, how it is regularised, when it stops, and what it shows while it trains."""
+  _on.DEFINE_float("log_every", _default("log_every"), "Without Keras' bar (--progress=epoch, or auto "
+                   "writing to a file or pipe): a progress line every this many seconds inside an epoch "
+                   "(epoch, step, running loss, rate, time left); 0: one line per epoch only.",
+                   lower_bound=0.0)
+  _on.DEFINE_integer("log_every_n_steps", _default("log_every_n_steps"), "TensorBoard: the training loss "
+                     "and learning rate every this many steps (tags batch_loss, batch_learning_rate), beside "
+                     "the per-epoch scalars; 0: per-epoch scalars only.", lower_bound=0)
+  _on.DEFINE_string("init_from", None, "Start from the network weights of an earlier run: its folder "
+                    "(its best checkpoint, else its last) or a checkpoint path. The optimizer, schedule and "
+                    "epochs are this run's own; the network must be the same model, design and outputs.")
+  _on.DEFINE_float("weight_decay", None, "Decoupled weight decay (AdamW's, as in PyTorch): every step "
+                   "multiplies each weight by 1 - learning rate x weight_decay, with any --optimizer "
+                   "(default: 0.01 with --optimizer=adamw, else 0).", lower_bound=0.0, upper_bound=1.0)
+  _on.DEFINE_float("clip_norm", _default("clip_norm"), "Clip the gradients' global norm to this before "
+                   "each update (0: no clipping).", lower_bound=0.0)
+  _on.DEFINE_integer("early_stopping_patience", _default("early_stopping_patience"), "Stop training after "
+                     "this many epochs without a lower validation loss (0: train every --epochs).",
+                     lower_bound=0)
+  _on.DEFINE_integer("keep_checkpoints", _default("keep_checkpoints"), "Keep the checkpoints of the best "
+                     "this many epochs by validation loss (in checkpoints/best), beside the last one that "
+                     "--resume continues from.", lower_bound=1)
+  _on.DEFINE_float("target_loss", None, "Stop training at the first epoch whose validation loss is at or "
+                   "below this, and record the time it took (summary.yaml: time_to_target_seconds).")
 
 
 def _define_neuron_inverter_flags() -> None:
@@ -192,7 +224,8 @@ def _define_placement_flags() -> None:
                       "profile on CPU/GPU.")
 
 
-FLOAT_FLAGS = ("learning_rate", "dropout", "lr_factor", "available_memory_proportion")
+FLOAT_FLAGS = ("learning_rate", "dropout", "lr_factor", "available_memory_proportion", "log_every",
+               "weight_decay", "clip_norm", "target_loss")
 # The largest value of an integer flag without a range of its own (--seed has numpy's): counts and sizes
 # reach TensorFlow as 64-bit integers, some multiplied together (--read_chunk's rows, with the batch's
 # offsets; --steps_per_execution, by Keras), and --read_chunk=10**19 or --steps_per_execution=10**19
@@ -317,6 +350,15 @@ def _register_run_mode_validators() -> None:
   def _predict_needs_regression(values):  # pylint: disable=unused-variable
     return not values["predict"] or model.MODELS[values["model"]].task == "regression"
 
+  @_on.multi_flags_validator(["resume", "init_from"],
+                               message="--resume continues the run in --logdir with its own weights, so "
+                                       "--init_from would be ignored: drop one of them")
+  def _resume_or_init(values):  # pylint: disable=unused-variable
+    return not (values["resume"] and values["init_from"])
+
+  _on.register_validator("init_from", lambda v: v is None or os.path.exists(v) or os.path.exists(v + ".index"),
+                         message="--init_from does not exist (give a run folder or a checkpoint path)")
+
   @_on.multi_flags_validator(["resume", "logdir"],
                                message="--resume needs --logdir=<folder of the run to continue>")
   def _resume_needs_logdir(values):  # pylint: disable=unused-variable
@@ -353,6 +395,8 @@ def to_config(values: flags.FlagValues, refuse_unused: bool = True, command_line
                           ", --".join(plateau_given), "s" if len(plateau_given) == 1 else "",
                           "" if values["lr_schedule"].present else " (the model's default)",
                           "it" if len(plateau_given) == 1 else "them"))
+  if fields["weight_decay"] is None:  # AdamW's default is PyTorch's (and the reference's)
+    fields["weight_decay"] = ADAMW_WEIGHT_DECAY if fields["optimizer"] == "adamw" else 0.0
   for name in PATH_FLAGS:
     fields[name] = os.path.abspath(fields[name]) if fields[name] else fields[name]
   fields["logdir"] = values.logdir or os.path.join(

@@ -14,6 +14,9 @@ The application's flags are listed below (`--helpfull` adds absl's); README.md h
 import dataclasses
 import os
 import sys
+import time
+
+STARTED = time.monotonic()  # the process's start, near enough: the run's total time counts from here
 
 from errors import (exit_on_stop_signals, ignore_stops_while_exiting, parse_flags, refuse_arguments,
                     report_missing_packages, reported_on_one_line)
@@ -66,7 +69,7 @@ def train_and_evaluate(config, dated_logdir: bool = False, then_exit: bool = Fal
       print(intro + summary_lib.interrupted_report(sys.argv, config.logdir, config.epochs, backend.world_size),
             flush=True)
   try:
-    summary = run(config, backend)
+    summary = run(config, backend, process_started=STARTED)
   except TrainingInterrupted:
     print_how_to_continue()
     raise

@@ -93,6 +93,15 @@ class RunConfig:
   precision: str = "auto"          # compute.weights: 32.32 | 16.32 (mixed) | 16.16 | auto (strategies/)
   profile_dir: Optional[str] = None
   progress: str = "auto"           # bar | epoch (one line per epoch) | auto (training/loop.py)
+  log_every: float = 30.0          # seconds between progress lines inside an epoch without the bar; 0: none
+  log_every_n_steps: int = 50      # TensorBoard's step-level loss and learning rate every N steps; 0: none
+  # Starting point, regularisation and stopping
+  init_from: Optional[str] = None  # a run folder or checkpoint whose network weights start this run
+  weight_decay: float = 0.0        # decoupled (AdamW-style): each step multiplies weights by 1 - lr x decay
+  clip_norm: float = 0.0           # clip the global gradient norm to this; 0: no clipping
+  early_stopping_patience: int = 0  # stop after this many epochs without a better validation loss; 0: never
+  keep_checkpoints: int = 1        # the best K epochs' checkpoints by validation loss (and the last)
+  target_loss: Optional[float] = None  # stop at the first validation loss at or below it
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)

@@ -285,14 +285,15 @@ def _checked_request(config: RunConfig, split: str, outdir: str, export_dir: str
 
 def _what_was_evaluated(config: RunConfig, backend: Backend, split: str, checkpoint: str, state: dict,
                         info, seconds: float) -> dict:
-  """The head of sum_pred.yaml: which weights, data and hardware the evaluation used."""
+  """The head of sum_pred.yaml: which weights, data and hardware the evaluation used. Its paths are all
+  absolute: the report may lie outside the run folder (--outdir), and is read from any folder."""
   return {
       "model": config.model,
       "design": config.design,
       "logdir": os.path.abspath(config.logdir),
-      "checkpoint": checkpoint,
+      "checkpoint": os.path.abspath(checkpoint),
       "checkpoint_epoch": state.get("epoch"),
-      "data_path": info.path,
+      "data_path": os.path.abspath(info.path),
       "split": split,
       "backend": backend.kind,
       "replicas": backend.replicas,

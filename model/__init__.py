@@ -60,7 +60,7 @@ MODELS = {
         task="classification",
         title="Keras MNIST example",
         description="Keras MNIST check: small CNN, 3 epochs of SGD at batch 64 (about 96% test accuracy; "
-                    "45 epochs on the 4,000 offline digits, the same steps)",
+                    "45 epochs on the 3,600 offline training digits, the same steps)",
         defaults={"batch_size": 64, "epochs": 3, "learning_rate": 0.01, "optimizer": "sgd", "dropout": 0.5,
                   "warmup_epochs": 0, "lr_schedule": "plateau"},
         source_defaults=mnist_sources.source_defaults,

@@ -176,7 +176,8 @@ class Backend:
     return {}
 
   def optimizer_factories(self) -> dict:
-    """Replacements for optimizers of the registry (name -> factory(learning_rate, **kwargs))."""
+    """Replacements for optimizers of the registry: name -> (a Keras OptimizerV2 class, its fixed keyword
+    arguments); training/optimizers.py `make_optimizer` adds the learning rate, weight decay and clip."""
     return {}
 
   def compile_kwargs(self, train_steps, eval_steps=()) -> dict:

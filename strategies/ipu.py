@@ -525,9 +525,12 @@ class IPUBackend(Backend):
     # make_optimizer gives "adam" PyTorch's epsilon: AdamIpuOptimizer adds it where PyTorch does, to the
     # square root of the bias-corrected v (ipu_tensorflow_addons keras/optimizers/adam_optimizer.py
     # `_adam_step`: m_hat / (sqrt(v_hat) + epsilon), in float32), so the update is the other backends'.
+    # Both are Keras 2.6 OptimizerV2 subclasses (of keras.optimizers.Adam and .SGD, r2.6/sdk-release-2.6
+    # to 3.4) with no weight decay of their own (only the LAMB optimizer has one): make_optimizer's
+    # decoupled weight decay extends them, and its clip joins their gradient_transformers.
     return {
-        "adam": lambda **kw: addons.AdamIpuOptimizer(m_dtype=tf.float32, v_dtype=tf.float32, **kw),
-        "sgd": lambda **kw: addons.SGDIpuOptimizer(momentum_accum_dtype=tf.float32, **kw),
+        "adam": (addons.AdamIpuOptimizer, {"m_dtype": tf.float32, "v_dtype": tf.float32}),
+        "sgd": (addons.SGDIpuOptimizer, {"momentum_accum_dtype": tf.float32}),
     }
 
   def alone(self):

@@ -1,9 +1,11 @@
-"""Checkpoints: a diverged epoch never replaces the last good one; saves are atomic and keep the last two."""
+"""Checkpoints: a diverged epoch never replaces the last good one; saves are atomic and keep the last two,
+and the best K epochs (--keep_checkpoints); --init_from loads another run's network weights alone."""
 
 import dataclasses
 import errno
 import math
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -287,3 +289,208 @@ def test_a_resume_trains_on_the_data_its_run_started_with(tmp_path, trained, res
     with pytest.raises(UserError, match="--resume: the run in .* trained on .*, this run would train on .*: "
                                         "resume with (--data_path=/data|the built-in dataset)"):
       loop.check_same_data(resuming)
+
+
+def _checkpoints_keeping(tmp_path, keep_best, net=None):
+  """A toy model's RunCheckpoints in `tmp_path` keeping the best `keep_best` epochs, and its callback."""
+  if net is None:
+    net = tf.keras.Sequential([tf.keras.layers.Dense(2, input_shape=(3,))])
+    net.compile(optimizer="adam", loss="mse")
+  checkpoints = RunCheckpoints(str(tmp_path), net, {"model": "toy"}, keep_best=keep_best)
+  callback = CheckpointCallback(checkpoints, LearningRateSchedule(1e-3, 0, 0.1, 1, 0))
+  callback.set_model(net)
+  return net, checkpoints, callback
+
+
+def _epochs(callback, losses, first=0):
+  for epoch, loss in enumerate(losses, start=first):
+    callback.on_epoch_end(epoch, {"loss": loss, "val_loss": loss})
+
+
+def test_best_keeps_the_k_lowest_validation_losses_the_lowest_current(tmp_path):
+  net, checkpoints, callback = _checkpoints_keeping(tmp_path, keep_best=2)
+  best = checkpoints.folder("best")
+  _epochs(callback, [0.5, 0.3])
+  assert read_index(best) == ["ckpt-1", "ckpt-2"]
+  _epochs(callback, [0.4], first=2)                  # not the lowest, but among the best 2: replaces 0.5
+  assert read_index(best) == ["ckpt-3", "ckpt-2"] and callback.best_epoch == 2
+  _epochs(callback, [0.6], first=3)                  # worse than both: not saved there
+  assert read_index(best) == ["ckpt-3", "ckpt-2"]
+  _epochs(callback, [0.2], first=4)
+  assert read_index(best) == ["ckpt-2", "ckpt-5"]
+  assert sorted(os.listdir(best)) == ["checkpoint", "ckpt-2.data-00000-of-00001", "ckpt-2.index",
+                                      "ckpt-5.data-00000-of-00001", "ckpt-5.index"]
+  with open(os.path.join(best, "checkpoint")) as f:  # TensorFlow's readers name the lowest
+    assert f.readline().strip() == 'model_checkpoint_path: "ckpt-5"'
+  assert tf.train.latest_checkpoint(best) == os.path.join(best, "ckpt-5")
+  assert checkpoints_lib.best_or_last(str(tmp_path)) == os.path.join(best, "ckpt-5")
+  assert checkpoints.restore_best_weights()["best_epoch"] == 5
+  assert [(entry["epoch"], entry["val_loss"]) for entry in checkpoints_lib.best_checkpoints(str(tmp_path))] == [
+      (5, 0.2), (2, 0.3)]
+  assert read_index(checkpoints.folder("last")) == ["ckpt-4", "ckpt-5"]
+
+  # A resumed run (another process) ranks by the losses the checkpoints in `best` hold.
+  _, resumed, callback = _checkpoints_keeping(tmp_path, keep_best=2)
+  callback.restore_into(resumed.restore_last())
+  assert callback.best_losses == [0.2, 0.3]
+  _epochs(callback, [0.35], first=5)                 # not among the best 2
+  assert read_index(best) == ["ckpt-2", "ckpt-5"]
+  _epochs(callback, [0.25], first=6)
+  assert read_index(best) == ["ckpt-7", "ckpt-5"]
+
+
+def test_a_failed_save_of_one_of_the_best_k_keeps_them_all(tmp_path, monkeypatch):
+  _, checkpoints, callback = _checkpoints_keeping(tmp_path, keep_best=2)
+  _epochs(callback, [0.5, 0.3])
+  best = checkpoints.folder("best")
+  before = {name: open(os.path.join(best, name), "rb").read() for name in os.listdir(best)}
+  monkeypatch.setattr(checkpoints_lib, "_write_index", _enospc)
+  with pytest.raises(checkpoints_lib.CheckpointSaveError, match="previous checkpoint %s is intact"
+                     % os.path.join(best, "ckpt-2")):
+    _epochs(callback, [0.1], first=2)
+  monkeypatch.undo()
+  assert read_index(best) == ["ckpt-1", "ckpt-2"]  # the new files, unlisted, go at the next save's sweep
+  for name, content in before.items():
+    assert open(os.path.join(best, name), "rb").read() == content
+  for name in ("ckpt-1", "ckpt-2"):
+    readable_state(os.path.join(best, name))
+
+
+def test_a_resumed_run_keeps_the_better_model_a_killed_save_put_in_best(tmp_path):
+  """Killed between best's save and last's: best holds an epoch that last's state does not know of."""
+  _, checkpoints, callback = _checkpoints_keeping(tmp_path, keep_best=2)
+  _epochs(callback, [0.5])
+  state = checkpoints.restore_last()
+  checkpoints.save("best", dict(state, epoch=2, best_val_loss=0.3, best_epoch=2,
+                                epoch_logs=state["epoch_logs"] + [{"epoch": 2, "val_loss": 0.3}]))
+  _, resumed, callback = _checkpoints_keeping(tmp_path, keep_best=2)
+  callback.restore_into(resumed.restore_last())
+  assert callback.best_losses == [0.3, 0.5] and callback.best_epoch == 2
+  _epochs(callback, [0.4], first=1)               # the same epoch again: among the best 2
+  assert read_index(checkpoints.folder("best")) == ["ckpt-2-1", "ckpt-2"]
+
+
+def _toy_run(tmp_path, identity=None, outputs=2, inputs=3):
+  """A toy run folder in `tmp_path` with epochs 1 (best) and 2 saved; its network."""
+  net = tf.keras.Sequential([tf.keras.layers.Dense(4, input_shape=(inputs,)), tf.keras.layers.Dense(outputs)])
+  net.compile(optimizer=optimizers.make_optimizer("adam", 1e-3), loss="mse")
+  net.fit(np.ones((4, inputs)), np.ones((4, outputs)), verbose=0)
+  checkpoints = RunCheckpoints(str(tmp_path), net, identity or {"model": "toy", "optimizer": "adam"})
+  callback = CheckpointCallback(checkpoints, LearningRateSchedule(1e-3, 0, 0.1, 1, 0))
+  callback.set_model(net)
+  callback.on_epoch_end(0, {"loss": 0.5, "val_loss": 0.4})
+  best = [w.copy() for w in net.get_weights()]
+  net.fit(np.ones((4, inputs)), np.ones((4, outputs)), verbose=0)
+  callback.on_epoch_end(1, {"loss": 0.4, "val_loss": 0.6})
+  return net, best
+
+
+def _new_network(outputs=2, inputs=3, strategy=None):
+  with (strategy or tf.distribute.get_strategy()).scope():
+    net = tf.keras.Sequential([tf.keras.layers.Dense(4, input_shape=(inputs,)), tf.keras.layers.Dense(outputs)])
+    net.compile(optimizer=optimizers.make_optimizer("adam", 5e-3), loss="mse")
+    optimizers.create_slots(net.optimizer, net.trainable_variables)
+  return net
+
+
+def test_init_from_loads_the_network_weights_of_the_best_checkpoint_alone(tmp_path):
+  """On 2 replicas (the run it starts from had 1), into each replica; the optimizer state stays new."""
+  _, best = _toy_run(tmp_path / "a")
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  net = _new_network(strategy=strategy)
+  optimizer_state = [variable.numpy() for variable in net.optimizer.variables()]
+  init = checkpoints_lib.load_initial_weights(net, str(tmp_path / "a"), {"model": "toy", "optimizer": "sgd"})
+  assert init["checkpoint"] == str(tmp_path / "a" / "checkpoints" / "best" / "ckpt-1")
+  assert init["run"] == str(tmp_path / "a") and init["epoch"] == 1 and init["step"] == 0
+  assert init["val_loss"] == pytest.approx(0.4)
+  for weight, expected in zip(net.weights, best):
+    for replica in weight.values:
+      np.testing.assert_array_equal(replica.numpy(), expected)
+  assert init["weights_sha256"] == checkpoints_lib.weights_digest(net)
+  # The same optimizer family as the checkpoint's: a checkpoint of the model would restore its state too.
+  assert int(net.optimizer.iterations.numpy()) == 0 and len(optimizer_state) > 1
+  assert float(tf.keras.backend.get_value(net.optimizer.learning_rate)) == pytest.approx(5e-3)
+  for variable, before in zip(net.optimizer.variables(), optimizer_state):
+    np.testing.assert_array_equal(variable.numpy(), before)
+
+
+@pytest.mark.parametrize("given, expected, run", [
+    ("a", "a/checkpoints/best/ckpt-1", "a"),                            # a run folder: its best
+    ("a/checkpoints/last", "a/checkpoints/last/ckpt-2", "a"),            # a checkpoint folder: its newest
+    ("a/checkpoints/last/ckpt-1", "a/checkpoints/last/ckpt-1", "a"),     # a checkpoint
+    ("a/checkpoints/last/ckpt-2.index", "a/checkpoints/last/ckpt-2", "a"),
+    ("moved/ckpt-2", "moved/ckpt-2", None),                              # outside a run folder
+    ("no_best", "no_best/checkpoints/last/ckpt-2", "no_best")])          # a run folder without best
+def test_init_from_takes_a_run_folder_or_a_checkpoint(tmp_path, given, expected, run):
+  _toy_run(tmp_path / "a")
+  os.makedirs(str(tmp_path / "moved"))
+  for name in os.listdir(str(tmp_path / "a" / "checkpoints" / "last")):
+    if name.startswith("ckpt-2"):
+      os.link(str(tmp_path / "a" / "checkpoints" / "last" / name), str(tmp_path / "moved" / name))
+  shutil.copytree(str(tmp_path / "a"), str(tmp_path / "no_best"))
+  shutil.rmtree(str(tmp_path / "no_best" / "checkpoints" / "best"))
+  checkpoint, found_run = checkpoints_lib.resolve_init_from(str(tmp_path / given))
+  assert checkpoint == str(tmp_path / expected)
+  assert found_run == (str(tmp_path / run) if run else None)
+
+
+def test_init_from_refuses_what_holds_no_checkpoint(tmp_path):
+  _toy_run(tmp_path / "a")
+  (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+  (tmp_path / "notes.txt").write_text("x")
+  for given, fragment in (("empty", "has no checkpoint"), ("notes.txt", "neither a run folder"),
+                          ("a/checkpoints", "neither a run folder")):
+    with pytest.raises(UserError, match="^--init_from: .*%s" % fragment):
+      checkpoints_lib.resolve_init_from(str(tmp_path / given))
+  data = tmp_path / "a" / "checkpoints" / "best" / "ckpt-1.data-00000-of-00001"
+  data.write_bytes(b"\0" * len(data.read_bytes()))  # damaged in place
+  with pytest.raises(UserError, match="^--init_from: checkpoint .*ckpt-1 is unreadable") as error:
+    checkpoints_lib.load_initial_weights(_new_network(), str(tmp_path / "a"), {"model": "toy"})
+  assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("identity, outputs, inputs, fragments", [
+    ({"model": "toy", "design": "big"}, 2, 3, ("toy small (2 outputs); this run builds toy big (2 outputs)",
+                                               "same --design")),
+    ({"model": "other", "design": None}, 2, 3, ("toy small (2 outputs); this run builds other (2 outputs)",
+                                                "same --model")),
+    ({"model": "toy", "design": "small", "batch_norm_statistics": "batch"}, 2, 3,
+     ("toy small (batch_norm_statistics=moving, 2 outputs); this run builds toy small "
+      "(batch_norm_statistics=batch, 2 outputs)", "same --batch_norm_statistics")),
+    ({"model": "toy", "design": "small"}, 5, 3, ("toy small (2 outputs); this run builds toy small (5 outputs)",
+                                                 "4x2 and 2 there, 4x5 and 5 here")),
+    ({"model": "toy", "design": "small"}, 2, 7, ("toy small (2 outputs); this run builds toy small (2 outputs)",
+                                                 "are 3x4 and 4 there, 7x4 and 4 here"))])
+def test_init_from_another_network_is_an_error_naming_both(tmp_path, identity, outputs, inputs, fragments):
+  """The optimizer and learning rate may differ (the run's own); the network may not."""
+  _toy_run(tmp_path / "a", {"model": "toy", "design": "small", "optimizer": "adam", "learning_rate": 1e-3})
+  net = _new_network(outputs, inputs)
+  before = [w.copy() for w in net.get_weights()]
+  with pytest.raises(UserError) as error:
+    checkpoints_lib.load_initial_weights(net, str(tmp_path / "a"), dict(identity, optimizer="sgd",
+                                                                          learning_rate=0.1))
+  message = str(error.value)
+  assert message.startswith("--init_from: %s holds the weights of " % (tmp_path / "a" / "checkpoints" / "best" /
+                                                                       "ckpt-1")) and "\n" not in message
+  for fragment in fragments:
+    assert fragment in message
+  for weight, unchanged in zip(net.get_weights(), before):
+    np.testing.assert_array_equal(weight, unchanged)
+
+
+def test_init_from_loads_32_bit_weights_under_mixed_precision_only(tmp_path):
+  """16.32 (mixed) keeps float32 weights, as 32.32 does; 16.16's are 16-bit, which a checkpoint cannot
+  restore 32-bit weights into."""
+  _, best = _toy_run(tmp_path / "a")
+  for dtype in ("mixed_float16", "float16"):
+    net = tf.keras.Sequential([tf.keras.layers.Dense(4, input_shape=(3,), dtype=dtype),
+                               tf.keras.layers.Dense(2, dtype="float32")])
+    net.compile(optimizer=optimizers.make_optimizer("adam", 1e-3), loss="mse")
+    if dtype == "mixed_float16":
+      checkpoints_lib.load_initial_weights(net, str(tmp_path / "a"), {"model": "toy"})
+      for weight, expected in zip(net.get_weights(), best):
+        np.testing.assert_array_equal(weight, expected)
+    else:
+      with pytest.raises(UserError, match="^--init_from: .*ckpt-1 holds float32 weights, this run's network has "
+                                          "float16 and float32 ones: start it with --precision=32.32 or 16.32"):
+        checkpoints_lib.load_initial_weights(net, str(tmp_path / "a"), {"model": "toy"})

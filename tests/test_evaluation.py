@@ -109,6 +109,62 @@ def test_the_info_panel_keeps_the_end_of_a_long_name(name, shown):
   assert short == shown and len(short) <= 32
 
 
+# --- The prediction figures and sum_pred.yaml's head ----------------------------------------------------
+
+def _report(num_samples=600):
+  """Truth, prediction and the figures of a report on them, 15 parameters from learned to not learned."""
+  rng = np.random.RandomState(3)
+  truth = rng.uniform(-1, 1, size=(num_samples, 15))
+  prediction = truth * np.linspace(1.0, 0.0, 15) + rng.normal(0, 0.3, truth.shape)
+  results = dict(evaluation.compute_metrics(truth, prediction, PAR_NAMES), model="neuron_inverter", design="dev",
+                 logdir="/runs/tiny", data_path="/data/d.h5", split="test", checkpoint_epoch=2, train=None)
+  return truth, prediction, results
+
+
+def test_truth_vs_prediction_has_a_labelled_colour_bar_and_says_what_u_star_is():
+  truth, prediction, results = _report()
+  figure = plots.truth_vs_prediction_figure(truth, prediction, results)
+  try:
+    # 16 panels (15 parameters and the run's figures) and the colour bar beside them.
+    assert len(figure.axes) == 17
+    bars = [ax for ax in figure.axes if ax.get_ylabel().startswith(plots.COUNTS_LABEL)]
+    assert len(bars) == 1 and "log scale" in bars[0].get_ylabel()
+    # One scale for all panels: every histogram's colours are the colour bar's.
+    norms = {id(ax.collections[0].norm) for ax in figure.axes[:15]}
+    assert len(norms) == 1 and figure.axes[0].collections[0].norm.vmin == 1
+    assert "u* = (log10 g - centre) / half-range" in figure._suptitle.get_text()  # pylint: disable=protected-access
+    assert figure.axes[12].get_xlabel() == "truth (u*)"
+  finally:
+    plots.plt.close(figure)
+
+
+def test_the_residual_histograms_count_samples_on_their_y_axis():
+  truth, prediction, results = _report()
+  figure = plots.residuals_figure(truth, prediction, results)
+  try:
+    panels = figure.axes[:15]
+    assert [ax.get_ylabel() for ax in panels[::4]] == [plots.COUNTS_LABEL] * 4   # the first column's
+    assert all(len(ax.get_yticks()) >= 2 for ax in panels)                         # counts, not blank
+    assert "u* = " in figure._suptitle.get_text()  # pylint: disable=protected-access
+  finally:
+    plots.plt.close(figure)
+
+
+def test_sum_preds_paths_are_all_absolute(tmp_path, monkeypatch):
+  """A run named by a relative --logdir: the report held an absolute logdir beside a checkpoint path
+  relative to the folder the tool ran in."""
+  import types  # pylint: disable=import-outside-toplevel
+  monkeypatch.chdir(tmp_path)
+  config = RunConfig(model="neuron_inverter", logdir="runs/tiny")
+  head = evaluation._what_was_evaluated(  # pylint: disable=protected-access
+      config, types.SimpleNamespace(kind="cpu", replicas=1, precision="32.32"), "test",
+      os.path.join("runs", "tiny", "checkpoints", "best", "ckpt-2"), {"epoch": 2},
+      types.SimpleNamespace(path="data/d.h5", input_shape=(1600, 4)), 1.0)
+  assert head["logdir"] == str(tmp_path / "runs" / "tiny")
+  assert head["checkpoint"] == str(tmp_path / "runs" / "tiny" / "checkpoints" / "best" / "ckpt-2")
+  assert head["data_path"] == str(tmp_path / "data" / "d.h5")
+
+
 # --- Training curves ------------------------------------------------------------------------------------
 
 def _summary_only_run(tmp_path, lr, schedule):

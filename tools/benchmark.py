@@ -365,6 +365,10 @@ def _training_rounds(design: str, rows: dict, data_path: str) -> None:
 
 def main(argv):
   del argv
+  # As main.py: the application's INFO lines with the short prefix, only warnings from the libraries;
+  # TensorFlow's start-up lines are dropped where _prepare imports it (strategies/environment.py).
+  from training import logs  # pylint: disable=import-outside-toplevel
+  logs.setup()
   if FLAGS.json and not FLAGS.child:  # checked first: a mistyped path would fail after the benchmark
     from errors import check_output_path  # pylint: disable=import-outside-toplevel
     check_output_path("--json", FLAGS.json)

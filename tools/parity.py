@@ -254,9 +254,13 @@ def plot(runs: dict, path: str) -> None:
 
 
 def _builtin_dataset() -> str:
-  """The application's built-in dataset (generated on first use), as `main.py` finds it."""
-  from data.cellspike import default_data_path  # pylint: disable=import-outside-toplevel
+  """The application's built-in dataset (generated on first use), as `main.py` finds it. Its module
+  imports TensorFlow, which this process never runs: without TensorFlow's start-up lines (oneDNN's
+  notice, the CUDA probe, the CPU-instructions hint), as in the other tools."""
   from run_config import RunConfig  # pylint: disable=import-outside-toplevel
+  from strategies import environment  # pylint: disable=import-outside-toplevel
+  with environment.quiet_tensorflow_import():
+    from data.cellspike import default_data_path  # pylint: disable=import-outside-toplevel
   return default_data_path(RunConfig(model="neuron_inverter"))
 
 

@@ -12,9 +12,10 @@ writes it) and its log goes beside it. Each point's main.py runs in the folder t
 (a Slurm point: the submit folder), so relative paths after `--` mean what they mean there. A point
 that finished is skipped when the scan runs again; one that stopped with a checkpoint continues with
 `--resume`. The report, `<scan_dir>/scan.yaml` and `scan.png`, has the best validation loss of every
-point against the learning rate, one curve per replica count (a model without a validation split,
---model=mnist: the test loss, as the report says); points that failed or did not run are listed with
-their exit status and last error line, and make the exit status 1.
+point against the learning rate, one curve per replica count (both models train with a validation
+split; where no point's summary.yaml holds a validation loss, the points are ranked by their test loss,
+and the report says so); points that failed or did not run are listed with their exit status and last
+error line, and make the exit status 1.
 """
 
 import math
@@ -282,8 +283,10 @@ def point_result(scan_dir: str, point: dict) -> dict:
               wall_seconds=round(summary.get("wall_seconds") or 0.0, 1))
 
 
-# What the points are ranked by: their best validation loss, or, for a model trained without a
-# validation split (--model=mnist), their test loss -- said in the table, the plot and scan.yaml.
+# What the points are ranked by: their best validation loss, never the test loss while any point has
+# one (choosing by the test split would leave no untouched data to report). Only where no finished
+# point recorded a validation loss (a summary.yaml without one), their test loss -- said in the table,
+# the plot and scan.yaml.
 RANKINGS = {"best_val_loss": "best validation loss", "test_loss": "test loss"}
 
 
@@ -341,14 +344,13 @@ def report(scan_dir: str) -> int:
     print("%-24s %-9s %14s %10s  %s" % (
         row["name"], row["status"], _number(row.get("best_val_loss")), _number(row.get("test_loss")),
         "exit %s: %s" % (row.get("returncode"), row.get("error")) if row["status"] == "failed" else ""))
-  if best and key == "best_val_loss":
-    print("best: %s, validation loss %.4f (epoch %s)" % (best["name"], best["best_val_loss"],
-                                                          best.get("best_val_epoch")))
+  accuracy = "" if not best or best.get("test_accuracy") is None else ", test accuracy %.4f" % best["test_accuracy"]
+  if best and key == "best_val_loss":  # a classifier's (mnist) test accuracy of the chosen point after it
+    print("best: %s, validation loss %.4f (epoch %s)%s" % (best["name"], best["best_val_loss"],
+                                                            best.get("best_val_epoch"), accuracy))
   elif best:
-    accuracy = best.get("test_accuracy")
-    print("best: %s, test loss %.4f%s (no point has a validation loss: the model trains without a "
-          "validation split, so the points are ranked by their test loss)"
-          % (best["name"], best["test_loss"], "" if accuracy is None else ", test accuracy %.4f" % accuracy))
+    print("best: %s, test loss %.4f%s (no point's summary.yaml has a validation loss, so the points are "
+          "ranked by their test loss)" % (best["name"], best["test_loss"], accuracy))
   print("report: %s, %s" % (os.path.join(scan_dir, "scan.yaml"), os.path.join(scan_dir, "scan.png")))
   print("TensorBoard, one HParams row per point: " + tool_command("serve_tensorboard.py", scan_dir))
   if table["not_finished"]:

@@ -1,7 +1,9 @@
-"""Keras callbacks that report what a person watching a run wants to know: compile time and speed."""
+"""Keras callbacks that report what a person watching a run wants to know: compile time, speed, progress
+inside an epoch, and the TensorBoard scalars of epochs and steps."""
 
 import csv
 import io
+import math
 import os
 import shutil
 import time
@@ -10,6 +12,7 @@ import tensorflow as tf
 from absl import logging
 
 from data import atomic_files
+from training.logs import duration
 from training.run_folder import HISTORY_FILE
 
 
@@ -33,13 +36,38 @@ _TENSORBOARD_NAMES = {"epoch_seconds": "seconds", "epoch_wall_seconds": "wall_se
 
 
 class EpochScalars(tf.keras.callbacks.TensorBoard):
-  """Keras' TensorBoard writer without its own `learning_rate` scalar, and without a doubled `epoch_`.
+  """Keras' TensorBoard writer without its own `learning_rate` scalar, and without a doubled `epoch_`;
+  with `every_n_steps`, the training loss and learning rate every that many optimizer updates too.
 
   With a LearningRateSchedule (the default cosine), Keras adds `epoch_learning_rate`: the rate of the
   next epoch's first update. The run's schedule callback already logs `lr`, the rate of the epoch's
   last update, which the epoch line, summary.yaml and the curves show; two nearly equal charts would
   only make a user ask which one is right.
+
+  The step scalars, `batch_loss` and `batch_learning_rate`, go to the same `train` events at the
+  optimizer's update count (`iterations`, which a resumed run restores), at the first batch end at or
+  after each multiple of `every_n_steps`. `batch_loss` is the mean training loss of the steps since the
+  previous point (an epoch's last steps count in the next epoch's first point), worked out from Keras'
+  running means of the epoch, which weigh each step alike (its batches are of one size);
+  `batch_learning_rate` is the rate of the update that brought the count to the point's step, as `lr`
+  at an epoch's end. Keras' own `update_freq=N` does not serve: its step is the fit's step counter
+  (`model._train_counter`, from 0 at each fit, so that the rest of a resumed epoch and the epochs after
+  it would overlap; a micro-batch on IPUs), its values each metric's running mean of the epoch and no
+  learning rate; Keras 2.6 writes them in the training graph, tf_keras after reading the counter at
+  every batch end.
+
+  Cost: a little arithmetic at each batch end (Keras calls it once per execution of steps_per_execution
+  steps, `batch` being the last), counting `steps_per_update` Keras steps an optimizer update (the
+  gradient accumulation count on IPUs, where a step is a micro-batch; 1 elsewhere). Only where that
+  count reaches a point, and at an epoch's last batch, are the update count and the loss read (a wait
+  for the step, which the callbacks reading Keras' logs make at every batch end anyway); at a point,
+  two scalars are written.
   """
+
+  def __init__(self, *args, every_n_steps: int = 0, steps_per_update: int = 1, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.every_n_steps, self.steps_per_update = every_n_steps, max(steps_per_update, 1)
+    self._carried = (0.0, 0)  # loss x steps, steps: the last epoch's tail since its last point
 
   def on_epoch_end(self, epoch, logs=None):
     super().on_epoch_end(epoch, {_TENSORBOARD_NAMES.get(key, key): value
@@ -47,6 +75,92 @@ class EpochScalars(tf.keras.callbacks.TensorBoard):
 
   def _collect_learning_rate(self, logs):  # Keras' hook (keras 2.6 and tf_keras callbacks.py)
     return logs
+
+  def _implements_train_batch_hooks(self):
+    return bool(self.every_n_steps) or super()._implements_train_batch_hooks()
+
+  def on_train_begin(self, logs=None):
+    super().on_train_begin(logs)
+    if self.every_n_steps:
+      self._updates = int(tf.keras.backend.get_value(self.model.optimizer.iterations))
+      self._next_point = (self._updates // self.every_n_steps + 1) * self.every_n_steps
+      self._steps_unread = 0     # Keras steps since the count was read
+
+  def on_epoch_begin(self, epoch, logs=None):
+    super().on_epoch_begin(epoch, logs)
+    self._steps_seen = 0
+    self._at_point = (0.0, 0)      # loss x steps, steps of this epoch at its last point
+
+  def on_train_batch_end(self, batch, logs=None):
+    if not self.every_n_steps:  # none asked for, or the writes failed: Keras calls this only in the latter
+      return
+    try:
+      super().on_train_batch_end(batch, logs)  # its writer flushes (the step points' too) here at times
+      self._step_points(batch, logs)
+    except (tf.errors.ResourceExhaustedError, tf.errors.PermissionDeniedError, OSError) as error:
+      # A full disk: the curves are not worth a run, and the epoch's checkpoint save, which comes next,
+      # says what it means for the run (training/checkpoints.py), in one line.
+      logging.warning("TensorBoard's step-level scalars stop here: %s",
+                      str(getattr(error, "message", error)).strip().splitlines()[-1])
+      self.every_n_steps = 0
+
+  def _step_points(self, batch, logs) -> None:
+    self._steps_unread += batch + 1 - self._steps_seen
+    self._steps_seen = batch + 1
+    due = self._point_due()
+    if due or batch + 1 >= (self.params.get("steps") or math.inf):
+      self._add_loss(logs, due)
+
+  def _point_due(self) -> bool:
+    """Whether the update count has reached the next point; read only where the steps counted reach it."""
+    if self._updates + self._steps_unread / self.steps_per_update < self._next_point:
+      return False
+    self._updates = int(tf.keras.backend.get_value(self.model.optimizer.iterations))
+    self._steps_unread = 0
+    return self._updates >= self._next_point
+
+  def _add_loss(self, logs, point: bool) -> None:
+    """At a point, writes the loss of the steps since the previous one; at an epoch's end, carries its
+    last steps' over to the next epoch's first point."""
+    # The epoch's running loss x its steps, less that at the last point: the loss of the steps between.
+    summed = float(_running_loss(self.model, logs)) * self._steps_seen
+    loss = self._carried[0] + summed - self._at_point[0]
+    steps = self._carried[1] + self._steps_seen - self._at_point[1]
+    self._at_point = (summed, self._steps_seen)
+    if point:
+      self._write_point(loss / steps)
+      self._carried = (0.0, 0)
+    else:
+      self._carried = (loss, steps)
+
+  def _write_point(self, loss: float) -> None:
+    step = self._updates
+    rate = rate_of_update(self.model.optimizer, max(step - 1, 0))
+    with self._train_writer.as_default(), tf.summary.record_if(True):
+      tf.summary.scalar("batch_loss", loss, step=step)
+      tf.summary.scalar("batch_learning_rate", rate, step=step)
+    self._next_point = (step // self.every_n_steps + 1) * self.every_n_steps
+
+
+def _running_loss(model, logs):
+  """The epoch's running training loss: from the metric objects where Keras has them (tf_keras: in a
+  multi-worker run its batch logs are summed over the replicas; the read is a collective, which every
+  process makes at the same update count), else Keras' logs."""
+  get = getattr(model, "get_metrics_result", None)
+  return get()["loss"] if get is not None else logs["loss"]
+
+
+def rate_of_update(optimizer, update: int) -> float:
+  """The learning rate of the optimizer's update `update` (counted from 0): its LearningRateSchedule's
+  value there (the optimizer evaluates it at its count before the update), else the rate it holds."""
+  while hasattr(optimizer, "inner_optimizer"):  # the loss-scale wrapper of mixed precision
+    optimizer = optimizer.inner_optimizer
+  rate = getattr(optimizer, "_learning_rate", None)  # tf_keras' optimizers (TF 2.11 and later)
+  if rate is None:  # the legacy family: a schedule, or the variable the schedule callback sets
+    rate = optimizer._get_hyper("learning_rate")  # pylint: disable=protected-access
+  if isinstance(rate, tf.keras.optimizers.schedules.LearningRateSchedule):
+    rate = rate(update)
+  return float(tf.keras.backend.get_value(rate))
 
 
 def epoch_step(epoch: int) -> int:
@@ -261,16 +375,6 @@ class ThroughputCallback(tf.keras.callbacks.Callback):
     return self._timed_steps * self.samples_per_step / self._timed_seconds / self.replicas
 
 
-def duration(seconds: float) -> str:
-  """42 s, 3 min 5 s, 2 h 10 min: as a person reads a wait."""
-  seconds = int(round(seconds))
-  if seconds < 60:
-    return "%d s" % seconds
-  if seconds < 3600:
-    return "%d min %d s" % divmod(seconds, 60)
-  return "%d h %d min" % (seconds // 3600, seconds % 3600 // 60)
-
-
 class EpochLogger(tf.keras.callbacks.Callback):
   """One line per epoch, the only one where Keras draws no bar: time, learning rate, each loss and
   metric on the training and validation data, throughput per replica; while epochs of the run's
@@ -297,15 +401,72 @@ class EpochLogger(tf.keras.callbacks.Callback):
     if "lr" in logs:
       parts.append("LR=%.3g" % logs["lr"])
     parts += _train_and_validation_values(logs)
-    if "samples_per_sec_per_replica" in logs:
-      parts.append("%.0f samples/s per replica" % logs["samples_per_sec_per_replica"])
+    if "samples_per_sec" in logs:  # what the machine did; per replica where there are several
+      rate, per_replica = logs["samples_per_sec"], logs.get("samples_per_sec_per_replica", logs["samples_per_sec"])
+      parts.append("%.0f samples/s" % rate + (" (%.0f per replica)" % per_replica if per_replica < rate else ""))
     elif "samples_per_sec_with_compilation" in logs and self.throughput is not None:
       parts.append("%.0f samples/s per replica with compilation (the epoch ran in the first execution)"
                    % (logs["samples_per_sec_with_compilation"] / self.throughput.replicas))
     left = self.run_epochs - (epoch + 1)
-    if left > 0 and logs.get("epoch_wall_seconds"):
+    stopping = getattr(self.model, "stop_training", False)  # --early_stopping_patience, --target_loss
+    if left > 0 and logs.get("epoch_wall_seconds") and not stopping:
       parts.append("about %s left for %d more epoch%s" % (
           duration(left * self._epoch_pace(logs["epoch_wall_seconds"])), left, "s" if left > 1 else ""))
+    logging.info(", ".join(parts))
+
+
+class ProgressLines(tf.keras.callbacks.Callback):
+  """Where Keras draws no bar, a line inside each epoch at most every `every_seconds` (0: none), so that
+  a run writing to a file (a Slurm job's output) shows its progress between its epoch lines:
+
+    Epoch 2/3, step 120/341, Loss: train=0.2345 (running mean), 1520 samples/s, about 1 min 5 s left in the epoch
+
+  The step counts the epoch's steps, a resumed epoch's `first_step` (those its checkpoint had done)
+  included; the loss is Keras' mean over the epoch's steps so far (since the resume, in a resumed
+  epoch); the rate, of all replicas (`samples_per_step`: ThroughputCallback's), and the time left are
+  those of the steps since the previous line, or since the epoch's first batch end (the first step
+  compiles). No line at the epoch's last step: the epoch line follows. Keras calls the batch hooks once
+  per execution of steps_per_execution steps, `batch` being its last step.
+
+  Cost: the clock at each batch end. Keras hands the batch logs to the callbacks that accept tensors
+  (`_supports_tf_logs`, as this one does) without waiting for the step, and converts them for all when
+  a callback with batch hooks does not (TerminateOnNaN reads the loss at every batch anyway); this one
+  converts the loss when it writes a line. With several `processes`, tf_keras sums the batch logs over
+  the replicas, and the loss of all of them needs a collective that lines timed by each process's own
+  clock cannot make: the line leaves the loss out.
+  """
+
+  def __init__(self, epochs: int, steps_per_epoch: int, every_seconds: float, samples_per_step: int,
+               first_step: int = 0, clock=time.monotonic, processes: int = 1):
+    super().__init__()
+    self._supports_tf_logs = True
+    self.run_epochs, self.steps_per_epoch, self.every_seconds = epochs, steps_per_epoch, every_seconds
+    self.samples_per_step, self.first_step, self.clock, self.processes = samples_per_step, first_step, clock, processes
+    self._epoch, self._offset, self._last = 0, 0, None
+
+  def _implements_train_batch_hooks(self):
+    return self.every_seconds > 0
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self._epoch, self._last = epoch, None
+    self._offset, self.first_step = self.first_step, 0  # the first epoch only: the one resumed
+
+  def on_train_batch_end(self, batch, logs=None):
+    if self.every_seconds <= 0:
+      return
+    step, now = self._offset + batch + 1, self.clock()
+    if self._last is None:
+      self._last = (now, step)
+      return
+    seconds, steps = now - self._last[0], step - self._last[1]
+    if seconds < self.every_seconds or step >= self.steps_per_epoch or steps <= 0:
+      return
+    self._last = (now, step)
+    parts = ["Epoch %d/%d, step %d/%d" % (self._epoch + 1, self.run_epochs, step, self.steps_per_epoch)]
+    if self.processes == 1 and logs and "loss" in logs:
+      parts.append("Loss: train=%.4f (running mean)" % float(logs["loss"]))
+    parts.append("%.0f samples/s" % (steps * self.samples_per_step / seconds))
+    parts.append("about %s left in the epoch" % duration((self.steps_per_epoch - step) * seconds / steps))
     logging.info(", ".join(parts))
 
 

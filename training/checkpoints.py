@@ -11,7 +11,9 @@ newest one. A save never touches a checkpoint that the index names, so a job kil
 2. its files are fsynced, renamed into the folder (data files first, `.index` last) and the folder is
    fsynced;
 3. the index is rewritten atomically (temporary file, fsync, rename, fsync of the folder);
-4. only then are checkpoints beyond `max_to_keep` (and leftovers of killed saves) deleted.
+4. only then are the checkpoints the index no longer lists (and leftovers of killed saves) deleted:
+   `last` keeps its newest two, `best` the `keep_best` epochs of lowest validation loss
+   (`--keep_checkpoints`), its index naming the lowest as the current one.
 
 TensorFlow's CheckpointManager (used before) renames its index atomically but fsyncs nothing, and
 re-saving an existing checkpoint number overwrites the files of the checkpoint the index points to,
@@ -22,9 +24,13 @@ checkpoint that is still intact.
 The run's own state (epoch, step within the epoch for interrupted runs, learning-rate schedule, best
 validation loss, per-epoch history, which model wrote it) is a JSON string variable inside the same
 checkpoint, so it can never disagree with the weights and optimizer state saved beside it.
+
+`load_initial_weights` (`--init_from`) starts a new run from the network weights alone of another
+run's checkpoint, after checking that it holds the same network.
 """
 
 import errno
+import hashlib
 import json
 import math
 import os
@@ -32,6 +38,7 @@ import re
 import shutil
 import tempfile
 
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
@@ -39,7 +46,7 @@ from errors import UserError
 from training import optimizers
 from training.checkpoint_names import BEST, INDEX_FILE, LAST
 
-KEEP = {LAST: 2, BEST: 1}
+KEEP_LAST = 2
 STAGING_PREFIX = ".saving-"
 STATE_KEY = "run_state/.ATTRIBUTES/VARIABLE_VALUE"
 
@@ -137,8 +144,11 @@ def _reason(error: Exception) -> str:
 class RunCheckpoints:
   """Saves and restores model + optimizer + run state."""
 
-  def __init__(self, logdir: str, model: tf.keras.Model, identity: dict, restore_logdir: str = None):
+  def __init__(self, logdir: str, model: tf.keras.Model, identity: dict, restore_logdir: str = None,
+               keep_best: int = 1):
     self.directory = os.path.join(logdir, "checkpoints")
+    self.keep_best = keep_best                    # `best` keeps the epochs of the lowest validation losses
+    self._val_losses = {}                         # name in `best` -> its epoch's validation loss
     # Non-chief workers write to a temporary folder but resume from the chief's checkpoints.
     self.restore_directory = os.path.join(restore_logdir or logdir, "checkpoints")
     self.identity = identity                      # e.g. {"model": ..., "design": ...}
@@ -185,7 +195,7 @@ class RunCheckpoints:
       _fsync(folder)
       tf.io.gfile.rmtree(staging)
       staging = None
-      kept = (listed + [name])[-KEEP[which]:]
+      kept = self._kept(which, folder, listed, name, state)
       _write_index(folder, kept)
     except (OSError, tf.errors.OpError) as error:
       if staging is not None:
@@ -197,6 +207,28 @@ class RunCheckpoints:
                                                     previous or "(none)")) from None
     _sweep(folder, kept)
     return os.path.join(folder, name)
+
+  def _kept(self, which: str, folder: str, listed: list, name: str, state: dict) -> list:
+    """What the index lists after saving `name`, the current checkpoint last. `last`: its newest two.
+    `best`: `name` and the others of lowest validation loss, `keep_best` in all, from the highest loss
+    to the lowest (ties: the older first), so that the current one is the best."""
+    if which != BEST:
+      return (listed + [name])[-KEEP_LAST:]
+    self._val_losses[name] = own_val_loss(state)
+    order = listed + [name]
+    others = sorted(listed, key=lambda other: self._val_loss(folder, other))[:self.keep_best - 1] \
+        if self.keep_best > 1 else []
+    return sorted(others + [name], key=lambda kept: (-self._val_losses[kept], order.index(kept)))
+
+  def _val_loss(self, folder: str, name: str) -> float:
+    """The validation loss of checkpoint `name` in `folder` (written by this process, else read from its
+    state: an earlier process's); an unreadable one ranks last."""
+    if name not in self._val_losses:
+      try:
+        self._val_losses[name] = own_val_loss(_read_state(os.path.join(folder, name)))
+      except Exception:  # pylint: disable=broad-except  # damaged or gone: the first to let go
+        self._val_losses[name] = math.inf
+    return self._val_losses[name]
 
   def restore_last(self) -> dict:
     """Restores the last checkpoint; returns its run state. A UserError if there is none or it mismatches."""
@@ -220,8 +252,9 @@ class RunCheckpoints:
       if written not in (None, built):
         raise UserError("--resume: checkpoint %s holds %s optimizer state, but this run built a %s "
                         "optimizer (which would start from zero)" % (path, written, built))
-    logging.info("Restored %s (epoch %d%s)", path, state["epoch"],
-                 ", step %d of the next" % state["step"] if state.get("step") else "")
+    done = state["epoch"]  # epochs finished; a mid-epoch checkpoint is within the next, 1-based done + 1
+    logging.info("Restored %s (%s)", path, "after step %d of epoch %d" % (state["step"], done + 1)
+                 if state.get("step") else "after epoch %d" % done)
     return state
 
 
@@ -286,7 +319,8 @@ def _sweep(folder: str, kept: list) -> None:
 
 
 class CheckpointCallback(tf.keras.callbacks.Callback):
-  """Saves `best` when the validation loss improves, then `last`, every epoch.
+  """Saves `best` when the validation loss is among the `keep_best` lowest so far (a new lowest, with
+  the default of one), then `last`, every epoch.
 
   `best` goes first: a job killed between the two saves resumes from the previous `last`, whose
   state still names the older best, and `--resume` reconciles the two (see `restore_into`).
@@ -298,14 +332,20 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
     self.checkpoints, self.schedule = checkpoints, schedule
     self.batch_layout = batch_layout  # what a mid-epoch step means: {"global_batch": ..., "replicas": ...}
     self.best_val_loss, self.best_epoch = best_val_loss, best_epoch
+    # The validation losses of the checkpoints in `best`, lowest first: every process of a run decides
+    # alike whether an epoch goes there (saving is collective), also those whose folder is scratch.
+    self.best_losses = [] if math.isinf(best_val_loss) else [best_val_loss]
     self.epoch_logs = []     # one dict per epoch of the run (across resumes), saved with the state
     self.last_saved = None   # path of the newest good checkpoint written by this run
+    self.init_from = None    # what the run's first weights were (load_initial_weights), kept across resumes
 
   def restore_into(self, state: dict) -> None:
     """Takes over the best validation loss and the per-epoch logs of a resumed run."""
     self.best_val_loss = float(state.get("best_val_loss", math.inf))
     self.best_epoch = state.get("best_epoch")
     self.epoch_logs = [dict(entry) for entry in state.get("epoch_logs", [])]
+    self.init_from = state.get("init_from")
+    self.best_losses = [] if math.isinf(self.best_val_loss) else [self.best_val_loss]
     best = self.checkpoints.latest(BEST, restoring=True)
     if best is None:
       return
@@ -316,11 +356,36 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
       return
     if float(best_state.get("best_val_loss", math.inf)) < self.best_val_loss:
       self.best_val_loss, self.best_epoch = float(best_state["best_val_loss"]), best_state["best_epoch"]
+    self.best_losses = self._listed_best_losses(os.path.dirname(best))
+
+  def _listed_best_losses(self, folder: str) -> list:
+    """The validation losses of the checkpoints listed in `best`, lowest first, at most keep_best, with
+    the run's own record of its lowest where no listed checkpoint holds it (it was deleted)."""
+    losses = []
+    for name in read_index(folder):
+      try:
+        losses.append(own_val_loss(_read_state(os.path.join(folder, name))))
+      except Exception:  # pylint: disable=broad-except  # damaged or gone: saves drop it first
+        pass
+    losses = [loss for loss in losses if math.isfinite(loss)]
+    if math.isfinite(self.best_val_loss) and (not losses or self.best_val_loss < min(losses)):
+      losses.append(self.best_val_loss)
+    return sorted(losses)[:self.checkpoints.keep_best]
+
+  def _ranks_among_best(self, val_loss: float) -> bool:
+    """Whether an epoch of validation loss `val_loss` goes into `best` (and records it there)."""
+    keep = self.checkpoints.keep_best
+    if len(self.best_losses) >= keep and val_loss >= self.best_losses[keep - 1]:
+      return False
+    self.best_losses = sorted(self.best_losses + [val_loss])[:keep]
+    return True
 
   def _state(self, epoch: int, **extra) -> dict:
-    return dict({"epoch": epoch, "schedule": self.schedule.plateau.to_dict(),
-                 "best_val_loss": self.best_val_loss, "best_epoch": self.best_epoch,
-                 "epoch_logs": self.epoch_logs}, **extra)
+    state = {"epoch": epoch, "schedule": self.schedule.plateau.to_dict(), "best_val_loss": self.best_val_loss,
+             "best_epoch": self.best_epoch, "epoch_logs": self.epoch_logs}
+    if self.init_from:
+      state["init_from"] = self.init_from
+    return dict(state, **extra)
 
   def on_epoch_end(self, epoch, logs=None):
     logs = logs or {}
@@ -328,9 +393,9 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
       logging.warning("Epoch %d ended with a NaN/Inf loss: its weights are not checkpointed", epoch + 1)
       return
     val_loss = logs.get("val_loss")
-    improved = val_loss is not None and val_loss < self.best_val_loss
-    if improved:
+    if val_loss is not None and val_loss < self.best_val_loss:
       self.best_val_loss, self.best_epoch = float(val_loss), epoch + 1
+    among_best = val_loss is not None and self._ranks_among_best(float(val_loss))
     entry = {"epoch": epoch + 1}
     for key, value in logs.items():
       try:
@@ -339,7 +404,7 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
         pass
     self.epoch_logs.append(entry)
     state = self._state(epoch + 1)
-    best = self.checkpoints.save(BEST, state) if improved else None
+    best = self.checkpoints.save(BEST, state) if among_best else None
     # The same weights and state: `last` links best's files instead of writing them again (a third
     # less disk per run, and one write of the weights per improving epoch instead of two).
     self.last_saved = self.checkpoints.save(LAST, state, same_as=best)
@@ -420,6 +485,21 @@ def best_or_last(logdir: str) -> str:
   raise UserError("%s: no usable checkpoint: %s" % (logdir, "; ".join(problems)))
 
 
+def best_checkpoints(logdir: str) -> list:
+  """The checkpoints in `logdir`'s checkpoints/best, the lowest validation loss first (the one evaluated):
+  [{"checkpoint": path, "epoch": ..., "val_loss": ...}]; unreadable ones left out."""
+  folder = os.path.join(logdir, "checkpoints", BEST)
+  listed = []
+  for name in reversed(read_index(folder)):  # the index lists them from the highest loss to the lowest
+    try:
+      state = _read_state(os.path.join(folder, name))
+    except Exception:  # pylint: disable=broad-except  # damaged or gone since the index was read
+      continue
+    listed.append({"checkpoint": os.path.join(folder, name), "epoch": state.get("epoch"),
+                   "val_loss": own_val_loss(state)})
+  return listed
+
+
 def written_optimizer_format(path: str):
   """The optimizer family (training.optimizers.FORMATS) whose state checkpoint `path` holds, or None."""
   names = [name for name, _ in tf.train.list_variables(path)]
@@ -428,6 +508,21 @@ def written_optimizer_format(path: str):
   if any(name.startswith("optimizer/iter/") for name in names):
     return optimizers.LEGACY
   return None
+
+
+def _read_state(path: str) -> dict:
+  """The run state of checkpoint `path`, its other tensors unread."""
+  raw = tf.train.load_checkpoint(path).get_tensor(STATE_KEY)
+  return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+
+
+def own_val_loss(state: dict) -> float:
+  """The validation loss of the epoch whose end wrote run state `state`: its per-epoch logs' last, else
+  its best validation loss (a best checkpoint's own when it was the only one kept), else inf."""
+  logs = state.get("epoch_logs") or []
+  if logs and logs[-1].get("epoch") == state.get("epoch") and logs[-1].get("val_loss") is not None:
+    return float(logs[-1]["val_loss"])
+  return float(state.get("best_val_loss", math.inf))  # a best checkpoint's own, where no logs say more
 
 
 def peek_state(path: str, purpose: str = "--resume") -> dict:
@@ -459,3 +554,177 @@ def peek_last_state(logdir: str, identity: dict) -> dict:
     # The run tests with the best weights at its end: a damaged one must stop it now, not then.
     peek_state(latest_for_restore(best_folder))
   return dict(state, optimizer_format=written_optimizer_format(path))
+
+
+# --- --init_from: a new run from another run's network weights -------------------------------------------
+
+# Identity keys that are the training's, not the network's: a run started from another's weights has its own.
+_TRAINING_KEYS = ("optimizer", "learning_rate")
+# A network weight in a checkpoint of RunCheckpoints: Keras names each layer with weights by its position
+# among them (`layer_with_weights-<i>`); optimizer slots hang below the weight they belong to.
+_LAYER_WEIGHT = re.compile(r"^model/layer_with_weights-(\d+)/(.+)/\.ATTRIBUTES/VARIABLE_VALUE$")
+_CHECKPOINT_FILE = re.compile(r"\.(index|data-\d+-of-\d+)$")
+
+
+def load_initial_weights(net: tf.keras.Model, path: str, identity: dict) -> dict:
+  """--init_from: loads into `net` (built and compiled, also in a distribution strategy's scope) the
+  network weights of `path`: a run folder (its best checkpoint, else its last), a checkpoint folder or a
+  checkpoint. The optimizer state, schedule and epoch count stay this run's own.
+
+  A checkpoint of another network than this run's `identity` (training.loop._identity) builds (its
+  model, design or batch normalisation; another number of outputs or input shape, by the weights'
+  shapes), or one that cannot be read, is a one-line UserError naming both.
+  Returns what the run records: {"checkpoint", "run" (its run folder, or None), "epoch", "step" (within
+  the next epoch, for a checkpoint of an interrupted run), "val_loss" (of its epoch, or None),
+  "weights_sha256" (of the weights loaded: that run's summary.yaml `weights_sha256` where it tested
+  this checkpoint's weights)}.
+  """
+  checkpoint, run = resolve_init_from(path)
+  state = peek_state(checkpoint, purpose="--init_from")
+  stored, dtypes = _stored_layers(checkpoint)
+  _check_same_network(checkpoint, state, stored, net, identity)
+  _check_same_dtypes(checkpoint, dtypes, net)
+  _read_network(net, checkpoint)
+  val_loss = own_val_loss(state)
+  return {"checkpoint": checkpoint, "run": run, "epoch": state["epoch"], "step": state.get("step", 0),
+          "val_loss": val_loss if math.isfinite(val_loss) else None, "weights_sha256": weights_digest(net)}
+
+
+def weights_digest(net: tf.keras.Model) -> str:
+  """SHA-256 of all of `net`'s weights, in its order: equal digests mean identical networks."""
+  digest = hashlib.sha256()
+  for weight in net.get_weights():
+    digest.update(np.ascontiguousarray(weight).tobytes())
+  return digest.hexdigest()
+
+
+def resolve_init_from(path: str):
+  """(checkpoint prefix, run folder or None) for --init_from=`path`: a run folder, one of its checkpoint
+  folders (best or last), a checkpoint prefix or one of its files; a one-line UserError if none."""
+  path = os.path.abspath(path)
+  if _CHECKPOINT_FILE.search(path) and not tf.io.gfile.isdir(path):
+    path = _CHECKPOINT_FILE.sub("", path)
+  if tf.io.gfile.exists(path + ".index"):
+    return path, _run_of(os.path.dirname(path))
+  if tf.io.gfile.exists(os.path.join(path, INDEX_FILE)):  # checkpoints/best or checkpoints/last
+    checkpoint, problem = _newest(path)
+    if problem:
+      raise UserError("--init_from: " + problem)
+    return checkpoint, _run_of(path)
+  if tf.io.gfile.isdir(os.path.join(path, "checkpoints")):
+    try:
+      return best_or_last(path), path
+    except UserError as error:
+      raise UserError("--init_from: %s" % error) from None
+  raise UserError("--init_from: %s is neither a run folder (with checkpoints/) nor a checkpoint (no %s.index)"
+                  % (path, os.path.basename(path)))
+
+
+def _run_of(folder: str):
+  """The run folder that checkpoint folder `folder` (<run>/checkpoints/best or last) is in, or None."""
+  parent = os.path.dirname(folder)
+  if os.path.basename(folder) in (BEST, LAST) and os.path.basename(parent) == "checkpoints":
+    return os.path.dirname(parent)
+  return None
+
+
+def _stored_layers(path: str) -> tuple:
+  """The network weights of checkpoint `path`: {position among the layers with weights: {weight: shape}},
+  and {dtype name: how many of them}."""
+  reader = tf.train.load_checkpoint(path)
+  dtype_of = reader.get_variable_to_dtype_map()
+  layers, dtypes = {}, {}
+  for name, shape in reader.get_variable_to_shape_map().items():
+    match = _LAYER_WEIGHT.match(name)
+    if match and ".OPTIMIZER_SLOT" not in name:
+      layers.setdefault(int(match.group(1)), {})[match.group(2)] = tuple(shape)
+      dtypes[dtype_of[name].name] = dtypes.get(dtype_of[name].name, 0) + 1
+  return layers, dtypes
+
+
+def _layers_with_weights(net: tf.keras.Model) -> list:
+  """`net`'s layers in the order Keras numbers them in checkpoints (`layer_with_weights-<i>`)."""
+  return [layer for layer in net.layers if layer.weights]
+
+
+def _stored_outputs(stored: dict):
+  """The number of outputs of the network in a checkpoint: the width of its last layer's kernel."""
+  last = stored.get(max(stored)) if stored else {}
+  kernel = last.get("kernel")
+  return kernel[-1] if kernel else None
+
+
+def _built_outputs(net: tf.keras.Model):
+  try:
+    return int(net.output_shape[-1])
+  except (AttributeError, TypeError, ValueError, IndexError):
+    return None
+
+
+def _network_named(model_name, design, outputs, batch_norm=None) -> str:
+  """E.g. `neuron_inverter dev (15 outputs)`."""
+  details = ["batch_norm_statistics=%s" % batch_norm] if batch_norm else []
+  details += ["%d outputs" % outputs] if outputs is not None else []
+  text = " ".join(str(part) for part in (model_name, design) if part)
+  return text + (" (%s)" % ", ".join(details) if details else "")
+
+
+def _check_same_network(path: str, state: dict, stored: dict, net: tf.keras.Model, identity: dict) -> None:
+  """A UserError naming both networks unless checkpoint `path` holds one like `net` (its `identity`)."""
+  saved = {key: state.get(key, _IDENTITY_BEFORE_RECORDED.get(key)) for key in identity}
+  differ = [key for key in identity if key not in _TRAINING_KEYS and saved[key] != identity[key]]
+  if "model" in differ:
+    differ = ["model"]  # the design and the rest follow from it
+  batch_norm = "batch_norm_statistics" in differ
+  there = _network_named(state.get("model"), saved.get("design"), _stored_outputs(stored),
+                         batch_norm and saved.get("batch_norm_statistics"))
+  here = _network_named(identity.get("model"), identity.get("design"), _built_outputs(net),
+                        batch_norm and identity.get("batch_norm_statistics"))
+  prefix = "--init_from: %s holds the weights of %s; this run builds %s" % (path, there, here)
+  if differ:
+    raise UserError("%s: start from a run with the same %s" % (prefix, " and ".join("--" + key for key in differ)))
+  layers = _layers_with_weights(net)
+  if len(layers) != len(stored):
+    raise UserError("%s: its network has %d layers with weights, this run's %d" % (prefix, len(stored), len(layers)))
+  for index, layer in enumerate(layers):
+    built = sorted(tuple(weight.shape.as_list()) for weight in layer.weights)
+    saved_shapes = sorted(stored.get(index, {}).values())
+    if saved_shapes != built:
+      raise UserError("%s: the weights of its layer %s are %s there, %s here (data of another input shape "
+                      "or number of outputs)" % (prefix, layer.name, _shapes(saved_shapes), _shapes(built)))
+
+
+def _check_same_dtypes(path: str, dtypes: dict, net: tf.keras.Model) -> None:
+  """Checkpoints restore a weight into a variable of its own dtype only: 16-bit weights (--precision=16.16)
+  and 32-bit ones (32.32, or 16.32, whose weights stay 32-bit) do not mix."""
+  built = {}
+  for weight in (weight for layer in _layers_with_weights(net) for weight in layer.weights):
+    dtype = getattr(weight, "true_dtype", weight.dtype).base_dtype.name  # mixed precision: the stored dtype
+    built[dtype] = built.get(dtype, 0) + 1
+  if built != dtypes:
+    sixteen = any(dtype in dtypes for dtype in ("float16", "bfloat16"))
+    raise UserError("--init_from: %s holds %s weights, this run's network has %s ones: start it with "
+                    "--precision=%s" % (path, " and ".join(sorted(dtypes)), " and ".join(sorted(built)),
+                                        "16.16" if sixteen else "32.32 or 16.32 (whose weights are float32)"))
+
+
+def _shapes(shapes) -> str:
+  """E.g. `3x2 and 2` (the largest first)."""
+  ordered = sorted(shapes, key=lambda shape: (-len(shape), shape))
+  return " and ".join("x".join(str(size) for size in shape) or "a scalar" for shape in ordered)
+
+
+def _read_network(net: tf.keras.Model, path: str) -> None:
+  """Restores the weights of `net`'s layers alone from checkpoint `path`. A checkpoint object of `net`
+  itself would restore its optimizer state too (Keras tracks the optimizer as the model's), which the
+  new run starts afresh; this one holds the layers by the names Keras gives them in checkpoints."""
+  layers = tf.Module()
+  for index, layer in enumerate(_layers_with_weights(net)):
+    setattr(layers, "layer_with_weights-%d" % index, layer)
+  try:
+    status = tf.train.Checkpoint(model=layers).read(path)
+    status.assert_existing_objects_matched()
+  except (AssertionError, ValueError, tf.errors.OpError) as error:
+    raise UserError("--init_from: the network weights of %s do not load into this run's network (%s)"
+                    % (path, " ".join(str(error).split())[:300])) from None
+  status.expect_partial()

@@ -233,3 +233,13 @@ def fit_verbosity(progress: str, is_chief: bool, stdout=None) -> int:
 def evaluate_verbosity(progress: str, is_chief: bool, stdout=None) -> int:
   """Keras' `verbose` for the test evaluation: 1, the bar, or 2, its one line of results."""
   return 1 if shows_bar(progress, is_chief, stdout) else 2
+
+
+def duration(seconds: float) -> str:
+  """42 s, 3 min 5 s, 2 h 10 min: as a person reads a wait."""
+  seconds = int(round(seconds))
+  if seconds < 60:
+    return "%d s" % seconds
+  if seconds < 3600:
+    return "%d min %d s" % divmod(seconds, 60)
+  return "%d h %d min" % (seconds // 3600, seconds % 3600 // 60)

@@ -38,6 +38,7 @@ from training import checkpoints as checkpoints_lib
 from training import interrupt as interrupt_lib
 from training import logs
 from training import replica_statistics
+from training import stopping
 from training import run_folder
 from training.hparams import write_hparams
 from training.lr_schedule import LearningRateSchedule, optimizer_rate, warmup_problem
@@ -70,7 +71,8 @@ def build_and_compile(config: RunConfig, backend: Backend, model_module, splits,
                                           backend.model_options())
     net = backend.prepare_model(net, boundaries)
     optimizer = make_optimizer(config.optimizer, _learning_rate(config, backend, splits.train.steps),
-                               backend.optimizer_factories(), checkpoint_format, **backend.optimizer_kwargs())
+                               backend.optimizer_factories(), checkpoint_format, weight_decay=config.weight_decay,
+                               clip_norm=config.clip_norm, **backend.optimizer_kwargs())
     eval_steps = [split.steps for split in (splits.validation, splits.test) if split]
     net.compile(optimizer=optimizer, loss=model_module.loss(), metrics=model_module.metrics(),
                 **backend.compile_kwargs(splits.train.steps, eval_steps))
@@ -227,8 +229,8 @@ def _make_checkpointing(config, backend, net, outdir):
   """The LR schedule and the checkpoint callback (which saves the schedule's state with the weights)."""
   schedule = LearningRateSchedule(config.learning_rate, config.warmup_epochs, config.lr_factor,
                                    config.lr_patience, config.lr_cooldown)
-  checkpoints = checkpoints_lib.RunCheckpoints(outdir, net, _identity(config),
-                                               restore_logdir=config.logdir)
+  checkpoints = checkpoints_lib.RunCheckpoints(outdir, net, _identity(config), restore_logdir=config.logdir,
+                                               keep_best=config.keep_checkpoints)
   checkpointing = checkpoints_lib.CheckpointCallback(checkpoints, schedule,
                                                      batch_layout=_batch_layout(config, backend))
   return schedule, checkpointing
@@ -253,7 +255,8 @@ def _restore(config, schedule, checkpointing, steps_per_epoch) -> dict:
   return state
 
 
-def _make_callbacks(config, backend, schedule, checkpointing, state, outdir, flag, steps_per_epoch):
+def _make_callbacks(config, backend, schedule, checkpointing, state, outdir, flag, steps_per_epoch,
+                    process_started):
   """The fit's callbacks, in the order they must run; returns them and the throughput callback."""
   if config.lr_schedule == "cosine":  # the optimizer's own rate, the same function of the update count
     schedule.cosine = _learning_rate(config, backend, steps_per_epoch)
@@ -277,8 +280,9 @@ def _make_callbacks(config, backend, schedule, checkpointing, state, outdir, fla
   history = [callbacks_lib.HistoryCSV(outdir, state.get("epoch", 0))] if backend.is_chief else []
   callbacks = [pinned_files.keras_callback(), interrupt_lib.FirstStepEnds(flag), resumed, throughput, quiet,
                replica_statistics.ShareBeforeEvaluation(), schedule, *history, checkpointing,
-               tf.keras.callbacks.TerminateOnNaN(),
-               callbacks_lib.EpochScalars(log_dir=outdir, profile_batch=0)]
+               *_stoppers(config, checkpointing, process_started), tf.keras.callbacks.TerminateOnNaN(),
+               callbacks_lib.EpochScalars(log_dir=outdir, profile_batch=0, every_n_steps=config.log_every_n_steps,
+                                          steps_per_update=_steps_per_update(backend, steps_per_epoch))]
   if config.profile_dir and backend.profiles_with_tensorflow:
     callbacks.append(tf.keras.callbacks.TensorBoard(log_dir=config.profile_dir, profile_batch=(2, 4),
                                                     write_graph=False))
@@ -287,8 +291,28 @@ def _make_callbacks(config, backend, schedule, checkpointing, state, outdir, fla
   # so that a stop at an epoch's end logs it first.
   if logs.shows_bar(config.progress, backend.is_chief):
     callbacks.append(callbacks_lib.RunProgbar(config.epochs))
+  else:  # the lines inside an epoch that the bar would show (none with --log_every=0)
+    callbacks.append(callbacks_lib.ProgressLines(config.epochs, steps_per_epoch, config.log_every,
+                                                 backend.samples_per_step(config.batch_size),
+                                                 first_step=state.get("step", 0), processes=backend.world_size))
   callbacks += [callbacks_lib.EpochLogger(config.epochs, steps_per_epoch, throughput), graceful]
   return callbacks, throughput
+
+
+def _steps_per_update(backend, steps_per_epoch: int) -> int:
+  """Keras steps per optimizer update: the gradient accumulation count on IPUs (a step is a micro-batch),
+  1 elsewhere."""
+  return max(steps_per_epoch // max(backend.optimizer_steps(steps_per_epoch), 1), 1)
+
+
+def _stoppers(config, checkpointing, process_started) -> list:
+  """--early_stopping_patience and --target_loss, after the checkpoint callback has ranked the epoch."""
+  stoppers = []
+  if config.early_stopping_patience:
+    stoppers.append(stopping.EarlyStopping(config.early_stopping_patience, checkpointing))
+  if config.target_loss is not None:
+    stoppers.append(stopping.TargetLoss(config.target_loss, process_started))
+  return stoppers
 
 
 def _use_best_weights(checkpointing, last_epoch: int):
@@ -346,7 +370,7 @@ def _fit(net, config, backend, splits, first_epoch, first_step, callbacks) -> di
                                steps_per_epoch=part_steps, validation_data=val_x,
                                validation_steps=val_steps, callbacks=callbacks, verbose=verbose).history)
     first_epoch += 1
-    if any(not np.isfinite(v) for v in histories[0].get("loss", [])):
+    if any(not np.isfinite(v) for v in histories[0].get("loss", [])) or stopping.stopped(callbacks):
       return histories[0]
   if first_epoch < config.epochs or not histories:
     train_x, train_steps = backend.fit_input(splits.train.epochs_from(first_epoch), steps)
@@ -376,9 +400,12 @@ def end_interrupted_fit(callbacks) -> None:
         logging.warning("Could not close the TensorBoard writers: %s", error)
 
 
-def run(config: RunConfig, backend: Backend) -> dict:
-  """Trains and tests `config.model` on `backend`; returns the summary also written to summary.yaml."""
+def run(config: RunConfig, backend: Backend, process_started: float = None) -> dict:
+  """Trains and tests `config.model` on `backend`; returns the summary also written to summary.yaml.
+  `process_started`: the process's start on time.monotonic()'s clock (main.py), for the total time and
+  the time to a --target_loss; default: now."""
   started = time.perf_counter()
+  process_started = time.monotonic() if process_started is None else process_started
   info = model.get_model_info(config.model)
   outdir = backend.output_dir(config.logdir)
   scratch = outdir != config.logdir  # another process's: the chief writes the run's folder
@@ -399,7 +426,7 @@ def run(config: RunConfig, backend: Backend) -> dict:
     watched = pinned_files.watched_in_run(before_sudden_exit=lambda: run_folder.release(config.logdir))
     with logged, watched:
       try:
-        summary = _train_and_test(config, backend, info, outdir, started)
+        summary = _train_and_test(config, backend, info, outdir, started, process_started)
       except tf.errors.UnavailableError as error:
         if backend.world_size == 1:
           raise
@@ -439,7 +466,8 @@ def _lost_process(error, processes: int, logdir: str) -> str:
              ", with --resume" if saved else " (the run has saved no checkpoint yet)"))
 
 
-def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, started: float) -> dict:
+def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, started: float,
+                    process_started: float) -> dict:
   set_seeds(config.seed)
   print("%s, running on %s" % (info.title, backend.label), flush=True)
 
@@ -466,11 +494,17 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
   # --- Checkpoints, resume, callbacks -----------------------------------------------------------------
   schedule, checkpointing = _make_checkpointing(config, backend, net, outdir)
   state = _restore(config, schedule, checkpointing, splits.train.steps)
+  if config.init_from and not config.resume:  # the network's weights; the optimizer and schedule start afresh
+    init = checkpoints_lib.load_initial_weights(net, config.init_from, _identity(config))
+    logging.info("Starting from the network weights of %s (epoch %d, sha256 %s)", init["checkpoint"],
+                 init["epoch"], init["weights_sha256"])
+    checkpointing.init_from = init  # saved with the run's checkpoints: a resume keeps the record
+  init_from = checkpointing.init_from
   # SIGTERM/SIGINT from the end of the first step to the summary: a stop at the next safe point with
   # every checkpoint saved, then exit 128 + signal number; before it, at once (training/interrupt.py).
   flag = interrupt_lib.InterruptFlag(immediate_until_first_step=True)
   callbacks, throughput = _make_callbacks(config, backend, schedule, checkpointing, state, outdir, flag,
-                                          splits.train.steps)
+                                          splits.train.steps, process_started)
   # Only now, with the flags, data and any checkpoint to resume found good: a bad command leaves the
   # outputs of the run already in the logdir untouched, its log and lock file too.
   _accepted(outdir)
@@ -506,7 +540,10 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
         global_batch_size=global_batch_size,
         first_epoch=resume_state["epoch"] + 1 if history else None,
         wall_seconds=time.perf_counter() - started, fit_seconds=fit_seconds,
-        weights_sha256=weights_digest(net), tensorflow_version=tf.__version__)
+        weights_sha256=weights_digest(net), tensorflow_version=tf.__version__,
+        keras_policy=tf.keras.mixed_precision.global_policy().name,
+        total_seconds=time.monotonic() - process_started,
+        stops=stopping.record(callbacks, config.target_loss), init_from=init_from)
     if backend.is_chief:  # the others' folders are scratch (run)
       logging.info("Wrote %s", summary_lib.write_summary(outdir, summary))
     if config.predict:

@@ -21,7 +21,7 @@ import model
 from data import atomic_files
 from errors import UserError, given_path, shown_path
 from run_config import RunConfig
-from training.logs import LOG_FILE
+from training.logs import LOG_FILE, duration
 from training.run_folder import HISTORY_FILE
 
 REQUIRED_KEYS = ("model", "backend", "replicas", "global_batch_size", "epochs", "train_loss",
@@ -32,12 +32,18 @@ REQUIRED_KEYS = ("model", "backend", "replicas", "global_batch_size", "epochs", 
 def build_summary(config: RunConfig, backend, info, splits, history: dict, test_results: dict, test_epoch,
                   throughput, checkpointing, *, global_batch_size: int, first_epoch: int,
                   wall_seconds: float, fit_seconds: float, weights_sha256: str,
-                  tensorflow_version: str) -> dict:
+                  tensorflow_version: str, keras_policy: str = None, total_seconds: float = None,
+                  stops: dict = None, init_from: dict = None) -> dict:
   """The summary of a finished run, from its parts: what summary.yaml holds (REQUIRED_KEYS and more).
   `history` is this invocation's epochs; a resume that only tested (its run stopped after the last
-  epoch) has none, and the last losses and rate are then the last epoch's from the checkpoint."""
+  epoch) has none, and the last losses and rate are then the last epoch's from the checkpoint.
+  summary.yaml's `history` is the whole run's, every epoch since the first across resumes (its `epoch`
+  list, 1-based); `first_epoch` says where this invocation began. `stops`: how training ended early
+  (`stopped_early`, `time_to_target_seconds` and its kin, training/stopping.py), `init_from`: where the
+  starting weights came from."""
   full_history = _full_history(checkpointing.epoch_logs)
   last = history if history.get("loss") else full_history
+  rate = throughput.samples_per_sec_per_replica
   summary = {
       "model": config.model,
       "backend": backend.kind,
@@ -46,6 +52,7 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
       "per_replica_batch_size": config.batch_size,
       "gradient_accumulation": backend.gradient_accumulation,
       "precision": backend.precision,
+      "keras_policy": keras_policy,  # the Keras mixed-precision policy that --precision became here
       **backend.forms_record(),
       "epochs": config.epochs,
       "first_epoch": first_epoch,
@@ -58,12 +65,14 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
       # Every sample on CPUs and GPUs (a short last batch); whole batches on IPUs, which need static
       # shapes, of a size that divides each replica's share where one does (data.splits.eval_layout).
       "test_samples": splits.test.samples * backend.world_size if splits.test and test_results else None,
-      "samples_per_sec_per_replica": throughput.samples_per_sec_per_replica,
+      "samples_per_sec_per_replica": rate,
+      "samples_per_sec": rate * backend.replicas if rate is not None else None,  # all replicas together
       "compile_seconds": throughput.compile_seconds,  # null where the first execution ran several steps
       "first_execution_seconds": throughput.first_execution_seconds,
       "first_execution_steps": throughput.first_execution_steps,
       "executable_from_cache": throughput.from_cache,
       "wall_seconds": wall_seconds,
+      "total_seconds": total_seconds,  # from the process start: flags, data, TensorFlow, training, test
       "seconds_per_epoch": _epoch_time_stats(history),
       "wall_seconds_per_epoch": _epoch_time_stats(history, "epoch_wall_seconds"),
       "fit_seconds": fit_seconds,
@@ -77,9 +86,10 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
       "world_size": backend.world_size,
       "weights_sha256": weights_sha256,
       "tensorflow_version": tensorflow_version,
+      "init_from": init_from,
+      **(stops or {}),
       "params": config.as_dict(),
-      "history": {key: [float(v) for v in values] for key, values in history.items()},
-      "full_history": full_history,
+      "history": full_history,
   }
   summary.update(splits.summary_extras)
   if info.task == "classification":
@@ -165,10 +175,16 @@ def closing_report(summary: dict, logdir: str, argv=(), processes: int = 1) -> s
   """
   pasted = given_path(logdir)  # as the commands below name it (tool_command makes its own)
   lines = ["", "Run finished: %s" % pasted]
+  time_line = _time_line(summary)
+  if time_line:
+    lines.append("  time: " + time_line)
   if summary.get("best_val_loss") is not None:
     lines.append("  validation: %s, epoch %d; last epoch %.4f" % (
         _loss_line("best", summary["best_val_loss"], summary.get("mean_predictor_val_loss")),
         summary["best_val_epoch"], summary["val_loss"]))
+  stop_line = _stop_line(summary)
+  if stop_line:
+    lines.append("  " + stop_line)
   if summary.get("test_loss") is not None:
     # Each split against its own baseline: the training mean scores 0.3326 on the built-in data's
     # validation split and 0.3336 on its test split.
@@ -193,6 +209,48 @@ def closing_report(summary: dict, logdir: str, argv=(), processes: int = 1) -> s
       resume_line(argv or ["main.py", "--model=%s" % summary["model"]], pasted, epochs), epochs,
       ", " + note if note else ""))
   return "\n".join(lines)
+
+
+def _time_line(summary: dict) -> str:
+  """The run's time in all and in training, and its training rate over all replicas and per replica."""
+  parts = []
+  if summary.get("total_seconds"):
+    parts.append("%s in all" % duration(summary["total_seconds"]))
+  first, trained = summary.get("first_epoch"), summary.get("history", {}).get("epoch") or []
+  if summary.get("fit_seconds") and first:
+    epochs = len([epoch for epoch in trained if epoch >= first])
+    parts.append("%s training (%s)" % (duration(summary["fit_seconds"]), _count(epochs, "epoch")))
+  if summary.get("samples_per_sec"):
+    replicas = summary.get("replicas") or 1
+    rate = "%s samples/s" % format(int(round(summary["samples_per_sec"])), ",")
+    if replicas > 1:
+      rate += " on %d replicas (%s per replica)" % (
+          replicas, format(int(round(summary["samples_per_sec_per_replica"])), ","))
+    parts.append(rate)
+  return ", ".join(parts)
+
+
+def _count(number: int, noun: str) -> str:
+  return "%d %s%s" % (number, noun, "" if number == 1 else "s")
+
+
+def _stop_line(summary: dict) -> str:
+  """Why training ended before its --epochs, and the time to a --target_loss."""
+  stopped = summary.get("stopped_early") or {}
+  target = (summary.get("params") or {}).get("target_loss")
+  if stopped.get("reason") == "target_loss":
+    return "target: validation loss at or below %g after epoch %d, %s from the start (%s of training)" % (
+        target, summary["target_epoch"], duration(summary["time_to_target_seconds"]),
+        duration(summary["time_to_target_training_seconds"]))
+  if target is not None and "time_to_target_seconds" in summary:
+    line = "target: validation loss %g not reached" % target
+  else:
+    line = ""
+  if stopped.get("reason") == "early_stopping":
+    patience = (summary.get("params") or {}).get("early_stopping_patience")
+    line += ("; " if line else "") + "stopped early after epoch %d: no lower validation loss for %s" % (
+        stopped["after_epoch"], _count(patience or 0, "epoch"))
+  return line
 
 
 def run_folder_lines(logdir: str) -> str:

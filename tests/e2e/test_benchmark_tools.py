@@ -23,6 +23,24 @@ from tests.support.cellspike_files import write_cellspike
 from tests.support.helpers import REPO_ROOT
 
 TORCH_PYTHON = os.path.join(REPO_ROOT, ".venv-torch", "bin", "python")
+# TensorFlow's start-up lines that main.py drops (strategies/environment.py): oneDNN's notice, the
+# CPU-instructions hint (TF 2.21 and 2.6), the C++ log's preamble, and, without a GPU, the CUDA probe.
+START_UP_LINES = ("oneDNN custom operations are on", "rebuild TensorFlow with the appropriate compiler flags",
+                  "absl::InitializeLog()")
+CUDA_PROBE_LINES = ("Could not find cuda drivers", "cuInit")
+
+
+def assert_no_start_up_lines(stderr: str) -> None:
+  for line in START_UP_LINES + (() if glob.glob("/dev/nvidia[0-9]*") else CUDA_PROBE_LINES):
+    assert line not in stderr, stderr[-3000:]
+
+
+def shell_environment(**variables) -> dict:
+  """The environment of a user's shell: without the TensorFlow variables this test process has set
+  (conftest.py), which a tool must set itself; with `variables` added."""
+  environment = {k: v for k, v in os.environ.items()
+                 if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_USE_LEGACY_KERAS", "TF2_BEHAVIOR")}
+  return dict(environment, **variables)
 
 
 def test_benchmark_produces_every_figure(tmp_path):
@@ -110,7 +128,8 @@ def test_benchmark_trains_with_the_forms_the_autotune_chose_and_times_them_once(
                            "--batch_size=8", "--windows=1", "--window_steps=2", "--data_path=" + data,
                            "--precisions=32.32", "--rounds=2", "--skip=reference,inference,compile,input,peak",
                            "--cache_dir=" + str(cache), "--json=" + out], check=True, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, env=shell_environment())
+  assert_no_start_up_lines(result.stderr)   # the tool's own TensorFlow, as main.py's
   row = json.load(open(out))["precisions"]["32.32"]["dev"]
   assert [run["conv_forms_chosen_by"] for run in row["train_rounds"]] == ["measured", "cached"]
   # The table says how the run came by its forms, whichever round is the row's median.
@@ -385,6 +404,25 @@ def test_parity_refuses_bad_input_in_one_line_before_training(tmp_path, case):
   assert not (tmp_path / "reference_started").exists()
 
 
+def test_parity_on_the_built_in_dataset_prints_no_tensorflow_start_up_lines(tmp_path):
+  """Finding the built-in dataset imports TensorFlow (data/cellspike.py): its start-up lines came
+  before the tool's first line. The dataset here is a small file where the cache holds the built-in one."""
+  from data import cellspike, cellspike_generate  # pylint: disable=import-outside-toplevel
+  folder = tmp_path / "cache" / "neuron_inverter" / ("cellspike-%s-seed0" % cellspike.DEFAULT_DATA_VERSION)
+  folder.mkdir(parents=True)
+  write_cellspike(str(folder / cellspike_generate.h5_name(cellspike.DEFAULT_CELL)),
+                  sizes={"train": 64, "val": 16, "test": 16})
+  env = shell_environment(XDG_CACHE_HOME=str(tmp_path / "cache"))
+  result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "parity.py"), "--epochs=1",
+                           "--seeds=0", "--train_samples=32", "--val_samples=8",
+                           "--reference_python=" + _fake_reference(tmp_path), "--out=" + str(tmp_path / "parity")],
+                          env=env, capture_output=True, text=True, timeout=120)
+  # The fake reference fails at once: the tool had found the dataset and cut its slice.
+  assert result.returncode == 1 and (tmp_path / "reference_started").exists(), result.stderr[-2000:]
+  assert result.stderr.startswith("error: the reference failed"), result.stderr[-2000:]
+  assert_no_start_up_lines(result.stderr)
+
+
 def test_parity_knows_main_pys_precisions():
   import flags  # pylint: disable=import-outside-toplevel
   from tools import parity  # pylint: disable=import-outside-toplevel
@@ -496,3 +534,16 @@ def test_repeat_step_refuses_a_bad_flag_on_one_line(flag, expected):
   result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "repeat_step.py"), flag],
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 2 and result.stderr.count("\n") == 1 and expected in result.stderr, result.stderr
+
+
+def test_logging_benchmark_times_runs_with_the_logging_off_and_on(tmp_path):
+  data = write_cellspike(str(tmp_path / "d.h5"), sizes={"train": 128, "val": 32, "test": 32})
+  out = str(tmp_path / "logging.json")
+  result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "benchmark_logging.py"), "--rounds=1",
+                           "--epochs=2", "--replicas=1", "--batch_size=16", "--data_path=" + data,
+                           "--main_flag=--design=dev", "--main_flag=--steps_per_epoch=4", "--main_flag=--eval_steps=1",
+                           "--log_every_n_steps=2", "--json=" + out], capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  results = json.load(open(out))
+  assert set(results["rounds"][0]) == {"off", "on", "ratio"} and results["median_ratio"] > 0
+  assert results["log_every_n_steps"] == 2

@@ -139,7 +139,7 @@ def test_a_data_file_replaced_or_deleted_while_training_is_read_to_the_end(tmp_p
                    result.stderr), result.stderr[-3000:]
   with open(os.path.join(job.logdir, "summary.yaml")) as f:
     summary = yaml.safe_load(f)
-  assert summary["test_samples"] == SIZES["test"] and len(summary["full_history"]["val_loss"]) == 2
+  assert summary["test_samples"] == SIZES["test"] and len(summary["history"]["val_loss"]) == 2
 
 
 def test_a_staged_copy_truncated_while_training_is_one_line_naming_it(tmp_path, run):

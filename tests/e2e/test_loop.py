@@ -106,11 +106,12 @@ def test_resume_continues_epochs_and_schedule(plateau_run, fp16_file):
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   after = _summary(logdir)
   assert "Resumed from" in resumed.stderr and after["first_epoch"] == 3
-  assert len(after["history"]["loss"]) == 1                     # only epoch 3 was trained
+  assert after["history"]["epoch"] == [1, 2, 3]                 # the run's, across the resume
+  assert after["history"]["loss"][:2] == pytest.approx(before["history"]["loss"])
   # The plateau state carried over: epoch 3 starts from the rate epoch 2 left, not the initial one.
   plateau_lr = before["history"]["lr"][-1]
-  assert after["history"]["lr"][0] in (pytest.approx(plateau_lr), pytest.approx(plateau_lr * 0.5))
-  assert after["history"]["loss"][0] < before["history"]["loss"][0]  # weights were restored, not re-initialised
+  assert after["history"]["lr"][2] in (pytest.approx(plateau_lr), pytest.approx(plateau_lr * 0.5))
+  assert after["history"]["loss"][2] < before["history"]["loss"][0]  # weights were restored, not re-initialised
 
 
 def test_bad_data_path_is_one_line_error(tmp_path):

@@ -154,12 +154,12 @@ def reference(tmp_path, data_file):
 
 def assert_close_to_reference(summary, reference, epochs=EPOCHS):
   reference = reference.summary()
-  assert summary["full_history"]["epoch"] == list(range(1, epochs + 1))
+  assert summary["history"]["epoch"] == list(range(1, epochs + 1))
   for key in ("loss", "val_loss"):
-    ours, theirs = summary["full_history"][key][epochs - 1], reference["full_history"][key][epochs - 1]
-    assert ours == pytest.approx(theirs, rel=LOSS_RTOL), (key, summary["full_history"][key],
-                                                          reference["full_history"][key])
-  np.testing.assert_allclose(summary["full_history"]["lr"], reference["full_history"]["lr"][:epochs])
+    ours, theirs = summary["history"][key][epochs - 1], reference["history"][key][epochs - 1]
+    assert ours == pytest.approx(theirs, rel=LOSS_RTOL), (key, summary["history"][key],
+                                                          reference["history"][key])
+  np.testing.assert_allclose(summary["history"]["lr"], reference["history"]["lr"][:epochs])
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ def test_mnist_check_end_to_end(tmp_path, replicas):
     assert key in summary, key
   assert summary["replicas"] == replicas and summary["backend"] == "cpu"
   assert summary["global_batch_size"] == 32 * replicas and summary["epochs"] == 2
-  assert summary["val_loss"] is None
+  assert np.isfinite(summary["val_loss"]) and len(summary["history"]["val_loss"]) == 2
   assert np.isfinite(summary["train_loss"]) and np.isfinite(summary["test_loss"])
   assert 0.0 <= summary["test_accuracy"] <= 1.0
   assert summary["samples_per_sec_per_replica"] > 0 and summary["compile_seconds"] > 0
@@ -110,7 +110,7 @@ def _run_the_printed_resume_line(closing, logdir):
   result = run_main(*words[2:])
   assert result.returncode == 0, result.stderr[-3000:]
   summary = yaml.safe_load(open(os.path.join(logdir, "summary.yaml")))
-  assert summary["epochs"] == 7 and summary["replicas"] == 2 and len(summary["full_history"]["loss"]) == 7
+  assert summary["epochs"] == 7 and summary["replicas"] == 2 and len(summary["history"]["loss"]) == 7
 
 
 def _check_the_profile(profile, logdir, table):

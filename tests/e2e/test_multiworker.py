@@ -94,7 +94,7 @@ def test_a_signal_to_one_worker_stops_both_after_the_same_step_and_the_run_resum
   assert "continuing with epoch 1 of 2 at step %d of 16" % (int(stops[0]) + 1) in chief_log
   assert "rank 0 of 2 (chief)" in chief_log and "rank 1 of 2" in outputs[1][1]
   summary = yaml.safe_load(open(os.path.join(logdir, "summary.yaml")))
-  assert summary["world_size"] == 2 and summary["replicas"] == 2 and summary["full_history"]["epoch"] == [1, 2]
+  assert summary["world_size"] == 2 and summary["replicas"] == 2 and summary["history"]["epoch"] == [1, 2]
   assert summary["global_batch_size"] == 32
   worker_dir, worker_weights = other_process_report(outputs[1][1])
   # Identical weights after training: the all-reduce kept both replicas in step.

@@ -33,7 +33,8 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def run_predict(*args, timeout=300):
   env = dict(os.environ)
-  env.pop("TF_USE_LEGACY_KERAS", None)  # the tool must set it itself
+  for variable in ("TF_USE_LEGACY_KERAS", "TF_CPP_MIN_LOG_LEVEL"):  # the tool must set them itself
+    env.pop(variable, None)
   return subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "predict.py")] + list(args),
                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -91,6 +92,9 @@ def test_main_predict_writes_the_report(trained_run):
   assert _load_yaml(os.path.join(logdir, "run_config.yaml"))["design"] == "dev"   # written at the start
   sum_pred = _load_yaml(os.path.join(logdir, "predict", "sum_pred.yaml"))
   _check_sum_pred(sum_pred, "test", 70)
+  # Its paths, all absolute: the checkpoint's inside the run folder it names.
+  assert sum_pred["logdir"] == os.path.abspath(logdir) and os.path.isabs(sum_pred["data_path"])
+  assert sum_pred["checkpoint"].startswith(os.path.join(sum_pred["logdir"], "checkpoints", "best") + os.sep)
   assert _load_yaml(os.path.join(logdir, "summary.yaml"))["test_samples"] == 70
   # The test split is evaluated with the weights the run tested: its MSE is the run's test loss, and
   # its baseline the one the run's report gave for the test split (the training mean's MSE there).
@@ -151,6 +155,10 @@ def test_predict_tool_and_export_round_trip(trained_run, data_file, tmp_path):
                        "--backend=cpu", "--outdir=" + outdir, "--export_dir=" + export_dir, "--noplots")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "compiled metrics have yet to be built" not in result.stderr  # Keras' warning on exporting
+  # TensorFlow's start-up lines, dropped as in main.py's log (the tool sets TF_CPP_MIN_LOG_LEVEL itself).
+  for line in ("oneDNN custom operations are on", "rebuild TensorFlow", "absl::InitializeLog()") + (
+      () if glob.glob("/dev/nvidia[0-9]*") else ("Could not find cuda drivers", "cuInit")):
+    assert line not in result.stderr, result.stderr[-3000:]
   # 50 samples exactly: 3 batches of 16 and a short one of 2.
   assert "parameter" in result.stdout and "p14" in result.stdout and "validation split, 50 samples" \
       in result.stdout

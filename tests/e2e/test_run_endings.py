@@ -140,8 +140,7 @@ def test_a_signal_at_the_last_epochs_end_stops_before_the_test_and_resume_only_t
   assert summary["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
   assert summary["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-5)
   assert summary["best_val_epoch"] == reference["best_val_epoch"]
-  assert summary["first_epoch"] is None and summary["history"] == {}
-  assert summary["full_history"]["epoch"] == [1, 2]
+  assert summary["first_epoch"] is None and summary["history"]["epoch"] == [1, 2]
 
   with pytest.raises(UserError, match="already finished 2 epochs and its test; raise --epochs"):
     _run(_config(data_file, logdir, resume=True))
@@ -254,7 +253,7 @@ def test_a_mid_epoch_resume_with_shorter_epochs_is_refused_before_writing(tmp_pa
     _run(_config(data_file, logdir, resume=True, steps_per_epoch=4))
   with open(os.path.join(logdir, "run_config.yaml")) as f:
     assert f.read() == before
-  assert _run(_config(data_file, logdir, resume=True))["full_history"]["epoch"] == [1, 2]
+  assert _run(_config(data_file, logdir, resume=True))["history"]["epoch"] == [1, 2]
 
 
 def test_a_resume_with_fewer_epochs_than_the_run_started_with_is_refused(tmp_path, data_file, monkeypatch):
@@ -285,7 +284,7 @@ def test_a_run_killed_between_its_first_two_saves_resumes_from_best(tmp_path, da
     summary = _run(_config(data_file, logdir, resume=True))
   assert "the first epoch's saves were cut short): resuming from %s" % os.path.join(
       logdir, "checkpoints", "best") in caplog.text
-  assert summary["full_history"]["epoch"] == [1, 2] and np.isfinite(summary["test_loss"])
+  assert summary["history"]["epoch"] == [1, 2] and np.isfinite(summary["test_loss"])
 
 
 def test_a_run_that_failed_before_its_first_checkpoint_starts_again_in_its_folder(tmp_path, data_file):

@@ -253,20 +253,49 @@ def test_sbatch_args_a_shell_could_not_split_are_one_error_before_anything_is_wr
   assert not (tmp_path / "scan").exists()
 
 
-def test_a_model_without_validation_is_ranked_by_its_test_loss(tmp_path):
-  """--model=mnist has no validation split: every point's best validation loss was `-`, `best: null`,
-  the plot empty, and the exit status 0."""
+def test_an_mnist_scan_is_ranked_by_the_validation_loss(tmp_path):
+  """--model=mnist validates every epoch on digits held out of its training set: the points are ranked
+  by their best validation loss, as the neuron_inverter's, never by the test loss."""
   result = _scan_in(tmp_path, "--scan_dir=scan", "--learning_rates=1e-3,2e-3", "--", "--model=mnist",
                     "--synthetic_data", "--epochs=1", "--steps_per_epoch=2", "--eval_steps=1")
   assert result.returncode == 0, result.stdout + result.stderr
   table = yaml.safe_load(open(str(tmp_path / "scan" / "scan.yaml")))
-  assert table["ranked_by"] == "test_loss"
-  best = min(table["points"], key=lambda row: row["test_loss"])
+  assert table["ranked_by"] == "best_val_loss"
+  best = min(table["points"], key=lambda row: row["best_val_loss"])
   assert table["best"]["name"] == best["name"] and 0 <= table["best"]["test_accuracy"] <= 1
-  assert ("best: %s, test loss %.4f, test accuracy %.4f (no point has a validation loss: the model trains "
-          "without a validation split, so the points are ranked by their test loss)"
-          % (best["name"], best["test_loss"], best["test_accuracy"])) in result.stdout
+  assert "best: %s, validation loss %.4f (epoch 1), test accuracy %.4f\n" % (
+      best["name"], best["best_val_loss"], best["test_accuracy"]) in result.stdout
+  assert "ranked by their test loss" not in result.stdout
   assert os.path.getsize(str(tmp_path / "scan" / "scan.png")) > 10000
+
+
+def _finished_point(scan_dir, point, summary):
+  """A point as a finished run leaves it: its exit status and its summary.yaml."""
+  with open(scan._status_path(scan_dir, point), "w") as f:  # pylint: disable=protected-access
+    yaml.safe_dump({"returncode": 0, "seconds": 1.0}, f)
+  os.makedirs(os.path.join(scan_dir, point["name"]))
+  with open(os.path.join(scan_dir, point["name"], "summary.yaml"), "w") as f:
+    yaml.safe_dump(dict(summary, wall_seconds=1.0), f)
+
+
+def test_points_without_a_validation_loss_are_ranked_by_their_test_loss_and_the_report_says_so(tmp_path, capsys):
+  """Summaries with no validation loss (best_val_loss: null): the test loss ranks them, in scan.yaml, the
+  table's last line and the plot; with one point that has a validation loss, that one ranks."""
+  scan_dir = str(tmp_path / "scan")
+  scan.save_grid(scan_dir, scan.make_grid(["1e-3", "2e-3"], ["1"], ["--epochs=1"]))
+  first, second = scan.load_grid(scan_dir)["points"]
+  _finished_point(scan_dir, first, {"best_val_loss": None, "test_loss": 0.5, "test_accuracy": 0.8})
+  _finished_point(scan_dir, second, {"best_val_loss": None, "test_loss": 0.25, "test_accuracy": 0.9})
+  assert scan.report(scan_dir) == 0
+  table = yaml.safe_load(open(os.path.join(scan_dir, "scan.yaml")))
+  assert table["ranked_by"] == "test_loss" and table["best"]["name"] == second["name"]
+  assert ("best: %s, test loss 0.2500, test accuracy 0.9000 (no point's summary.yaml has a validation loss, "
+          "so the points are ranked by their test loss)" % second["name"]) in capsys.readouterr().out
+  with open(os.path.join(scan_dir, first["name"], "summary.yaml"), "w") as f:
+    yaml.safe_dump({"best_val_loss": 0.7, "best_val_epoch": 1, "test_loss": 0.5, "wall_seconds": 1.0}, f)
+  assert scan.report(scan_dir) == 0
+  table = yaml.safe_load(open(os.path.join(scan_dir, "scan.yaml")))
+  assert table["ranked_by"] == "best_val_loss" and table["best"]["name"] == first["name"]
 
 
 def test_the_report_drops_matplotlibs_info_lines(tmp_path):

@@ -154,7 +154,7 @@ def test_scancel_term_mid_epoch_checkpoints_and_the_resubmitted_job_finishes(slu
   assert (resumed["JobState"], resumed["ExitCode"]) == ("COMPLETED", "0:0"), output[-3000:]
   assert "continuing with epoch 1 of 2 at step %d of %d" % (int(stops[0]) + 1, TERM_STEPS) in output
   summary = _check_two_workers_trained(output, logdir, chief_runs=2)  # stopped, then resumed
-  assert summary["full_history"]["epoch"] == [1, 2]  # the epochs of an uninterrupted run
+  assert summary["history"]["epoch"] == [1, 2]  # the epochs of an uninterrupted run
 
 
 def test_a_job_array_scan_reports_every_point(slurm, data_path, tmp_path):
