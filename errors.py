@@ -43,7 +43,7 @@ _terminal_outputs = set()  # stdout's and stderr's descriptors that were a termi
 # (an XLA or Poplar compilation, a wait for another process) holds a stop back until it returns. While
 # stops are immediate (set-up: nothing is saved yet), one not taken within STOP_GRACE_SECONDS ends the
 # process with its line and status (_StopWatchdog). A C++ call that also holds the GIL blocks the
-# watchdog too: such calls are kept short (strategies/cpuinfo.py bounds the CPU's logical devices).
+# watchdog too: such calls are kept short (host/cpuinfo.py bounds the CPU's logical devices).
 STOP_GRACE_SECONDS = 5.0
 _graceful = [False]  # [True]: a training loop takes stops at its next safe point (training/interrupt.py)
 

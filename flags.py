@@ -20,7 +20,7 @@ import model
 from data import mnist_sources
 from errors import UserError
 from model.designs import DESIGNS
-from run_config import AUTOTUNE_MIN_STEPS, AUTOTUNE_MODES, PROGRESS_MODES, RunConfig
+from run_config import AUTOTUNE_MIN_STEPS, AUTOTUNE_MODES, PROGRESS_MODES, RunConfig, flag_name
 from strategies import pipeline_rules, registry
 from strategies.registry import CHOICES as BACKENDS
 
@@ -410,12 +410,6 @@ def _models_using(name: str) -> list:
   if name in NETWORK_FLAGS:
     return sorted(key for key, info in model.MODELS.items() if getattr(info, NETWORK_FLAGS[name]))
   return sorted(key for key, info in model.MODELS.items() if name in DATASET_FLAGS.get(info.dataset, ()))
-
-
-def flag_name(argument: str):
-  """The flag a command-line word names (`--epochs=8`, `--epochs`, `-noresume`: epochs, noresume), or None
-  for a word that is no flag."""
-  return argument.lstrip("-").split("=", 1)[0] if argument.startswith("-") else None
 
 
 def _typed_flags(command_line):

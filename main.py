@@ -30,7 +30,7 @@ import data  # noqa: E402  pylint: disable=wrong-import-position
 from data import sizes  # noqa: E402  pylint: disable=wrong-import-position
 import flags  # noqa: E402  pylint: disable=wrong-import-position
 import model  # noqa: E402  pylint: disable=wrong-import-position
-from strategies import environment  # noqa: E402  pylint: disable=wrong-import-position
+from strategies import environment, start  # noqa: E402  pylint: disable=wrong-import-position
 from training import logs, run_folder  # noqa: E402  pylint: disable=wrong-import-position
 from training import summary as summary_lib  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -54,7 +54,9 @@ def train_and_evaluate(config, dated_logdir: bool = False, then_exit: bool = Fal
   if alone:
     config = _claim_run_folder(config, dated_logdir)
   try:
-    config, backend = environment.start_backend(config)  # imports TensorFlow
+    # Imports TensorFlow; from here the config holds what the backend decided (strategies/select.py settle),
+    # and sys.argv the flags as typed, which a resume repeats.
+    config, backend = start.start_backend(config)
     if not alone and backend.is_chief:
       config = _claim_run_folder(config, dated_logdir)
     from analysis.evaluation import check_report_possible, report  # pylint: disable=import-outside-toplevel

@@ -29,6 +29,13 @@ def cache_hint(path: str) -> str:
   return ("; it is the default, under %s: set XDG_CACHE_HOME to a writable folder, or pass --cache_dir and "
           "--data_cache" % source)
 
+
+def flag_name(argument: str):
+  """The flag a command-line word names (`--epochs=8`, `--epochs`, `-noresume`: epochs, noresume), or None
+  for a word that is no flag. A RunConfig field is the flag of the same name."""
+  return argument.lstrip("-").split("=", 1)[0] if argument.startswith("-") else None
+
+
 # --autotune: "auto" times the forms only for runs of at least AUTOTUNE_MIN_STEPS training steps. The
 # timing costs about 220-240 steps' time (docs/performance.md, "Convolution forms and --autotune"), once
 # per machine and batch layout: later runs read the result. Short runs (tests, smoke
@@ -42,10 +49,14 @@ PROGRESS_MODES = ("auto", "bar", "epoch")
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-  """Everything one run needs to know, resolved (no `None` meaning "model default" is left)."""
+  """Everything one run needs to know, resolved (no `None` meaning "model default" is left).
+
+  The fields marked "[settled]" hold the flags' values until the backend starts; from then on
+  (strategies/select.py `settle`) they hold what it decided, which run_config.yaml, TensorBoard's HParams
+  row and summary.yaml's `params` record."""
   model: str
-  backend: str = "auto"            # auto or a name of strategies/registry.py; select.resolve settles auto
-  replicas: int = 1                # data-parallel replicas on every backend
+  backend: str = "auto"            # [settled] auto or a name of strategies/registry.py; then never auto
+  replicas: int = 1                # [settled] data-parallel replicas; then of all processes (workers, poprun)
   batch_size: int = 64             # per replica (micro-batch)
   epochs: int = 3
   learning_rate: float = 0.01
@@ -78,19 +89,21 @@ class RunConfig:
   predict: bool = False            # after training: evaluate and plot into <logdir>/predict
   # Batching, placement and compilation (strategies/ turns these into hardware settings)
   gradient_accumulation: int = 1   # micro-batches per optimizer step and replica
-  steps_per_execution: int = 0     # 0: derived (IPU) or 1 (CPU/GPU)
+  steps_per_execution: int = 0     # [settled] 0: derived (IPU, at each compile; stays 0) or 1 (CPU/GPU)
   ipus_per_replica: int = 1
-  pipeline_stages: int = 1         # 1: no pipelining
+  pipeline_stages: int = 1         # [settled] 1: no pipelining; then the stages placed (1 off IPUs)
   pipeline_schedule: str = "grouped"   # grouped | interleaved | sequential (= sharding)
   ipu_connection: str = "on_demand"    # always | on_demand | pre_compile
   ipu_model: bool = False          # emulate IPUs on the host (TF_POPLAR_FLAGS=--use_ipu_model)
   available_memory_proportion: float = 0.0  # 0: Poplar's default
   stochastic_rounding: bool = False
-  cache_dir: str = DEFAULT_EXECUTABLE_CACHE  # IPU executable cache / XLA persistent cache
+  cache_dir: str = DEFAULT_EXECUTABLE_CACHE  # [settled] IPU executable cache / XLA persistent cache; then
+                                             # the one in effect (poprun's executable cache path wins)
   autotune: str = "auto"           # time the backend's alternative conv forms: auto | on | off
   jit_compile: bool = False        # XLA on CPU/GPU (always compiled on IPU)
   compile_only: bool = False       # compile (and fill the cache), then exit
-  precision: str = "auto"          # compute.weights: 32.32 | 16.32 (mixed) | 16.16 | auto (strategies/)
+  precision: str = "auto"          # [settled] compute.weights: 32.32 | 16.32 (mixed) | 16.16 | auto; then
+                                   # never auto (the name; the Backend carries strategies/precision.py's value)
   profile_dir: Optional[str] = None
   progress: str = "auto"           # bar | epoch (one line per epoch) | auto (training/loop.py)
   log_every: float = 30.0          # seconds between progress lines inside an epoch without the bar; 0: none

@@ -29,9 +29,10 @@ from absl import logging
 
 import model as model_registry
 from analysis import events
-from data import atomic_files, cellspike
+from data import cellspike
 from data.splits import eval_layout
 from errors import UserError, check_output_path
+from host import atomic_files
 from run_config import RunConfig
 from stderr_lines import DroppedLines
 from strategies.backend import Backend
@@ -50,7 +51,6 @@ SPLIT_KEYS = {"train": "train", "validation": "val", "val": "val", "test": "test
 PREDICT_DIR = "predict"
 SUM_PRED = "sum_pred.yaml"
 PREDICTIONS = "predictions.npz"
-load_run_config = summary_lib.load_run_config
 
 
 def verdict(r: float) -> str:
@@ -221,7 +221,7 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
   """Evaluates the run in `config.logdir` on `split`; writes sum_pred.yaml and the PNGs into `outdir`.
 
   Args:
-    config: the run's configuration (see `load_run_config`), possibly with another data_path/backend.
+    config: the run's configuration (`saved_config.load_run_config`), possibly with another data_path/backend.
     backend: where to run; its strategy scope holds the model and its batch layout shapes the data.
     split: "test", "validation" or "train" of the cellSpike file.
     max_samples: evaluate the split's first `max_samples` samples (0: the whole split); fewer where
@@ -297,7 +297,7 @@ def _what_was_evaluated(config: RunConfig, backend: Backend, split: str, checkpo
       "split": split,
       "backend": backend.kind,
       "replicas": backend.replicas,
-      "precision": backend.precision,
+      "precision": str(backend.precision),  # its name, e.g. "16.32"
       "input_shape": list(info.input_shape),
       "predict_seconds": seconds,
   }
@@ -324,7 +324,7 @@ def _write_outputs(outdir: str, results: dict, truth, prediction, info, plots: b
   returns the paths written.
 
   They are written into a private folder inside `outdir` and moved into it together once all are
-  written (data/atomic_files.py: staged_files): a full disk or a file-size limit is one error naming
+  written (host/atomic_files.py: staged_files): a full disk or a file-size limit is one error naming
   the file, and `outdir` keeps the report it held, never part of a new one. A link at one of their
   names is an error naming it, never written through."""
   try:

@@ -23,7 +23,7 @@ import os
 import tensorflow as tf
 import yaml
 
-from data import atomic_files
+from host import atomic_files
 from run_config import RunConfig
 
 SIGNATURE_INPUT = "frames"

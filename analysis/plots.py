@@ -26,7 +26,7 @@ import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=wrong-import-posi
 import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
 import yaml  # noqa: E402  pylint: disable=wrong-import-position
 
-from data import atomic_files  # noqa: E402  pylint: disable=wrong-import-position
+from host import atomic_files  # noqa: E402  pylint: disable=wrong-import-position
 from training.summary import read_run_config  # noqa: E402  pylint: disable=wrong-import-position
 
 # Colour-blind-safe verdict colours (green / orange / red from ColorBrewer RdYlGn, darkened for text).
@@ -230,7 +230,7 @@ def _lay_out_grid(fig, unused_axes, title: str, top: float, right: float = 1.0) 
 
 
 def _save(fig, path: str) -> str:
-  """Writes `fig` as the PNG `path` (whole or not at all, never through a link: data/atomic_files.py;
+  """Writes `fig` as the PNG `path` (whole or not at all, never through a link: host/atomic_files.py;
   a failed write is a UserError naming it) and closes it; returns `path`."""
   try:
     with atomic_files.replaced(path, "wb") as handle:

@@ -26,11 +26,12 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from data import atomic_files, cellspike_file, hdf5_native, pinned_files, staging, synthetic
+from data import cellspike_file, hdf5_native, pinned_files, staging, synthetic
 from data import splits as splits_lib
 from data.splits import BatchLayout, Split, Splits, count_steps, eval_layout
 from errors import UserError
-from strategies.cpuinfo import usable_cores  # plain Python: the cores this process may use
+from host import atomic_files
+from host.cpuinfo import usable_cores
 from run_config import RunConfig, cache_hint
 
 # 65,536 training samples: with 16,384 the 3M-parameter ontra4 over-fits from epoch ~9 and recovers

@@ -33,10 +33,10 @@ import numpy as np
 import yaml
 from absl import logging
 
-from data import atomic_files
 from data import hdf5_writes
 from data import neuron_sim
 from errors import UserError, leave_interrupts_to_the_parent
+from host import atomic_files
 
 H5_NAME_TEMPLATE = "*_excite.cellSpike_4prB8kHz.data.h5"
 DOMAINS = ("train", "val", "test")

@@ -33,7 +33,7 @@ import tempfile
 
 import numpy as np
 
-from data import atomic_files
+from host import atomic_files
 
 PAR_NAMES = (
     "gNaTs2.tbar.NaTs2.t.api", "gSKv3.1bar.SKv3.1.api", "gImbar.Im.api", "gNaTa.tbar.NaTa.t.axn",

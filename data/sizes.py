@@ -21,7 +21,7 @@ import os
 import sys
 
 from errors import UserError
-from strategies import cpuinfo
+from host import cpuinfo
 
 BATCHES_HELD = 4  # per replica at least: 2 queued ahead of the step, 2 gathered (data/cellspike.py)
 

@@ -43,8 +43,9 @@ import numpy as np
 import psutil
 from absl import logging
 
-from data import atomic_files, hdf5_writes
+from data import hdf5_writes
 from errors import UserError
+from host import atomic_files
 
 _COPY_BYTES = 64 * 2**20   # bytes copied per h5py read
 _STAMP = "staged_from"     # attribute of a staged file: the source identity and the checksum (JSON)

@@ -1,5 +1,5 @@
 """Everything that knows about hardware: start-up environment, backend choice, distribution strategy.
 
 Import order matters: `strategies.environment` is TensorFlow-free and must run before anything imports
-TensorFlow; `strategies.select` imports TensorFlow and returns the `Backend` for a run.
+TensorFlow; `strategies.start` then imports it, and `strategies.select` returns the `Backend` for a run.
 """

@@ -17,6 +17,7 @@ from data.splits import BatchLayout
 from errors import UserError
 from run_config import RunConfig
 from strategies import accumulation, environment
+from strategies import precision as precision_lib
 
 
 def _keras_compiles_with_xla() -> bool:
@@ -25,15 +26,15 @@ def _keras_compiles_with_xla() -> bool:
 
 
 def options_from_config(config: RunConfig) -> dict:
-  """The Backend fields that come straight from the run configuration (its precision resolved) and
-  from the start-up environment (the executable cache, strategies/environment.py); a UserError for
-  --jit_compile where this Keras cannot compile a step with XLA."""
+  """The Backend fields that come straight from the run configuration and from the start-up environment
+  (the executable cache, strategies/environment.py); a UserError for --jit_compile where this Keras
+  cannot compile a step with XLA. The precision is the backend module's to give (`precision.resolve`)."""
   if config.jit_compile and not _keras_compiles_with_xla():
     raise UserError("--jit_compile needs Keras' compile(jit_compile=...), which TensorFlow %s's Keras "
                     "lacks (TensorFlow 2.8 and later have it); leave --jit_compile off" % tf.__version__)
   return {"replicas": config.replicas, "gradient_accumulation": config.gradient_accumulation,
           "steps_per_execution": config.steps_per_execution or 1, "jit_compile": config.jit_compile,
-          "precision": config.precision, "cache_dir": environment.executable_cache_dir(config.backend)}
+          "cache_dir": environment.executable_cache_dir(config.backend)}
 
 
 def without_auto_shard(dataset: tf.data.Dataset) -> tf.data.Dataset:
@@ -53,10 +54,11 @@ class Backend:
   devices: tuple                           # device names the replicas run on
   replicas: int = 1                        # data-parallel replicas (global: all processes)
   gradient_accumulation: int = 1           # micro-batches per optimizer step and replica
-  steps_per_execution: int = 1             # steps per device call (Keras compile option)
+  steps_per_execution: int = 1             # steps per device call (Keras compile option); 0: IPUs derive
+                                           # it for each compile from the splits' steps (strategies/ipu.py)
   jit_compile: bool = False
   cache_dir: Optional[str] = None          # executable cache in effect (IPU or XLA), for reporting
-  precision: str = "32.32"                 # resolved --precision (never "auto")
+  precision: precision_lib.Precision = precision_lib.FLOAT32  # resolved --precision, as a value
   # How this hardware's convolutions run fastest (the model computes the same function either way;
   # see model/conv_layers.py): channel counts padded to a multiple, input gradient as a forward conv,
   # kernel gradient as a matmul, how windows are pooled, up to how many input channels a block
@@ -76,6 +78,7 @@ class Backend:
 
   rank = 0                                 # this process among all processes (workers, instances)
   world_size = 1                           # processes training together
+  pipeline_stages = 1                      # stages placed on devices of their own (1: the model runs whole)
 
   # Whether this hardware places --pipeline_stages on devices of their own (IPUs); elsewhere the model
   # runs whole, with the same gradient accumulation.

@@ -13,8 +13,10 @@ import tensorflow as tf
 from absl import logging
 
 from errors import UserError
+from host import cpuinfo
 from run_config import KERNEL_CACHE, RunConfig
-from strategies import collective_threads, cpu_kernels, cpuinfo, device_pipelines, multiworker, ordered_reduction
+from strategies import collective_threads, cpu_kernels, device_pipelines, multiworker, ordered_reduction
+from strategies import precision as precision_lib
 from strategies.backend import Backend, options_from_config
 
 # Keras policies per --precision: this CPU family computes 16-bit in bfloat16 (AVX-512 BF16 / AMX) and
@@ -86,10 +88,12 @@ def bfloat16_kernels_available() -> bool:
   return (major, minor) >= (2, 9)
 
 
-def check_precision(precision: str) -> None:
-  """A UserError for 16-bit precision where this TensorFlow cannot train in bfloat16 on the CPU, or
-  where an ISA cap hides the bfloat16 units from oneDNN; a warning where the CPU has none."""
-  if precision == "32.32":
+def check_precision(precision) -> None:
+  """A UserError for 16-bit precision (a Precision or its name) where this TensorFlow cannot train in
+  bfloat16 on the CPU, or where an ISA cap hides the bfloat16 units from oneDNN; a warning where the CPU
+  has none."""
+  precision = precision_lib.parse(precision)
+  if not precision.sixteen_bit:
     return
   if not bfloat16_kernels_available():
     raise UserError("--precision=%s on the CPU needs TensorFlow >= 2.9 (bfloat16 kernels); this is "
@@ -124,10 +128,10 @@ _MAXIMA_FORMS = {"conv_pooling": "maximum", "conv_phases_max_in_channels": 8}
 _MAXPOOL_FORMS = {"conv_pooling": "max_pool", "conv_phases_max_in_channels": 0}
 
 
-def conv_options(precision: str, cpu_flags=None, generation=None) -> dict:
+def conv_options(precision, cpu_flags=None, generation=None) -> dict:
   """Backend fields for oneDNN's convolutions on this CPU, each chosen by a measurement
   (docs/performance.md, "Convolution forms and --autotune"; `cpu_flags` and `generation` default to
-  this machine's).
+  this machine's; `precision` a Precision or its name).
 
   - In bfloat16 on AVX-512 CPUs (Intel's and AMD's) oneDNN's backward-data convolution ran 3-4x slower
     than its forward one at the Neuron-Inverter's shapes, so the input gradient is a forward conv
@@ -141,7 +145,7 @@ def conv_options(precision: str, cpu_flags=None, generation=None) -> dict:
   """
   flags = _cpu_flags() if cpu_flags is None else set(cpu_flags)
   generation = cpuinfo.generation() if generation is None else tuple(generation)
-  sixteen_bit = precision != "32.32"
+  sixteen_bit = precision_lib.parse(precision).sixteen_bit
   maxima = not sixteen_bit and generation in _MAXIMA_POOLING_CPUS
   return {"conv_channel_multiple": 32 if sixteen_bit else 1,
           "conv_input_grad_by_forward_conv": sixteen_bit and "avx512f" in flags,
@@ -149,13 +153,13 @@ def conv_options(precision: str, cpu_flags=None, generation=None) -> dict:
           **(_MAXIMA_FORMS if maxima else _MAXPOOL_FORMS)}
 
 
-def fuses_first_block(precision: str, cpu_flags) -> bool:
+def fuses_first_block(precision, cpu_flags) -> bool:
   """Whether the first conv block runs as the compiled ConvPool1D op (strategies/cpu_kernels.py): in
   float32 (the op's only type) on CPUs with the features its code uses. On an AVX2-only CPU a
   replica's step of the default job (batch 48, one thread) took 1.10x less time with it
   (tools/benchmark_forms.py; docs/performance.md, "The first conv block's C++ kernel"). Measured on
   one CPU kind alone, so --autotune times the step without it too (conv_alternatives)."""
-  return precision == "32.32" and set(cpu_kernels.CPU_FEATURES) <= set(cpu_flags)
+  return not precision_lib.parse(precision).sixteen_bit and set(cpu_kernels.CPU_FEATURES) <= set(cpu_flags)
 
 
 def _takes_first_block_library(model_name: str) -> bool:
@@ -175,12 +179,12 @@ def _takes_first_block_library(model_name: str) -> bool:
 # which went one way in bfloat16 and the other in float32 on the CPUs that measured it. And the compiled
 # first block (fuses_first_block), measured on one AVX2 CPU only: where the backend chose it, the
 # built-in forms on TensorFlow's ops are timed too, one more form rather than twice as many.
-def conv_alternatives(precision: str, chosen: dict, cpu_flags=None) -> tuple:
+def conv_alternatives(precision, chosen: dict, cpu_flags=None) -> tuple:
   """The convolution options worth timing on this machine, as Backend field overrides, the built-in
   `chosen` (conv_options' fields, and conv_first_block_library where the op was built) first; () where
   the choice was measured on the CPUs it applies to (16-bit: Intel's with AMX and AMD's with AVX-512
   BF16 both chose these forms)."""
-  if precision != "32.32":
+  if precision_lib.parse(precision).sixteen_bit:
     return ()
   flags = _cpu_flags() if cpu_flags is None else set(cpu_flags)
   if "avx512f" in flags:
@@ -297,11 +301,12 @@ def create(config: RunConfig) -> Backend:
     pass
   device_pipelines.apply()
   flags = _cpu_flags()  # read once: the choice and its alternatives see the same CPU (and ISA cap)
-  chosen = conv_options(config.precision, flags)
-  if fuses_first_block(config.precision, flags) and _takes_first_block_library(config.model):
+  precision = precision_lib.resolve(config.precision, has_16bit_units)
+  chosen = conv_options(precision, flags)
+  if fuses_first_block(precision, flags) and _takes_first_block_library(config.model):
     chosen["conv_first_block_library"] = cpu_kernels.conv_pool_library(KERNEL_CACHE)
-  fields = dict(options_from_config(config), **chosen,
-                form_alternatives=conv_alternatives(config.precision, chosen, flags),
+  fields = dict(options_from_config(config), precision=precision, **chosen,
+                form_alternatives=conv_alternatives(precision, chosen, flags),
                 machine_signature=machine_signature())
   source = multiworker.cluster_source()
   if source:

@@ -23,7 +23,7 @@ import time
 import tensorflow as tf
 from absl import logging
 
-from data import atomic_files
+from host import atomic_files
 from model import conv_pool_op
 
 SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model", "kernels",

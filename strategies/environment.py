@@ -2,6 +2,8 @@
 
 Call `prepare(config)` before the first `import tensorflow` of the process. It must stay free of
 TensorFlow imports itself, so the TensorFlow version is read from the installed package's metadata.
+It also holds what that import runs under (the CUDA probe's lines dropped, the collector paused), which
+`strategies/start.py` uses, and `executable_cache_dir`, the variables read back for a backend.
 """
 
 import atexit
@@ -18,9 +20,10 @@ import tempfile
 from absl import logging
 
 from errors import UserError
+from host import cpuinfo
 from run_config import RunConfig, cache_hint
 from stderr_lines import DroppedLines
-from strategies import cpuinfo, registry
+from strategies import registry
 
 _TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tensorflow-intel", "tf-nightly")
 # The XLA persistent cache flag exists in current TensorFlow; TF 2.6 aborts on any unknown TF_XLA_FLAGS.
@@ -292,26 +295,6 @@ def imports_kept_from_the_collector():
   finally:
     gc.freeze()
     gc.enable()
-
-
-def start_backend(config: RunConfig):
-  """Imports TensorFlow (its CUDA probe quiet) and returns `(config, backend)`: the config with
-  --backend and --precision resolved (what run_config.yaml and summary.yaml record) and its Backend.
-  `prepare(config)` must have run: the one way in for main.py and the tools."""
-  with quiet_cuda_probe():
-    from strategies.select import resolve, select_backend  # pylint: disable=import-outside-toplevel
-    config = resolve(config)
-    return config, select_backend(config)
-
-
-def import_tensorflow(config: RunConfig):
-  """TensorFlow, imported and its devices found with the CUDA probe's lines dropped, for the tools
-  that run TensorFlow without a backend (`start_backend` does the same for a run). `prepare(config)`
-  must have run."""
-  with quiet_cuda_probe():
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    tf.config.list_physical_devices()
-  return tf
 
 
 def executable_cache_dir(kind: str):

@@ -5,6 +5,7 @@ import tensorflow as tf
 from errors import UserError
 from run_config import RunConfig
 from strategies import collective_threads, device_pipelines, environment, multiworker
+from strategies import precision as precision_lib
 from strategies.backend import Backend, options_from_config
 
 POLICIES = {"32.32": "float32", "16.32": "mixed_float16", "16.16": "float16"}
@@ -18,7 +19,7 @@ def present() -> bool:
   return bool(visible_gpus())
 
 
-def check_precision(precision: str) -> None:
+def check_precision(precision) -> None:
   del precision  # CUDA TensorFlow computes every --precision
 
 
@@ -39,7 +40,7 @@ def create(config: RunConfig) -> Backend:
   device_pipelines.apply()
   source = multiworker.cluster_source()
   if source:
-    return multiworker.create(config, "gpu", source, **options_from_config(config))
+    return multiworker.create(config, "gpu", source, **_fields(config))
   replicas = config.replicas
   gpus = visible_gpus()
   if len(gpus) < replicas:
@@ -55,4 +56,9 @@ def create(config: RunConfig) -> Backend:
   strategy = (tf.distribute.OneDeviceStrategy(devices[0]) if replicas == 1
               else tf.distribute.MirroredStrategy(devices=list(devices)))
   collective_threads.close_at_exit(strategy)
-  return Backend("gpu", strategy, devices, **options_from_config(config))
+  return Backend("gpu", strategy, devices, **_fields(config))
+
+
+def _fields(config: RunConfig) -> dict:
+  """The Backend fields from `config`, with its precision as a value."""
+  return dict(options_from_config(config), precision=precision_lib.resolve(config.precision, has_16bit_units))

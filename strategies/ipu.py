@@ -47,6 +47,7 @@ from data.splits import BatchLayout
 from errors import UserError
 from run_config import RunConfig
 from strategies import environment
+from strategies import precision as precision_lib
 from strategies.backend import Backend
 from strategies.pipeline_rules import ipu_count_problem, pipeline_overlap, pipeline_problem, stage_devices
 
@@ -83,7 +84,7 @@ def has_16bit_units() -> bool:
   return True  # every IPU computes float16 natively
 
 
-def check_precision(precision: str) -> None:
+def check_precision(precision) -> None:
   del precision  # the IPU computes every --precision
 
 
@@ -417,7 +418,6 @@ class IPUBackend(Backend):
   pipeline_stages: int = 1
   pipeline_schedule: str = "grouped"
   ipus_per_replica: int = 1
-  requested_steps_per_execution: int = 0
   sums_replica_gradients: bool = True     # IPUStrategy: yes; PopDistStrategy averages itself
   local_replicas: int = 0                 # under poprun: this instance's replicas (0: all)
   rank: int = 0                           # under poprun: popdist.getInstanceIndex()
@@ -516,7 +516,7 @@ class IPUBackend(Backend):
 
   def optimizer_factories(self) -> dict:
     """With 16-bit weights, IPU Addons optimizers keep their state in float32 [7]."""
-    if self.precision != "16.16":
+    if not self.precision.half_weights:
       return {}
     try:
       addons = importlib.import_module("ipu_tensorflow_addons.keras.optimizers")
@@ -564,7 +564,7 @@ class IPUBackend(Backend):
 
   def compile_kwargs(self, train_steps, eval_steps=()) -> dict:
     steps = derive_steps_per_execution(train_steps, self.gradient_accumulation,
-                                       self.requested_steps_per_execution, tuple(eval_steps),
+                                       self.steps_per_execution, tuple(eval_steps),
                                        self.eval_depth_multiple, self.local_replicas or self.replicas)
     return {"steps_per_execution": steps}
 
@@ -594,8 +594,8 @@ def create(config: RunConfig) -> IPUBackend:
       kind="ipu", strategy=strategy, devices=("/device:IPU:0",), replicas=replicas,
       gradient_accumulation=config.gradient_accumulation, pipeline_stages=config.pipeline_stages,
       pipeline_schedule=config.pipeline_schedule, ipus_per_replica=config.ipus_per_replica,
-      requested_steps_per_execution=config.steps_per_execution,
-      sums_replica_gradients=popdist is None, precision=config.precision,
+      steps_per_execution=config.steps_per_execution,  # 0: derived for each compile (compile_kwargs)
+      sums_replica_gradients=popdist is None, precision=precision_lib.resolve(config.precision, has_16bit_units),
       cache_dir=environment.executable_cache_dir("ipu"),
       local_replicas=popdist.getNumLocalReplicas() if popdist else 0,
       rank=popdist.getInstanceIndex() if popdist else 0,

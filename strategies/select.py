@@ -1,19 +1,23 @@
-"""`select_backend(config)`: the one function that turns a run config into a `Backend`.
+"""`settle(config)`: the one function that turns a run config into a `Backend`, and the config into one
+that holds what the backend decided.
 
 A plain dispatcher over `strategies/registry.py`: `resolve` settles `--backend=auto`,
 `--precision=auto` (from what the chosen backend's module says of its hardware) and
-`--batch_norm_statistics=auto`, before anything is built; then that module creates the backend, and
-its Keras policy for the precision is set.
+`--batch_norm_statistics=auto`, before anything is built; then that module creates the backend, its
+Keras policy for the precision is set, and `config_with_decisions` writes the backend's choices back
+into the config (`select_backend` is the same for callers that want the backend alone).
 """
 
 import dataclasses
 import importlib
+import os
 
 import tensorflow as tf
 from absl import logging
 
 from errors import UserError
 from run_config import RunConfig
+from strategies import precision as precision_lib
 from strategies.backend import Backend
 from strategies.registry import BACKEND_ONLY_FIELDS, BACKENDS
 
@@ -39,10 +43,9 @@ def resolve_kind(requested: str) -> str:
 
 
 def resolve_precision(requested: str, kind: str) -> str:
-  """--precision=auto: mixed 16-bit where the processor has 16-bit arithmetic units, else float32."""
-  if requested != "auto":
-    return requested
-  return "16.32" if backend_module(kind).has_16bit_units() else "32.32"
+  """--precision=auto: mixed 16-bit where backend `kind`'s processor has 16-bit arithmetic units, else
+  float32 (strategies/precision.py `resolve`). The name, as the config keeps it."""
+  return precision_lib.resolve(requested, lambda: backend_module(kind).has_16bit_units()).name
 
 
 def resolve_batch_norm_statistics(requested: str, kind: str, pipeline_stages: int) -> str:
@@ -80,9 +83,9 @@ def check_keras_2() -> None:
                     "set TF_USE_LEGACY_KERAS=1 before TensorFlow is imported" % version)
 
 
-def set_precision(precision: str, kind: str) -> str:
-  """Sets the Keras policy of `precision` on backend `kind`; returns its name."""
-  policy = backend_module(kind).POLICIES[precision]
+def set_precision(precision, kind: str) -> str:
+  """Sets the Keras policy of `precision` (a Precision or its name) on backend `kind`; returns its name."""
+  policy = backend_module(kind).POLICIES[precision_lib.parse(precision).name]
   tf.keras.mixed_precision.set_global_policy(policy)
   return policy
 
@@ -104,12 +107,18 @@ def _warn_other_backends_settings(config: RunConfig, label: str) -> None:
 
 def select_backend(config: RunConfig) -> Backend:
   """Returns the backend for `config.backend` with `config.replicas` data-parallel replicas."""
+  return settle(config)[1]
+
+
+def settle(config: RunConfig):
+  """`(config, backend)`: `config` resolved (`resolve`, once) and holding what creating its backend
+  decided (`config_with_decisions`), and the backend, its Keras precision policy set."""
   check_keras_2()
   config = resolve(config)
   module = backend_module(config.backend)
   module.check_precision(config.precision)
   backend = module.create(config)
-  policy = set_precision(config.precision, config.backend)
+  policy = set_precision(backend.precision, backend.kind)
   logging.info("Backend %s, %d replica%s on %s (TensorFlow %s, Keras %s, precision %s)", backend.label,
                backend.replicas, "" if backend.replicas == 1 else "s", ", ".join(backend.devices),
                tf.__version__, keras_version(), policy)
@@ -118,4 +127,31 @@ def select_backend(config: RunConfig) -> Backend:
     logging.info("Pipeline stages place the model on several IPUs; on %s the model runs whole, with the "
                  "same gradient accumulation (%d micro-batches per step)", backend.label,
                  backend.gradient_accumulation)
-  return backend
+  return config_with_decisions(config, backend), backend
+
+
+def config_with_decisions(config: RunConfig, backend: Backend) -> RunConfig:
+  """`config` with the values that creating `backend` settled, for all that reads the config from here on
+  and all that records it (run_config.yaml, TensorBoard's HParams row, summary.yaml's `params`): the
+  backend, the precision's name, the replicas of all processes (a multi-worker or poprun run without
+  --replicas counts its cluster's), the steps per execution (1 for the flag's 0 on CPUs and GPUs; IPUs
+  derive theirs at each compile and keep 0 or the request), the pipeline stages placed (1 where the model
+  runs whole) and the cache folder in effect. A resumed run starts from its own flags as typed (the
+  resume line repeats them) and settles these again; its checks compare data, model and batch layout."""
+  return dataclasses.replace(
+      config, backend=backend.kind, precision=backend.precision.name, replicas=backend.replicas,
+      steps_per_execution=backend.steps_per_execution, pipeline_stages=backend.pipeline_stages,
+      cache_dir=_cache_dir_in_effect(config.cache_dir, backend.cache_dir))
+
+
+def _cache_dir_in_effect(requested: str, executables) -> str:
+  """--cache_dir, unless the backend's executables go to a folder outside it (`executables`, e.g. poprun's
+  --executable-cache-path, which wins over --cache_dir, or one set in TF_POPLAR_FLAGS or TF_XLA_FLAGS):
+  then that folder. XLA's cache is a folder inside --cache_dir, which stays the root."""
+  if not executables:
+    return requested
+  if requested:
+    root = os.path.abspath(requested)
+    if os.path.commonpath([root, os.path.abspath(executables)]) == root:
+      return requested
+  return executables

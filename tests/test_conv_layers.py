@@ -9,10 +9,11 @@ import pytest
 import tensorflow as tf
 
 import model
+from host import cpuinfo
 from model import conv_layers
 from model.designs import CONV_OPTION_DEFAULTS
 from run_config import RunConfig
-from strategies import cpu, cpuinfo
+from strategies import cpu
 from strategies.backend import Backend
 from training.loop import set_seeds
 

@@ -254,7 +254,7 @@ def test_sizes_are_checked_against_the_data_and_the_cpu_before_tensorflow(tmp_pa
   """data/sizes.py, which main.py runs before TensorFlow's import: the train split holds a global batch,
   each evaluation split a sample per replica, and --backend=cpu at most MAX_CPU_REPLICAS replicas."""
   from data import cellspike_file, sizes  # pylint: disable=import-outside-toplevel
-  from strategies import cpuinfo  # pylint: disable=import-outside-toplevel
+  from host import cpuinfo  # pylint: disable=import-outside-toplevel
   from tests.support.cellspike_files import write_cellspike  # pylint: disable=import-outside-toplevel
   read = cellspike_file.open_cellspike(write_cellspike(str(tmp_path / "tiny.h5")))  # 64 / 32 / 32
   def check(*args):

@@ -661,7 +661,7 @@ def _sweep_case(backend, training, inference, batch, samples, requested):
   Returns the disagreements: steps_per_execution values the application chooses and IPU Keras
   refuses, and refusals (UserError) where IPU Keras would run the request, or some value if derived.
   """
-  backend = dataclasses.replace(backend, requested_steps_per_execution=requested)
+  backend = dataclasses.replace(backend, steps_per_execution=requested)
   layout = backend.layout(batch)
   try:
     train = count_steps(samples[0], layout.step_rows, 0, "train", layout.steps_multiple)
@@ -778,10 +778,11 @@ def test_a_pipelined_run_normalises_by_batch_statistics_and_its_predictions_do_t
   """--batch_norm_statistics=auto in pipelined training: no moving statistics, which IPU Keras would not
   update (extensions_base.py); run_config.yaml records the choice, so evaluation, which runs the model
   unpipelined (summary.EVAL_OVERRIDES), builds the same layer and restores the checkpoint."""
+  import saved_config  # pylint: disable=import-outside-toplevel
   from analysis import evaluation  # pylint: disable=import-outside-toplevel
   from strategies import select  # pylint: disable=import-outside-toplevel
   from strategies.backend import Backend  # pylint: disable=import-outside-toplevel
-  from training import checkpoints, loop, summary  # pylint: disable=import-outside-toplevel
+  from training import checkpoints, loop  # pylint: disable=import-outside-toplevel
   fake_ipu.install(monkeypatch)
   caplog.set_level(python_logging.INFO, logger="absl")  # other tests may leave absl's logger at WARNING
   config = select.resolve(_config(ipus_per_replica=2, pipeline_stages=2, gradient_accumulation=4, batch_size=4,
@@ -793,7 +794,7 @@ def test_a_pipelined_run_normalises_by_batch_statistics_and_its_predictions_do_t
   assert "each batch's own statistics" in caplog.text and "moving statistics of" not in caplog.text
   path = checkpoints.best_or_last(config.logdir)
   assert not [name for name, _ in tf.train.list_variables(path) if "moving_" in name]
-  saved = summary.load_run_config(config.logdir)
+  saved = saved_config.load_run_config(config.logdir)
   assert (saved.pipeline_stages, saved.batch_norm_statistics) == (1, "batch")
   net = evaluation.build_model(saved, (1600, 4), 15, Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",)))
   evaluation.restore_weights(net, path, (1600, 4), 15)

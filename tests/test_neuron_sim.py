@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import yaml
 
-from data import atomic_files
 from data import cellspike_generate
 from data import neuron_sim
 from errors import UserError
+from host import atomic_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COUNTS = {"train": 40, "val": 8, "test": 8}

@@ -1,5 +1,5 @@
 """Writes into run, cache, staging and output folders: never through a planted link, whole or not at all,
-and a failed write one error naming the file (data/atomic_files.py and its users)."""
+and a failed write one error naming the file (host/atomic_files.py and its users)."""
 
 import errno
 import logging as python_logging
@@ -13,8 +13,8 @@ import textwrap
 import pytest
 from absl import logging
 
-from data import atomic_files
 from errors import UserError
+from host import atomic_files
 from tests.support.helpers import REPO_ROOT
 from training import logs, run_folder
 from training import summary as summary_lib
@@ -38,7 +38,7 @@ def names(folder):
   return sorted(os.listdir(str(folder)))
 
 
-# --- data/atomic_files.py ------------------------------------------------------------------------------
+# --- host/atomic_files.py ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("write", [lambda path: atomic_files.write_text(path, "new"),
                                    lambda path: atomic_files.write_bytes(path, b"new"),
@@ -112,7 +112,7 @@ def test_a_file_size_limit_is_one_error_naming_the_file_with_nothing_partial_lef
   path.write_bytes(b"the earlier report")
   status, stderr = _in_a_limited_process("""
       import sys
-      from data import atomic_files
+      from host import atomic_files
       try:
         atomic_files.write_bytes(%r, b"x" * 100000)
       except atomic_files.WriteError as error:

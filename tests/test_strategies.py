@@ -13,8 +13,10 @@ import tensorflow as tf
 
 from data.splits import eval_layout
 from errors import UserError
+from host import cpuinfo
 from run_config import RunConfig
-from strategies import cpu, cpuinfo, environment, gpu, ipu, multiworker, select
+from strategies import cpu, environment, gpu, ipu, multiworker, select
+from strategies import precision as precision_lib
 from tests.support.helpers import REPO_ROOT
 
 
@@ -355,12 +357,24 @@ def test_cpu_bfloat16_kernels_are_known_from_the_tensorflow_version():
 
 
 def test_backend_reports_the_resolved_precision():
-  backend = select.select_backend(RunConfig(model="mnist", backend="cpu", precision="auto"))
+  config, backend = select.settle(RunConfig(model="mnist", backend="cpu", precision="auto"))
   try:
-    assert backend.precision in ("16.32", "32.32") and backend.precision == select.resolve_precision(
-        "auto", "cpu")
+    assert backend.precision.name in ("16.32", "32.32") and backend.precision.name == select.resolve_precision(
+        "auto", "cpu") == config.precision
   finally:
     tf.keras.mixed_precision.set_global_policy("float32")
+
+
+def test_a_precision_is_parsed_from_its_name_and_says_what_it_means():
+  assert [precision_lib.parse(name).name for name in ("32.32", "16.32", "16.16")] == ["32.32", "16.32", "16.16"]
+  single, mixed, half = (precision_lib.parse(name) for name in precision_lib.NAMES)
+  assert (single.sixteen_bit, single.mixed, single.half_weights) == (False, False, False)
+  assert (mixed.sixteen_bit, mixed.mixed, mixed.half_weights) == (True, True, False)
+  assert (half.sixteen_bit, half.mixed, half.half_weights) == (True, False, True)
+  assert precision_lib.parse(mixed) is mixed and str(mixed) == "16.32"
+  for text in ("auto", "8.8", "16", None):
+    with pytest.raises(ValueError, match="none of 32.32, 16.32, 16.16"):
+      precision_lib.parse(text)
 
 
 def test_mixed_precision_model_keeps_float32_outputs():
@@ -382,12 +396,12 @@ def test_every_registered_backend_module_states_what_select_asks_of_it():
   assert flags.BACKENDS == ("auto",) + tuple(registry.BACKENDS)
   for kind, name in registry.BACKENDS.items():
     module = importlib.import_module(name)
-    for precision in ("32.32", "16.32", "16.16"):  # a policy for every precision it accepts
+    for precision in precision_lib.PRECISIONS.values():  # a policy for every precision it accepts
       try:
         module.check_precision(precision)
       except UserError:
         continue
-      assert precision in module.POLICIES, (kind, precision)
+      assert precision.name in module.POLICIES, (kind, precision)
     for function in ("present", "has_16bit_units", "check_precision", "create"):
       assert callable(getattr(module, function)), (kind, function)
   for kind, function in registry.START_UP.items():   # set before TensorFlow loads, TensorFlow-free
@@ -434,12 +448,38 @@ def test_a_worker_alone_keeps_the_runs_precision_and_hardware_choices():
   """--predict after a multi-worker run evaluates in one process at the precision it trained with."""
   from strategies.multiworker import MultiWorkerBackend  # pylint: disable=import-outside-toplevel
   worker = MultiWorkerBackend("cpu", tf.distribute.get_strategy(), ("/cpu:0", "/cpu:1"), replicas=4,
-                              precision="16.32", conv_channel_multiple=32, conv_pooling="maximum",
+                              precision=precision_lib.MIXED, conv_channel_multiple=32, conv_pooling="maximum",
                               gradient_accumulation=2, rank=0, world_size=2, local_replicas=2)
   alone = worker.alone()
   assert type(alone).__name__ == "Backend" and alone.world_size == 1 and alone.replicas == 1
   assert alone.devices == ("/cpu:0",) and alone.gradient_accumulation == 1
-  assert alone.precision == "16.32" and alone.model_options() == worker.model_options()
+  assert alone.precision == precision_lib.MIXED and alone.model_options() == worker.model_options()
+
+
+def test_the_config_holds_what_the_backend_decided(tmp_path):
+  """run_config.yaml, the HParams row and summary.yaml's params record the config: after the start it
+  holds the backend's kind, precision, replicas of all workers, steps per execution, stages and cache."""
+  from strategies.multiworker import MultiWorkerBackend  # pylint: disable=import-outside-toplevel
+  worker = MultiWorkerBackend("cpu", tf.distribute.get_strategy(), ("/cpu:0",), replicas=4, world_size=4,
+                              precision=precision_lib.MIXED, cache_dir=None, local_replicas=1)
+  typed = RunConfig(model="neuron_inverter", backend="auto", precision="auto", pipeline_stages=2,
+                    cache_dir=str(tmp_path / "cache"))
+  settled = select.config_with_decisions(typed, worker)
+  assert (settled.backend, settled.precision, settled.replicas, settled.steps_per_execution,
+          settled.pipeline_stages, settled.cache_dir) == ("cpu", "16.32", 4, 1, 1, typed.cache_dir)
+  assert dataclasses.replace(settled, backend="auto", precision="auto", replicas=1, steps_per_execution=0,
+                             pipeline_stages=2) == typed  # nothing else changes
+  # IPUs place the stages, and derive the steps per execution when compiling (0 stays 0).
+  pipelined = ipu.IPUBackend("ipu", tf.distribute.get_strategy(), ("/device:IPU:0",), replicas=2,
+                             steps_per_execution=0, pipeline_stages=2)
+  settled = select.config_with_decisions(typed, pipelined)
+  assert (settled.backend, settled.replicas, settled.steps_per_execution, settled.pipeline_stages) == ("ipu", 2, 0, 2)
+  # The executable cache in effect: XLA's inside --cache_dir keeps it; one elsewhere (poprun's) replaces it.
+  xla = dataclasses.replace(worker, cache_dir=str(tmp_path / "cache" / "xla"))
+  assert select.config_with_decisions(typed, xla).cache_dir == typed.cache_dir
+  poprun = dataclasses.replace(worker, cache_dir="/popdist/cache")
+  assert select.config_with_decisions(typed, poprun).cache_dir == "/popdist/cache"
+  assert select.config_with_decisions(dataclasses.replace(typed, cache_dir=""), poprun).cache_dir == "/popdist/cache"
 
 
 @pytest.mark.parametrize("fields, refused", [

@@ -9,10 +9,11 @@ import yaml
 
 from errors import UserError
 from run_config import RunConfig
+from saved_config import load_run_config
 from tests.support.helpers import work_in
 from training import summary as summary_module
 from training.summary import (RESUBMIT_VARIABLE, RUN_CONFIG_FILE, closing_report,
-                              interrupted_report, load_run_config, python_command, resume_command,
+                              interrupted_report, python_command, resume_command,
                               resume_line, tool_command, write_run_config, write_yaml)
 
 

@@ -35,7 +35,7 @@ sys.path.insert(0, REPO_ROOT)
 
 from errors import parse_flags, report_missing_packages, with_one_line_errors  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
-from data import atomic_files  # noqa: E402  pylint: disable=wrong-import-position
+from host import atomic_files  # noqa: E402  pylint: disable=wrong-import-position
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
@@ -102,12 +102,12 @@ def _prepare():
   """The measurement's run config, after TensorFlow's start-up environment is set (in every process)."""
   import dataclasses  # pylint: disable=import-outside-toplevel
   from run_config import RunConfig  # pylint: disable=import-outside-toplevel
-  from strategies import environment  # pylint: disable=import-outside-toplevel
+  from strategies import environment, start  # pylint: disable=import-outside-toplevel
   config = RunConfig(model="neuron_inverter", backend="cpu", batch_size=FLAGS.batch_size,
                      replicas=FLAGS.replicas, precision=FLAGS.precisions[0], jit_compile=FLAGS.jit_compile,
                      in_memory=True, cache_dir="", autotune=FLAGS.autotune)
   environment.prepare(config)  # without an XLA persistent cache: compile times are measured apart
-  environment.import_tensorflow(config)
+  start.import_tensorflow(config)
   return dataclasses.replace(config, data_path=_data_path(),
                              cache_dir=FLAGS.cache_dir or RunConfig.cache_dir)
 
@@ -190,7 +190,7 @@ def _matmul_gflops(dtype: str, repeats: int) -> float:
   """The best of 3 timings of `repeats` square matmuls of side --matmul_size, in GFLOP/s of the whole
   machine: where each op runs on one thread (several replicas side by side), one matmul per core at once."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from strategies import cpuinfo  # pylint: disable=import-outside-toplevel
+  from host import cpuinfo  # pylint: disable=import-outside-toplevel
   size = FLAGS.matmul_size
   streams = cpuinfo.usable_cores() if tf.config.threading.get_intra_op_parallelism_threads() == 1 else 1
   # Distinct inputs: identical products would be merged into one by the graph optimizer.
@@ -366,7 +366,7 @@ def _training_rounds(design: str, rows: dict, data_path: str) -> None:
 def main(argv):
   del argv
   # As main.py: the application's INFO lines with the short prefix, only warnings from the libraries;
-  # TensorFlow's start-up lines are dropped where _prepare imports it (strategies/environment.py).
+  # TensorFlow's start-up lines are dropped where _prepare imports it (strategies/start.py).
   from training import logs  # pylint: disable=import-outside-toplevel
   logs.setup()
   if FLAGS.json and not FLAGS.child:  # checked first: a mistyped path would fail after the benchmark

@@ -95,12 +95,12 @@ def _forms(config, variant):
 def main(argv):
   del argv
   from run_config import RunConfig  # pylint: disable=import-outside-toplevel
-  from strategies import environment  # pylint: disable=import-outside-toplevel
+  from strategies import environment, start  # pylint: disable=import-outside-toplevel
   config = RunConfig(model="neuron_inverter", design=FLAGS.design, backend="cpu", precision=FLAGS.precision,
                      batch_size=FLAGS.batch_size, dropout=DESIGNS[FLAGS.design]["dropout"])
   variant = _variant_overrides()  # a bad --variant is its error line before TensorFlow starts
   environment.prepare(config)
-  environment.import_tensorflow(config)
+  start.import_tensorflow(config)
   steps, batches = _forms(config, variant)
   for step in steps.values():  # tracing and first allocations
     for _ in range(3):

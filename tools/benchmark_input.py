@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from errors import leave_interrupts_to_the_parent, parse_flags, report_missing_packages, with_one_line_errors  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
-from data import atomic_files  # noqa: E402  pylint: disable=wrong-import-position
+from host import atomic_files  # noqa: E402  pylint: disable=wrong-import-position
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
@@ -153,7 +153,7 @@ def feeds_line(rate: float, devices: int) -> str:
 def main(argv):
   del argv
   from run_config import RunConfig  # pylint: disable=import-outside-toplevel
-  from strategies import environment  # pylint: disable=import-outside-toplevel
+  from strategies import environment, start  # pylint: disable=import-outside-toplevel
   from errors import check_output_path  # pylint: disable=import-outside-toplevel
   if FLAGS.json:  # checked first: a mistyped path would fail after the benchmark
     check_output_path("--json", FLAGS.json)
@@ -161,7 +161,7 @@ def main(argv):
                      in_memory=FLAGS.in_memory, read_chunk=FLAGS.read_chunk,
                      shuffle_buffer=FLAGS.shuffle_buffer)
   environment.prepare(config)
-  environment.import_tensorflow(config)
+  start.import_tensorflow(config)
   result = {"mode": "in_memory" if FLAGS.in_memory else "streaming", "replicas": FLAGS.replicas}
   result["pipeline"] = time_pipeline(config, FLAGS.replicas, FLAGS.passes)
   result["pipeline"]["peak_rss_mb"] = peak_rss_mb()

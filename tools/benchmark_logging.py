@@ -24,7 +24,7 @@ sys.path.insert(0, REPO_ROOT)
 
 from errors import UserError, parse_flags, report_missing_packages, with_one_line_errors  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
-from data import atomic_files  # noqa: E402  pylint: disable=wrong-import-position
+from host import atomic_files  # noqa: E402  pylint: disable=wrong-import-position
 
 import yaml  # noqa: E402  pylint: disable=wrong-import-position
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position

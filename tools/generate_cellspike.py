@@ -26,7 +26,7 @@ from absl import logging  # noqa: E402  pylint: disable=wrong-import-position
 
 from data import cellspike_generate  # noqa: E402  pylint: disable=wrong-import-position
 from data import neuron_sim  # noqa: E402  pylint: disable=wrong-import-position
-from strategies.cpuinfo import usable_cores  # noqa: E402  pylint: disable=wrong-import-position
+from host.cpuinfo import usable_cores  # noqa: E402  pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 

@@ -20,7 +20,7 @@ sys.path.insert(0, REPO_ROOT)
 
 from errors import UserError, check_output_path, parse_flags, report_missing_packages  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
-from data import atomic_files  # noqa: E402  pylint: disable=wrong-import-position
+from host import atomic_files  # noqa: E402  pylint: disable=wrong-import-position
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position

@@ -33,7 +33,7 @@ sys.path.insert(0, REPO)
 from errors import (OneLineArgumentParser, UserError, check_output_path, existing_file,  # noqa: E402  pylint: disable=wrong-import-position
                     report_missing_packages, reported_on_one_line)
 report_missing_packages()  # before the first third-party import: one line where one is missing
-from data import atomic_files  # noqa: E402  pylint: disable=wrong-import-position
+from host import atomic_files  # noqa: E402  pylint: disable=wrong-import-position
 
 import h5py  # noqa: E402  pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402  pylint: disable=wrong-import-position

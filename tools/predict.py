@@ -68,8 +68,8 @@ def main(argv):
   logs.setup()
   with reported_on_one_line():
     # Plain Python first: the saved configuration decides TensorFlow's start-up environment.
-    from strategies import environment  # pylint: disable=import-outside-toplevel
-    from training.summary import load_run_config  # pylint: disable=import-outside-toplevel
+    from strategies import environment, start  # pylint: disable=import-outside-toplevel
+    from saved_config import load_run_config  # pylint: disable=import-outside-toplevel
     if FLAGS.data_path and not os.path.exists(FLAGS.data_path):
       raise UserError("--data_path=%s does not exist" % FLAGS.data_path)
     # This tool's --backend=auto and --replicas=1 apply unless given (a run trained on 4 IPUs is evaluated
@@ -84,7 +84,7 @@ def main(argv):
     import data  # pylint: disable=import-outside-toplevel
     import model  # pylint: disable=import-outside-toplevel
     data.check_named_files(model.get_model_info(config.model).dataset, config)  # as main.py: at once
-    config, backend = environment.start_backend(config)  # imports TensorFlow
+    config, backend = start.start_backend(config)  # imports TensorFlow
     from analysis import evaluation  # pylint: disable=import-outside-toplevel
     result = evaluation.evaluate_run(config, backend, split=FLAGS.split,
                                      max_samples=FLAGS.max_samples, outdir=FLAGS.outdir,

@@ -117,13 +117,13 @@ def _save(path: str, names, first, now, which: set) -> None:
 def main(argv):
   del argv
   from run_config import RunConfig  # pylint: disable=import-outside-toplevel
-  from strategies import environment  # pylint: disable=import-outside-toplevel
+  from strategies import environment, start  # pylint: disable=import-outside-toplevel
   from training import logs  # pylint: disable=import-outside-toplevel
   logs.setup()  # as main.py: the application's INFO lines, not the libraries' (one per reduced gradient)
   config = RunConfig(model="neuron_inverter", design=FLAGS.design, backend="cpu", precision="32.32",
                      replicas=FLAGS.replicas, batch_size=FLAGS.batch_size, dropout=0.0, autotune="off")
   environment.prepare(config)
-  config, backend = environment.start_backend(config)
+  config, backend = start.start_backend(config)
   print("forms: %s" % backend.model_options(), flush=True)
   step, names = _step(backend, config)
   first = [grad.numpy() for grad in step()]

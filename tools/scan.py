@@ -37,7 +37,7 @@ import yaml  # noqa: E402  pylint: disable=wrong-import-position
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
 
-from flags import flag_name  # noqa: E402  pylint: disable=wrong-import-position
+from run_config import flag_name  # noqa: E402  pylint: disable=wrong-import-position
 from training import logs  # noqa: E402  pylint: disable=wrong-import-position
 from training.summary import python_command, tool_command, write_yaml  # noqa: E402  pylint: disable=wrong-import-position
 MODES = ("serial", "slurm", "point", "report")

@@ -35,7 +35,7 @@ import yaml
 from absl import logging
 
 import model
-from data import atomic_files
+from host import atomic_files
 from run_config import AUTOTUNE_MIN_STEPS, RunConfig
 from stderr_lines import DroppedLines
 from strategies.backend import Backend
@@ -128,7 +128,7 @@ def cache_key(config: RunConfig, backend: Backend, batch_shape: dict, alternativ
   on (`batch_shape`: e.g. {"global_batch": 192, "input_shape": [1600, 4], "outputs": 15}), and how
   the choice was timed (TIMING)."""
   return {"machine": backend.machine_signature, "tensorflow": tf.__version__, "model_code": model_code_digest(),
-          "backend": backend.kind, "precision": backend.precision, "jit_compile": backend.jit_compile,
+          "backend": backend.kind, "precision": backend.precision.name, "jit_compile": backend.jit_compile,
           "model": config.model, "design": config.design, "batch": dict(batch_shape),
           "replicas": backend.replicas, "gradient_accumulation": backend.gradient_accumulation,
           "alternatives": [dict(forms) for forms in alternatives], "timing": TIMING}

@@ -11,7 +11,7 @@ import time
 import tensorflow as tf
 from absl import logging
 
-from data import atomic_files
+from host import atomic_files
 from training.logs import duration
 from training.run_folder import HISTORY_FILE
 
@@ -494,7 +494,7 @@ class HistoryCSV(tf.keras.callbacks.Callback):
   the training and validation data, the epoch's samples/s (NA for one that ran within the first
   execution, compilation included), learning rate, training seconds and wall seconds (HISTORY_KEYS).
 
-  Written without following links (data/atomic_files.py), which CSVLogger's file cannot be: the header
+  Written without following links (host/atomic_files.py), which CSVLogger's file cannot be: the header
   with the first row, each row appended. A resumed run (`done`: the epochs its checkpoint completed)
   keeps the header and the rows of those epochs, dropping those of epochs it trains again, and appends.
   A write that fails (a full disk) ends the file with one warning, as the log's copy does."""

@@ -13,10 +13,12 @@ import tensorflow as tf
 from tensorboard.plugins.hparams import api as hp
 
 import model
-from data import atomic_files
+from host import atomic_files
 from run_config import RunConfig
 
-# The settings that tell runs apart (every RunConfig field is in run_config.yaml as well).
+# The settings that tell runs apart (every RunConfig field is in run_config.yaml as well). The run's
+# config holds what its backend settled (strategies/select.py config_with_decisions): the backend,
+# the precision's name, the replicas of all processes, the pipeline stages placed.
 _SETTINGS = ("model", "backend", "precision", "replicas", "batch_size", "gradient_accumulation",
              "pipeline_stages", "epochs", "optimizer", "learning_rate", "lr_schedule", "warmup_epochs",
              "dropout", "seed", "synthetic_data")

@@ -23,8 +23,8 @@ import time
 
 from absl import logging
 
-from data import atomic_files
 from errors import UserError
+from host import atomic_files
 
 # Lines TensorFlow's C++ core prints while it builds a step's or an input's graph (a first step, a
 # validation, the test), that no user can act on; each seen on TF 2.21 in the main job's log:

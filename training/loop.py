@@ -511,7 +511,7 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
   # --compile_only trains nothing: no run to continue or evaluate, and so no run marker in the folder
   # (run_folder.RUN_MARKERS), which would refuse the training run that the compilation prepares.
   if not config.compile_only:
-    write_run_config(outdir, config)  # backend and precision resolved (strategies.select.resolve)
+    write_run_config(outdir, config)  # with the backend's decisions (strategies.select.settle)
     write_hparams(outdir, config, global_batch_size)
 
   with flag:

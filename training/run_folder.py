@@ -11,7 +11,7 @@
   only once the checks pass (`accepted`, training/logs.py): the error is on the terminal only.
 - **No links.** A link (or a FIFO, a folder...) at a name the run writes (`refuse_links`) is one
   error naming it, before anything is written; the files themselves are opened with O_NOFOLLOW or
-  written under fresh names and renamed (data/atomic_files.py).
+  written under fresh names and renamed (host/atomic_files.py).
 - **Before TensorFlow.** Nothing here imports it: main.py claims the folder of a run of one process
   before TensorFlow starts (a run of several, once the backend says which process is the chief), so
   the folder is named, and a finished one refused, within a second of the command.
@@ -29,8 +29,8 @@ import socket
 
 from absl import logging
 
-from data import atomic_files
 from errors import UserError
+from host import atomic_files
 from training import checkpoint_names
 from training.logs import LOG_FILE
 

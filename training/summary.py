@@ -14,13 +14,11 @@ import sys
 
 import numpy as np
 import yaml
-from absl import logging
 
-import flags
 import model
-from data import atomic_files
 from errors import UserError, given_path, shown_path
-from run_config import RunConfig
+from host import atomic_files
+from run_config import RunConfig, flag_name
 from training.logs import LOG_FILE, duration
 from training.run_folder import HISTORY_FILE
 
@@ -51,7 +49,7 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
       "global_batch_size": global_batch_size,
       "per_replica_batch_size": config.batch_size,
       "gradient_accumulation": backend.gradient_accumulation,
-      "precision": backend.precision,
+      "precision": backend.precision.name,
       "keras_policy": keras_policy,  # the Keras mixed-precision policy that --precision became here
       **backend.forms_record(),
       "epochs": config.epochs,
@@ -140,7 +138,7 @@ def write_summary(logdir: str, summary: dict) -> str:
 
 
 def write_yaml(path: str, content: dict) -> str:
-  """Writes `content` (numpy scalars as plain numbers) to `path` atomically (data/atomic_files.py: a
+  """Writes `content` (numpy scalars as plain numbers) to `path` atomically (host/atomic_files.py: a
   fresh temporary name, fsync, rename; never through a link). Returns `path`. A link at `path`, or a
   failed write (a full disk), is a UserError naming it, with `path` as it was."""
   text = yaml.safe_dump(_plain(content), sort_keys=False)  # whole before the file is touched
@@ -324,7 +322,7 @@ def resume_command(argv, logdir: str, epochs: int) -> str:
     if skip_value:  # the value of `--logdir DIR` or `--epochs N`
       skip_value = False
       continue
-    name = flags.flag_name(token)
+    name = flag_name(token)
     if name in _RESUME_SETS:
       skip_value = name in _RESUME_VALUED and "=" not in token
       continue
@@ -383,11 +381,11 @@ def read_run_config(logdir: str) -> dict:
   file holds one. A run_config.yaml that holds no mapping is a UserError: it is read first, and
   falling back to summary.yaml past a damaged one would hide the damage.
   """
-  saved = _saved_run_config(logdir)
+  saved = saved_run_config(logdir)
   return saved[1] if saved else None
 
 
-def _saved_run_config(logdir: str):
+def saved_run_config(logdir: str):
   """(the file it came from, as messages name it, the saved run configuration), or None."""
   for name, key in ((RUN_CONFIG_FILE, None), ("summary.yaml", "params")):
     path = os.path.join(logdir, name)
@@ -422,43 +420,3 @@ def _described(content) -> str:
 EVAL_OVERRIDES = {"resume": False, "predict": False, "compile_only": False, "profile_dir": None,
                   "gradient_accumulation": 1, "pipeline_stages": 1, "ipus_per_replica": 1,
                   "steps_per_execution": 0, "steps_per_epoch": 0, "eval_steps": 0}
-
-
-def load_run_config(logdir: str, tool_defaults: dict = None, **overrides) -> RunConfig:
-  """The RunConfig a run in `logdir` was trained with, reset for evaluation, updated by `overrides`.
-
-  Keys the current RunConfig does not know (a newer or older run) are ignored, and missing (or null)
-  ones take their defaults, each with one warning line naming them: a hand-edited typo (`desgin:`)
-  would otherwise evaluate another network than the run trained. The model has no default: without
-  it the file is refused. Overrides that are None are ignored. `tool_defaults` are a tool's own
-  defaults (predict.py's --backend=auto, --replicas=1): applied as overrides, but left out of the
-  messages that name what the user changed. No TensorFlow: tools call this before it starts.
-  """
-  if not os.path.isdir(logdir):
-    raise UserError("--logdir=%s does not exist or is not a folder" % logdir)
-  found = _saved_run_config(logdir)
-  if found is None:
-    raise UserError("--logdir=%s holds neither %s nor a summary.yaml with params: not a training run "
-                    "folder" % (logdir, RUN_CONFIG_FILE))
-  source, saved = found
-  if saved.get("model") is None:
-    raise UserError("%s: model is %s; expected the model the run trained (%s)" % (
-        source, "missing" if "model" not in saved else "null", "|".join(sorted(model.MODELS))))
-  unknown = [str(key) for key in saved if key not in flags.RUN_CONFIG_FIELDS]
-  if unknown:
-    logging.warning("%s: ignoring %s, not settings of this version of the application (a typo, or a run "
-                    "of another version)", source, ", ".join(unknown))
-  values = dict(saved, **EVAL_OVERRIDES, logdir=logdir)
-  given = {key: value for key, value in overrides.items() if value is not None}
-  values.update(tool_defaults or {}, **given)
-  changed = ["--%s=%s" % (key, value) for key, value in given.items() if saved.get(key) != value]
-  # Unset: not in the file (nor reset or given here), or null where the setting is no optional one.
-  defaulted = [name for name, field in flags.RUN_CONFIG_FIELDS.items()
-               if values.get(name) is None and field.default is not None]
-  # The command line's own definitions and validators check it (a hand-edited value, a moved file).
-  config = flags.config_from_saved(values, source + (" with %s" % " ".join(changed) if changed else ""))
-  if defaulted:
-    logging.warning("%s: has no value for %s; using the default%s %s", source, ", ".join(defaulted),
-                    "s" if len(defaulted) > 1 else "",
-                    ", ".join("%s=%s" % (name, getattr(config, name)) for name in defaulted))
-  return config

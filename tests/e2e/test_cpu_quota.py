@@ -9,7 +9,7 @@ import pytest
 
 from tests.support.helpers import REPO_ROOT
 
-PRINT_CORES = "import sys; sys.path.insert(0, %r); from strategies import cpuinfo; print(cpuinfo.usable_cores())"
+PRINT_CORES = "import sys; sys.path.insert(0, %r); from host import cpuinfo; print(cpuinfo.usable_cores())"
 
 
 def _fresh_cgroup(name: str, limited: bool):

@@ -2,7 +2,7 @@
 set-up, as a hostile or unlucky user meets them, through `python main.py`.
 
 - Every size a flag implies is checked before TensorFlow builds anything (data/sizes.py,
-  strategies/cpuinfo.py): an error line naming the flags and the limit, and no backend line before it.
+  host/cpuinfo.py): an error line naming the flags and the limit, and no backend line before it.
 - A flag value that fills in a file name is a name, refused as a path the same way for every such flag
   (data/cellspike_file.py `resolve`).
 - A stop signal from the first line of the program to the end of the first training step (imports,
@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from errors import STOP_GRACE_SECONDS
-from strategies.cpuinfo import MAX_CPU_REPLICAS
+from host.cpuinfo import MAX_CPU_REPLICAS
 from tests.support.cellspike_files import write_cellspike, write_meta_yaml
 from tests.support.helpers import REPO_ROOT, WITH_DEFAULT_SIGINT, assert_one_line_error, run_main
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from analysis.events import read_hparams, read_scalars
-from strategies import cpuinfo
+from host import cpuinfo
 from tests.support.helpers import REPO_ROOT, assert_one_line_error, run_main
 from tests.support.idx_files import write_mnist_folder
 

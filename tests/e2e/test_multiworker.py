@@ -11,6 +11,7 @@ import time
 import pytest
 import yaml
 
+from analysis.events import read_hparams
 from tests.support.cellspike_files import write_cellspike
 from tests.support.training_parts import free_ports
 from tests.support.helpers import REPO_ROOT, other_process_report
@@ -41,6 +42,11 @@ def _start_workers(data_path, logdir, count=2, more=(), stderr_dir=None):
   return processes
 
 
+def _run_config(logdir):
+  with open(os.path.join(logdir, "run_config.yaml")) as f:
+    return yaml.safe_load(f)
+
+
 def _wait_for_line(path, text, processes, timeout=TIMEOUT_SECONDS):
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
@@ -68,7 +74,9 @@ def _finish(processes):
 def test_a_signal_to_one_worker_stops_both_after_the_same_step_and_the_run_resumes_in_sync(tmp_path):
   """SIGTERM to the non-chief worker stops both after the same step, with one checkpoint of the run; the
   two workers started again with --resume train the rest on disjoint shards, in step, and every test
-  sample is evaluated once. (An uninterrupted multi-worker fit of many epochs: test_loop_faults.py.)"""
+  sample is evaluated once. Started without --replicas, the run records the cluster's 2 replicas as its
+  own setting, and its resume (its flags as typed, again without) accepts that. (An uninterrupted
+  multi-worker fit of many epochs: test_loop_faults.py.)"""
   data_path = write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 512, "val": 70, "test": 70})
   logdir, logs = str(tmp_path / "run"), str(tmp_path)
   processes = _start_workers(data_path, logdir, stderr_dir=logs)
@@ -86,6 +94,7 @@ def test_a_signal_to_one_worker_stops_both_after_the_same_step_and_the_run_resum
     assert stop.group(2) == os.path.join(logdir, "checkpoints", "last", "ckpt-0-step" + stops[0])
   assert stops[0] == stops[1], stops  # the same step on both
   assert read_index(os.path.join(logdir, "checkpoints", "last"))[-1] == "ckpt-0-step" + stops[0]
+  assert _run_config(logdir)["replicas"] == 2  # written at the start, before the resume reads it
 
   outputs = _finish(_start_workers(data_path, logdir, more=["--resume"]))
   for process_output in outputs:
@@ -95,6 +104,8 @@ def test_a_signal_to_one_worker_stops_both_after_the_same_step_and_the_run_resum
   assert "rank 0 of 2 (chief)" in chief_log and "rank 1 of 2" in outputs[1][1]
   summary = yaml.safe_load(open(os.path.join(logdir, "summary.yaml")))
   assert summary["world_size"] == 2 and summary["replicas"] == 2 and summary["history"]["epoch"] == [1, 2]
+  # The setting, where the settings are recorded: run_config.yaml, TensorBoard's HParams row, params.
+  assert _run_config(logdir)["replicas"] == read_hparams(logdir)[1]["replicas"] == summary["params"]["replicas"] == 2
   assert summary["global_batch_size"] == 32
   worker_dir, worker_weights = other_process_report(outputs[1][1])
   # Identical weights after training: the all-reduce kept both replicas in step.

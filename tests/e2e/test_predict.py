@@ -22,6 +22,7 @@ from tensorboard.util import tensor_util
 
 from errors import UserError
 from run_config import RunConfig
+import saved_config
 from tests.support.cellspike_files import PAR_NAMES, write_cellspike, write_meta_yaml
 from tests.support.helpers import REPO_ROOT, assert_one_line_error, run_main
 from analysis import evaluation, plots
@@ -225,19 +226,19 @@ def test_run_without_checkpoint_is_a_user_error(trained_run, tmp_path):
   started.mkdir()
   (started / "run_config.yaml").write_text(open(os.path.join(logdir, "run_config.yaml")).read())
   with pytest.raises(UserError, match="no checkpoint"):
-    evaluation.evaluate_run(summary.load_run_config(str(started)), _cpu_backend())
+    evaluation.evaluate_run(saved_config.load_run_config(str(started)), _cpu_backend())
 
 
 def test_not_a_run_folder_is_a_user_error(tmp_path):
   with pytest.raises(UserError, match="not a training run folder"):
-    summary.load_run_config(str(tmp_path))
+    saved_config.load_run_config(str(tmp_path))
 
 
 def test_data_of_another_shape_is_a_user_error(trained_run, tmp_path):
   logdir, _ = trained_run
   other = write_cellspike(str(tmp_path / "short.h5"), sizes={"train": 32, "val": 32, "test": 32},
                           time_bins=800)
-  config = summary.load_run_config(logdir, data_path=other, backend="cpu")
+  config = saved_config.load_run_config(logdir, data_path=other, backend="cpu")
   with pytest.raises(UserError, match=r"does not fit .* \(800, 4\) -> 15 parameters"):
     evaluation.evaluate_run(config, _cpu_backend(), outdir=str(tmp_path / "out"))
   assert not os.path.exists(str(tmp_path / "out"))
@@ -246,7 +247,7 @@ def test_data_of_another_shape_is_a_user_error(trained_run, tmp_path):
 def test_too_few_samples_for_the_reports_correlations(trained_run, tmp_path, caplog):
   """One sample would end in a ValueError traceback (after training, with main.py --predict); a few
   would give confident verdicts from r of +-1."""
-  config = summary.load_run_config(trained_run[0], backend="cpu")
+  config = saved_config.load_run_config(trained_run[0], backend="cpu")
   with pytest.raises(UserError, match=r"1 test sample to evaluate \(--max_samples=1\); the report's "
                                       r"correlations need at least 2"):
     evaluation.evaluate_run(config, _cpu_backend(), max_samples=1, outdir=str(tmp_path / "one"))
@@ -365,7 +366,7 @@ def test_hand_edited_run_config_is_checked_like_the_flags(trained_run, tmp_path,
   with open(path, "w") as f:
     yaml.safe_dump(saved, f)
   with pytest.raises(UserError) as error:
-    summary.load_run_config(copy)
+    saved_config.load_run_config(copy)
   for fragment in [path] + fragments:
     assert fragment in str(error.value)
 
