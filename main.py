@@ -18,8 +18,8 @@ import time
 
 STARTED = time.monotonic()  # the process's start, near enough: the run's total time counts from here
 
-from errors import (exit_on_stop_signals, ignore_stops_while_exiting, parse_flags, refuse_arguments,
-                    report_missing_packages, reported_on_one_line)
+from errors import parse_flags, refuse_arguments, report_missing_packages, reported_on_one_line
+from stop_signals import exit_on_stop_signals, ignore_stops_while_exiting
 if __name__ == "__main__":
   exit_on_stop_signals()  # a stop while the imports and flags load: its line and status too
 report_missing_packages()  # before the first third-party import: run by a Python without them, one line
@@ -77,7 +77,7 @@ def train_and_evaluate(config, dated_logdir: bool = False, then_exit: bool = Fal
     raise
   try:
     report(config, backend)  # --predict: sum_pred.yaml and figures into <logdir>/predict
-  except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP (errors.Terminated): one line follows (reported_on_one_line)
+  except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP (stop_signals.Terminated): its one line follows
     print_how_to_continue("\nThe run is finished (summary.yaml), its --predict report is not. ")
     raise
   if then_exit:

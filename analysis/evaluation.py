@@ -31,8 +31,9 @@ import model as model_registry
 from analysis import events
 from data import cellspike
 from data.splits import eval_layout
-from errors import UserError, check_output_path
+from errors import UserError
 from host import atomic_files
+from host.output_paths import check_output_path
 from run_config import RunConfig
 from stderr_lines import DroppedLines
 from strategies.backend import Backend

@@ -35,8 +35,9 @@ from absl import logging
 
 from data import hdf5_writes
 from data import neuron_sim
-from errors import UserError, leave_interrupts_to_the_parent
+from errors import UserError
 from host import atomic_files
+from stop_signals import leave_interrupts_to_the_parent
 
 H5_NAME_TEMPLATE = "*_excite.cellSpike_4prB8kHz.data.h5"
 DOMAINS = ("train", "val", "test")

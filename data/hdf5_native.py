@@ -25,15 +25,8 @@ The file is mapped through the descriptor the run opened when it checked the fil
 (`RowLayout.pin`, data/pinned_files.py): every stream, started at any time, maps that same file, even
 after its name was renamed over or deleted; a file that changes in place stops the run in one line.
 
-Why the mapping op carries a `_scoped_allocator` attribute: when a tf.data function is instantiated,
-TensorFlow's classic graph optimizer constant-folds every foldable node whose output feeds the rest
-of the function. `ImmutableConst` has no inputs and is not stateful, so it would be evaluated at
-instantiation and its output (the whole file) deep-copied, then thrown away as too large for a
-constant (gdb: FunctionLibraryRuntimeImpl::CreateItem -> GraphOptimizer::Optimize -> ConstantFold ->
-GraphRunner::Run -> tensor::DeepCopy). Every iterator start would touch every page of the file and
-need its size in free memory, once per shard. `IsConstantFoldable` (tensorflow/core/common_runtime/
-constant_folding.cc, TF 2.6 to 2.21) skips any node that has the attribute; an empty list assigns
-no output to a scoped allocator, so the kernel runs as before.
+The mapping op is kept out of TensorFlow's constant folding (`tf_workarounds.keep_out_of_constant_folding`),
+which would copy the whole file at every iterator start.
 """
 
 import dataclasses
@@ -44,10 +37,9 @@ from typing import Optional
 import h5py
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2
 
-# Module docstring: keeps the mapping out of constant folding, which would copy the whole file.
-_NOT_FOLDABLE_ATTR = "_scoped_allocator"
+import tf_workarounds
+
 # TensorFlow's Slice shares a 1-D input's buffer only when both ends of the slice are multiples of
 # EIGEN_MAX_ALIGN_BYTES (at most 64; slice_op.cc, IsDim0SliceAligned); otherwise it copies the whole
 # mapped file, at every batch (a 895 MB file streamed 4,839 samples/s instead of 353,210).
@@ -128,8 +120,7 @@ def mapped_file(path: str, file_size: int) -> tf.data.Dataset:
   @tf.autograph.experimental.do_not_convert  # no Python control flow: conversion is start-up time
   def map_file(_):
     mapped = tf.raw_ops.ImmutableConst(dtype=tf.uint8, shape=[file_size], memory_region_name=path)
-    mapped.op._set_attr(_NOT_FOLDABLE_ATTR, attr_value_pb2.AttrValue(  # pylint: disable=protected-access
-        list=attr_value_pb2.AttrValue.ListValue()))
+    tf_workarounds.keep_out_of_constant_folding(mapped.op)
     return mapped
   return tf.data.Dataset.from_tensors(tf.constant(0)).map(map_file).cache().repeat()
 

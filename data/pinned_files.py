@@ -21,14 +21,13 @@ copy moved into place), or nothing (deleted). So:
   past the new end, which would end the process with "Bus error" and no word (exit status 135), and
   can happen before any step end. `guard_bus_errors()` handles SIGBUS: Python's C-level handler
   returns (the faulting thread retries, and faults again) and writes the signal's number to Python's
-  wakeup socket, where a watcher thread, which needs no step to end, finds the file that shrank,
-  writes the one `error:` line (also to the run's log.txt), removes the run folder's lock file and
-  ends the process with status 1 (`os._exit`: a thread stuck on a fault cannot be joined, so no
-  clean-up that waits for TensorFlow's threads could finish). Python has one wakeup descriptor: one
-  set before (errors.py's stop watchdog) gets every signal's number from the watcher, as it got them
-  from Python. During a run the watcher also looks at the sizes every second, in case a later user
-  of the wakeup descriptor took it. A SIGBUS when no data file shrank is not the data's: the default
-  action is put back and the signal raised again, so the process ends as it would have ("Bus
+  wakeup descriptor, whose reader thread (stop_signals.read_signal_numbers), which needs no step to
+  end, calls the guard: it finds the file that shrank, writes the one `error:` line (also to the
+  run's log.txt), removes the run folder's lock file and ends the process with status 1 (`os._exit`: a
+  thread stuck on a fault cannot be joined, so no clean-up that waits for TensorFlow's threads could
+  finish). The reader also calls it every second, when the guard looks at the sizes, in case another
+  user of the wakeup descriptor took it. A SIGBUS when no data file shrank is not the data's: the
+  default action is put back and the signal raised again, so the process ends as it would have ("Bus
   error", after Python's traceback dump).
 - A file that shrank and is found at a step end ends the process the same way, whichever comes
   first. Checkpoints are written atomically (training/checkpoints.py): one being saved when the
@@ -43,7 +42,6 @@ import faulthandler
 import logging as python_logging
 import os
 import signal
-import socket
 import stat
 import sys
 import threading
@@ -52,17 +50,17 @@ import weakref
 
 from absl import logging
 
+import stop_signals
 from errors import UserError
 
 _PROC_FDS = "/proc/self/fd"
-_WATCH_SECONDS = 1.0   # the watcher's look at the files' sizes, between SIGBUS wake-ups
 
 _mapped = weakref.WeakSet()  # the files that streams read (watch), for a SIGBUS
 _runs = []                   # per active watched_in_run: (WeakSet of the files its checks look at, hook)
 _report_lock = threading.Lock()
 _reported = []               # the one line written (at most one per process)
 _bus_error_lock = threading.Lock()  # held while a SIGBUS is looked into (the faults come again and again)
-_guard = {}                  # "thread", "stderr", ...: set once by guard_bus_errors
+_guard = {}                  # "stderr", "faulthandler": set once by guard_bus_errors
 
 
 class InputChanged(SystemExit):
@@ -349,22 +347,13 @@ def _end_if_shrunk(pins) -> None:
       _end_now(_changed_line(pin, how))
 
 
-def _watch(wakeups: socket.socket, forward) -> None:
-  wakeups.settimeout(_WATCH_SECONDS)
-  while True:
-    try:
-      signals = wakeups.recv(4096)
-    except socket.timeout:
-      signals = b""
-    except OSError:
-      return
-    if signals and forward is not None:
-      with contextlib.suppress(OSError):  # gone, or full: as Python's own write to it would be
-        os.write(forward, signals)
-    if signal.SIGBUS in signals:
-      _on_bus_error()
-    else:
-      _end_if_shrunk(_in_runs())
+def _on_signal_numbers(numbers: bytes) -> None:
+  """stop_signals' reader thread: a SIGBUS is looked into at once; any other wake-up (another signal, or
+  a second without one) looks at the sizes of the files the runs read."""
+  if signal.SIGBUS in numbers:
+    _on_bus_error()
+  else:
+    _end_if_shrunk(_in_runs())
 
 
 def _python_handler(signum, frame):
@@ -374,28 +363,12 @@ def _python_handler(signum, frame):
 
 def guard_bus_errors() -> None:
   """Installs the SIGBUS guard (module docstring) once per process, from the main thread (Python sets
-  handlers there). Python has one wakeup descriptor: one set before (errors.py's stop watchdog) gets
-  every signal's number from the watcher, as it got them from Python."""
+  handlers and its wakeup descriptor there)."""
   if _guard or not hasattr(signal, "SIGBUS") or threading.current_thread() is not threading.main_thread():
     return
-  reader, writer = socket.socketpair()
-  writer.setblocking(False)
-  try:
-    previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-  except (ValueError, OSError):
-    reader.close()
-    writer.close()
+  if not stop_signals.read_signal_numbers(_on_signal_numbers):
     return
-  forward = None
-  if previous != -1:
-    with contextlib.suppress(OSError):
-      forward = os.dup(previous)  # its owner may close its own: ours never names another file then
-      os.set_blocking(forward, False)
   _guard["faulthandler"] = faulthandler.is_enabled()
-  _guard["sockets"] = (reader, writer)
   with contextlib.suppress(OSError):
     _guard["stderr"] = os.dup(2)  # the loader's: no window of DroppedLines is open then
   signal.signal(signal.SIGBUS, _python_handler)
-  _guard["thread"] = threading.Thread(target=_watch, args=(reader, forward), name="data-file-guard",
-                                      daemon=True)
-  _guard["thread"].start()

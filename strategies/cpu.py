@@ -15,9 +15,10 @@ from absl import logging
 from errors import UserError
 from host import cpuinfo
 from run_config import KERNEL_CACHE, RunConfig
-from strategies import collective_threads, cpu_kernels, device_pipelines, multiworker, ordered_reduction
+from strategies import cpu_kernels, device_pipelines, multiworker, ordered_reduction
 from strategies import precision as precision_lib
 from strategies.backend import Backend, options_from_config
+import tf_workarounds
 
 # Keras policies per --precision: this CPU family computes 16-bit in bfloat16 (AVX-512 BF16 / AMX) and
 # has no fast float16.
@@ -276,14 +277,9 @@ def _replicated_strategy(devices: list, gradient_accumulation: int):
   if gradient_accumulation == 1:
     strategy = tf.distribute.experimental.CentralStorageStrategy(compute_devices=devices,
                                                                 parameter_device=devices[0])
-    # Its reduction (ParameterServerStrategyExtended.__init__, parameter_server_strategy.py, TF 2.6 to
-    # 2.21), summing in a fixed order: strategies/ordered_reduction.py.
-    extended = strategy.extended
-    built = getattr(extended, "_cross_device_ops", None)
-    if isinstance(built, tf.distribute.ReductionToOneDevice):
-      extended._cross_device_ops = ordered_reduction.reduction_to_one_device(  # pylint: disable=protected-access
-          built.reduce_to_device)
-    else:  # a TensorFlow that keeps it elsewhere: the replicas' sum stays AddN's, said once
+    # Its own reduction replaced by one that sums in a fixed order (strategies/ordered_reduction.py); in a
+    # TensorFlow that keeps it elsewhere the replicas' sum stays AddN's, said once.
+    if not tf_workarounds.replace_central_storage_reduction(strategy, ordered_reduction.reduction_to_one_device):
       logging.warning("This TensorFlow's CentralStorageStrategy has no ReductionToOneDevice to replace; "
                       "the replicas' gradient sum keeps AddN's order (strategies/ordered_reduction.py)")
     return strategy
@@ -329,5 +325,5 @@ def create(config: RunConfig) -> Backend:
   _set_threads(config.replicas)
   devices = _ensure_logical_cpus(config.replicas)
   strategy = _replicated_strategy(devices, config.gradient_accumulation)
-  collective_threads.close_at_exit(strategy)
+  tf_workarounds.close_pools_at_exit(strategy)
   return Backend("cpu", strategy, tuple(devices), **fields)

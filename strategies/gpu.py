@@ -4,9 +4,10 @@ import tensorflow as tf
 
 from errors import UserError
 from run_config import RunConfig
-from strategies import collective_threads, device_pipelines, environment, multiworker
+from strategies import device_pipelines, environment, multiworker
 from strategies import precision as precision_lib
 from strategies.backend import Backend, options_from_config
+import tf_workarounds
 
 POLICIES = {"32.32": "float32", "16.32": "mixed_float16", "16.16": "float16"}
 
@@ -55,7 +56,7 @@ def create(config: RunConfig) -> Backend:
   devices = tuple("/gpu:%d" % i for i in range(replicas))
   strategy = (tf.distribute.OneDeviceStrategy(devices[0]) if replicas == 1
               else tf.distribute.MirroredStrategy(devices=list(devices)))
-  collective_threads.close_at_exit(strategy)
+  tf_workarounds.close_pools_at_exit(strategy)
   return Backend("gpu", strategy, devices, **_fields(config))
 
 

@@ -12,8 +12,6 @@ import dataclasses
 import functools
 import json
 import os
-import signal
-import threading
 
 import tensorflow as tf
 from absl import logging
@@ -21,8 +19,9 @@ from absl import logging
 from data.splits import BatchLayout
 from errors import UserError
 from run_config import RunConfig
-from strategies import collective_threads, slurm_cluster
+from strategies import slurm_cluster
 from strategies.backend import Backend, without_auto_shard
+import tf_workarounds
 
 
 def tf_config_problem(tf_config) -> str:
@@ -126,18 +125,6 @@ def _agreement(strategy):
   return agree
 
 
-def _take_back_sigterm() -> None:
-  """Gives SIGTERM back to this program's handler (errors.reported_on_one_line, training's stop flag).
-  The strategy's coordination service (TensorFlow 2.9 and later) installs a C++ SIGTERM handler of its
-  own, for its preemption notifier (tensorflow/tsl/distributed_runtime/preemption/
-  preemption_notifier.cc), which only logs "SIGTERM caught": a time limit's SIGTERM before training
-  would be lost, and the job run on until SIGKILL. Setting the Python handler again reinstalls Python's C
-  handler. During training, the stop flag sets its own (training/interrupt.py)."""
-  handler = signal.getsignal(signal.SIGTERM)
-  if handler is not None and threading.current_thread() is threading.main_thread():
-    signal.signal(signal.SIGTERM, handler)
-
-
 def create(config: RunConfig, kind: str, source: str, **fields) -> MultiWorkerBackend:
   """A multi-worker backend over the cluster described by `source`; local devices of `kind`; `fields`
   are the calling backend's `Backend` fields (options and hardware choices), its replicas replaced by
@@ -148,8 +135,8 @@ def create(config: RunConfig, kind: str, source: str, **fields) -> MultiWorkerBa
       else tf.distribute.experimental.CommunicationImplementation.RING)
   strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
                                                        communication_options=options)
-  _take_back_sigterm()
-  collective_threads.close_at_exit(strategy)
+  tf_workarounds.take_back_sigterm()
+  tf_workarounds.close_pools_at_exit(strategy)
   world, rank = _world_size(resolver), _rank(resolver)
   total = strategy.num_replicas_in_sync
   if config.replicas not in (1, total):

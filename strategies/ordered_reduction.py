@@ -21,6 +21,9 @@ placed on the device of its newest operand: Grappler's arithmetic optimizer fold
 on one device back into a single `AddN` (AddOpsRewriteStage in
 tensorflow/core/grappler/optimizers/arithmetic_optimizer.cc absorbs only inputs on the root's device),
 and the logical CPU devices share one memory, so the placement costs no copy.
+
+strategies/cpu.py gives it to MirroredStrategy as its cross-device ops, and puts it in place of
+CentralStorageStrategy's own reduction, which takes none (`tf_workarounds.replace_central_storage_reduction`).
 """
 
 import contextlib

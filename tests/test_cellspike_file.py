@@ -12,6 +12,7 @@ from data import cellspike_file
 from errors import UserError
 from run_config import RunConfig
 from tests.support.cellspike_files import write_cellspike, write_meta_yaml
+from tests.support.helpers import assert_names
 
 
 def _edit(path, key, data):
@@ -29,43 +30,42 @@ def test_reference_layout_opens(tmp_path):
   assert info.meta == {"hand_made": True}
 
 
-@pytest.mark.parametrize("key, data, message", [
-    ("val_frames", None, "missing key 'val_frames'"),
-    ("train_unitStar_par", np.zeros((64, 15, 1), np.float32), "'train_unitStar_par' has shape .* rank 2"),
-    ("train_frames", np.zeros((64, 1600), np.float32), "'train_frames' has shape .* rank 3"),
-    ("test_frames", np.zeros((31, 1600, 4), np.float32), "'test_frames' has 31 samples but "
-                                                          "'test_unitStar_par' has 32"),
-    ("val_frames", np.zeros((0, 1600, 4), np.float32), "val split is empty"),
-    ("train_unitStar_par", np.full((64, 15), np.nan, np.float32), "'train_unitStar_par' contains NaN"),
-    ("train_frames", np.zeros((64, 1600, 4), np.int16), "dtype int16, expected float16 or float32"),
-    ("val_frames", np.ones((32, 800, 4), np.float32), "splits disagree on frame shape"),  # zeros: not written
+@pytest.mark.parametrize("key, data, names", [
+    ("val_frames", None, ["missing key", "'val_frames'"]),
+    ("train_unitStar_par", np.zeros((64, 15, 1), np.float32), ["'train_unitStar_par'", "(64, 15, 1)", "rank 2"]),
+    ("train_frames", np.zeros((64, 1600), np.float32), ["'train_frames'", "(64, 1600)", "rank 3"]),
+    ("test_frames", np.zeros((31, 1600, 4), np.float32), ["'test_frames' has 31", "'test_unitStar_par'", "has 32"]),
+    ("val_frames", np.zeros((0, 1600, 4), np.float32), ["val split", "empty"]),
+    ("train_unitStar_par", np.full((64, 15), np.nan, np.float32), ["'train_unitStar_par'", "NaN"]),
+    ("train_frames", np.zeros((64, 1600, 4), np.int16), ["'train_frames'", "int16", "float16 or float32"]),
+    ("val_frames", np.ones((32, 800, 4), np.float32), ["splits disagree", "frame shape"]),  # zeros: not written
 ])
-def test_malformed_files(tmp_path, key, data, message):
+def test_malformed_files(tmp_path, key, data, names):
   path = write_cellspike(str(tmp_path / "c.h5"))
   if key == "val_frames" and data is not None and data.shape[0] == 0:
     _edit(path, "val_unitStar_par", np.zeros((0, 15), np.float32))
   _edit(path, key, data)
-  with pytest.raises(UserError, match=message) as error:
+  with pytest.raises(UserError) as error:
     cellspike_file.open_cellspike(path)
-  assert path in str(error.value)
+  assert_names(error.value, path, *names)
 
 
 def test_inf_in_the_middle_is_found(tmp_path):
   path = write_cellspike(str(tmp_path / "c.h5"), sizes={"train": 2000, "val": 8, "test": 8})
   with h5py.File(path, "a") as f:
     f["train_frames"][1000, 5, 2] = np.inf
-  with pytest.raises(UserError, match="'train_frames' contains NaN or Inf"):
+  with pytest.raises(UserError, match="'train_frames'.*NaN"):
     cellspike_file.open_cellspike(path)
 
 
 def test_truncated_and_non_hdf5_files(tmp_path):
   path = write_cellspike(str(tmp_path / "c.h5"))
   os.truncate(path, os.path.getsize(path) // 2)
-  with pytest.raises(UserError, match="c.h5: not a readable HDF5 file"):
+  with pytest.raises(UserError, match="c.h5: not a readable"):
     cellspike_file.open_cellspike(path)
   text = tmp_path / "notes.h5"
   text.write_text("just text")
-  with pytest.raises(UserError, match="notes.h5: not a readable HDF5 file"):
+  with pytest.raises(UserError, match="notes.h5: not a readable"):
     cellspike_file.open_cellspike(str(text))
 
 
@@ -76,14 +76,17 @@ def test_folder_resolution_through_meta_yaml(tmp_path):
   assert path.endswith("cellA_excite.cellSpike_4prB8kHz.data.h5")
   opened = cellspike_file.open_cellspike(path, info)
   assert opened.par_names[0] == "p0" and opened.meta["dataInfo"]["numPar"] == 15
-  with pytest.raises(UserError, match=r"--cell_name is needed to pick the file \(cells there: cellA\)$"):
+  with pytest.raises(UserError) as caught:
     cellspike_file.resolve(str(tmp_path), None, "excite_4prB8kHz")
-  with pytest.raises(UserError, match=r"cellB_excite.cellSpike_4prB8kHz.data.h5: no such file .*cells there: cellA\)$"):
+  assert_names(caught.value, "--cell_name", "cells there: cellA")
+  with pytest.raises(UserError) as caught:
     cellspike_file.resolve(str(tmp_path), "cellB", "excite_4prB8kHz")
+  assert_names(caught.value, "cellB_excite.cellSpike_4prB8kHz.data.h5", "no such file", "cells there: cellA")
   os.remove(path)
-  with pytest.raises(UserError, match=r"no file there matches h5nameTemplate '\*_excite.cellSpike_4prB8kHz"):
+  with pytest.raises(UserError) as caught:
     cellspike_file.resolve(str(tmp_path), None, "excite_4prB8kHz")
-  with pytest.raises(UserError, match="without meta.cellSpike_other.yaml"):
+  assert_names(caught.value, "no file", "h5nameTemplate", "*_excite.cellSpike_4prB8kHz")
+  with pytest.raises(UserError, match="meta.cellSpike_other.yaml"):
     cellspike_file.resolve(str(tmp_path), "cellA", "other")
 
 
@@ -91,8 +94,9 @@ def test_a_template_without_a_star_cannot_pick_a_cell(tmp_path):
   """A template without a * would pick its one file for every --cell_name, whatever the name: refused."""
   write_meta_yaml(str(tmp_path / "meta.cellSpike_excite_4prB8kHz.yaml"), template="c1_x.h5")
   write_cellspike(str(tmp_path / "c1_x.h5"))
-  with pytest.raises(UserError, match=r"h5nameTemplate 'c1_x.h5' has no single \* for --cell_name"):
+  with pytest.raises(UserError) as caught:
     cellspike_file.resolve(str(tmp_path), "zzz", "excite_4prB8kHz")
+  assert_names(caught.value, "h5nameTemplate 'c1_x.h5'", "single *", "--cell_name")
   assert cellspike_file.resolve(str(tmp_path / "c1_x.h5"), None, "excite_4prB8kHz")[0].endswith("c1_x.h5")
 
 
@@ -100,15 +104,18 @@ def test_meta_yaml_problems(tmp_path):
   yaml_path = tmp_path / "meta.cellSpike_excite_4prB8kHz.yaml"
   write_cellspike(str(tmp_path / "cellA_excite.cellSpike_4prB8kHz.data.h5"))
   yaml_path.write_text("dataInfo: [unclosed")
-  with pytest.raises(UserError, match="meta.cellSpike_excite_4prB8kHz.yaml: malformed YAML"):
+  with pytest.raises(UserError) as caught:
     cellspike_file.resolve(str(tmp_path), "cellA", "excite_4prB8kHz")
+  assert_names(caught.value, "meta.cellSpike_excite_4prB8kHz.yaml", "malformed YAML")
   yaml_path.write_text("dataInfo: {numFeature: 4}")
-  with pytest.raises(UserError, match="dataInfo lacks h5nameTemplate, parName, numPar"):
+  with pytest.raises(UserError) as caught:
     cellspike_file.resolve(str(tmp_path), "cellA", "excite_4prB8kHz")
+  assert_names(caught.value, "dataInfo", "h5nameTemplate", "parName", "numPar")
   write_meta_yaml(str(yaml_path), num_feature=3)
   path, info = cellspike_file.resolve(str(tmp_path), "cellA", "excite_4prB8kHz")
-  with pytest.raises(UserError, match="numFeature=3 but the frames have 4 probes"):
+  with pytest.raises(UserError) as caught:
     cellspike_file.open_cellspike(path, info)
+  assert_names(caught.value, "numFeature=3", "4 probes")
 
 
 def test_implausibly_large_samples_are_refused_before_any_read(tmp_path):
@@ -118,8 +125,9 @@ def test_implausibly_large_samples_are_refused_before_any_read(tmp_path):
     for dom in ("train", "val", "test"):
       f.create_dataset(dom + "_frames", shape=(4, 10**6, 4), dtype=np.float32)   # never written
       f.create_dataset(dom + "_unitStar_par", data=np.zeros((4, 15), np.float32))
-  with pytest.raises(UserError, match=r"train_frames' has shape \(4, 1000000, 4\): 16000000 bytes per sample"):
+  with pytest.raises(UserError) as caught:
     cellspike_file.open_cellspike(path)
+  assert_names(caught.value, "'train_frames'", "(4, 1000000, 4)", "16000000 bytes per sample")
 
 
 # Hostile files.
@@ -137,8 +145,9 @@ def _with_external_targets(path, outside):
 def test_external_storage_is_refused(tmp_path):
   path = write_cellspike(str(tmp_path / "a.h5"))
   _with_external_targets(path, str(tmp_path.parent / ("secret-%s.bin" % tmp_path.name)))
-  with pytest.raises(UserError, match="'val_unitStar_par' is stored outside the file"):
+  with pytest.raises(UserError) as caught:
     cellspike_file.open_cellspike(path)
+  assert_names(caught.value, "'val_unitStar_par'", "stored outside the file")
 
 
 def _virtual_copy(source, target, missing=False):
@@ -159,8 +168,9 @@ def test_virtual_datasets_need_their_sources_beside_the_file(tmp_path):
   source = write_cellspike(str(tmp_path / "source.h5"), extra_keys=False)
   cellspike_file.open_cellspike(_virtual_copy(source, str(tmp_path / "view.h5")))  # sound: it opens
   _virtual_copy(source, str(tmp_path / "orphan.h5"), missing=True)
-  with pytest.raises(UserError, match="virtual dataset whose source source.h5 is missing"):
+  with pytest.raises(UserError) as caught:
     cellspike_file.open_cellspike(str(tmp_path / "orphan.h5"))
+  assert_names(caught.value, "virtual dataset", "source.h5", "missing")
 
 
 def test_links_must_lead_to_data_beside_the_file(tmp_path):
@@ -176,21 +186,18 @@ def test_links_must_lead_to_data_beside_the_file(tmp_path):
   write_cellspike(str(elsewhere / "outside.h5"))
   with h5py.File(str(tmp_path / "middle.h5"), "w") as middle:  # beside it, but linking out of the folder
     middle["val_frames"] = h5py.ExternalLink(str(elsewhere / "outside.h5"), "val_frames")
-  for link, message in [(h5py.ExternalLink("b.h5", "nothing"), "external link to b.h5:nothing, which that "
-                                                               "file does not hold"),
-                        (h5py.ExternalLink("gone.h5", "val_frames"), "external link to gone.h5, which is "
-                                                                     "missing or outside"),
-                        (h5py.SoftLink("/nowhere"), "'val_frames' is a link to /nowhere, which the file "
-                                                    "does not hold"),
-                        (h5py.ExternalLink("text.h5", "val_frames"), "external link to text.h5, which is not "
-                                                                     "a readable HDF5 file"),
-                        (h5py.ExternalLink("middle.h5", "val_frames"), "'val_frames' leads through external "
-                                                                       "links to .*outside.h5, outside")]:
+  for link, names in [(h5py.ExternalLink("b.h5", "nothing"), ["external link", "b.h5:nothing", "not hold"]),
+                      (h5py.ExternalLink("gone.h5", "val_frames"), ["external link", "gone.h5", "missing"]),
+                      (h5py.SoftLink("/nowhere"), ["'val_frames'", "link to /nowhere", "not hold"]),
+                      (h5py.ExternalLink("text.h5", "val_frames"), ["external link", "text.h5", "not a readable"]),
+                      (h5py.ExternalLink("middle.h5", "val_frames"), ["'val_frames'", "external links",
+                                                                      "outside.h5, outside"])]:
     with h5py.File(path, "a") as f:
       del f["val_frames"]
       f["val_frames"] = link
-    with pytest.raises(UserError, match=message):
+    with pytest.raises(UserError) as caught:
       cellspike_file.open_cellspike(path)
+    assert_names(caught.value, *names)
 
 
 def test_a_dataset_never_written_is_refused(tmp_path):
@@ -199,8 +206,9 @@ def test_a_dataset_never_written_is_refused(tmp_path):
   with h5py.File(path, "a") as f:
     del f["test_frames"]
     f.create_dataset("test_frames", shape=(32, 1600, 4), dtype=np.float32)
-  with pytest.raises(UserError, match="'test_frames' holds no data \\(its 32x1600x4 values were never written"):
+  with pytest.raises(UserError) as caught:
     cellspike_file.open_cellspike(path)
+  assert_names(caught.value, "'test_frames'", "no data", "32x1600x4", "never written")
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "chunked"])
@@ -217,9 +225,9 @@ def test_a_split_whose_last_samples_were_never_written_is_refused(tmp_path, layo
     f.create_dataset("val_frames", shape=frames.shape, dtype=frames.dtype,
                      chunks=(32, 400, 4) if layout == "chunked" else None)
     f["val_frames"][:29] = frames[:29]
-  with pytest.raises(UserError, match="a.h5: the last sample of 'val_frames' \\(row 31\\) is zero at every "
-                                      "time bin and probe: the file looks written only in part"):
+  with pytest.raises(UserError) as caught:
     cellspike_file.open_cellspike(path)
+  assert_names(caught.value, "a.h5: ", "last sample", "'val_frames' (row 31)", "zero", "written only in part")
   with h5py.File(path, "a") as f:
     f["val_frames"][29:] = frames[29:]
   assert cellspike_file.open_cellspike(path).splits["val"].num_samples == 32
@@ -239,9 +247,9 @@ def test_a_chunked_dataset_written_in_part_is_refused(tmp_path, rows_written, re
     assert cellspike_file.open_cellspike(path).splits["val"].num_samples == 32
     return
   stored = -(-rows_written // 8) * 2
-  with pytest.raises(UserError, match="a.h5: 'val_frames' is only partly written: %d of its 8 chunks of "
-                                      "8x1000x4 values hold data" % stored):
+  with pytest.raises(UserError) as caught:
     cellspike_file.open_cellspike(path)
+  assert_names(caught.value, "a.h5: ", "'val_frames'", "partly written", "%d of its 8 chunks" % stored, "8x1000x4")
 
 
 def test_cell_files_may_be_links_to_files_elsewhere(tmp_path):
@@ -255,8 +263,9 @@ def test_cell_files_may_be_links_to_files_elsewhere(tmp_path):
   write_meta_yaml(str(data / "meta.cellSpike_excite_4prB8kHz.yaml"), template="*.h5")
   assert cellspike_file.resolve(str(data), "cellA", "excite_4prB8kHz")[0] == str(data / "cellA.h5")
   os.symlink(str(store / "gone.h5"), str(data / "gone.h5"))  # listed among the cells, but leads nowhere
-  with pytest.raises(UserError, match="gone.h5: a symbolic link to .*store/gone.h5, which does not exist"):
+  with pytest.raises(UserError) as caught:
     cellspike_file.resolve(str(data), "gone", "excite_4prB8kHz")
+  assert_names(caught.value, "gone.h5: ", "symbolic link", "store/gone.h5", "does not exist")
 
 
 def test_a_template_cannot_leave_the_data_folder(tmp_path):
@@ -278,7 +287,7 @@ def test_yaml_aliases_and_oversized_meta_are_refused_quickly(tmp_path):
   with pytest.raises(UserError, match="malformed YAML.*aliases"):
     cellspike_file.resolve(str(tmp_path), "cellA", "excite_4prB8kHz")
   yaml_path.write_text("# " + "x" * (2 << 20))
-  with pytest.raises(UserError, match="more than a meta yaml's limit"):
+  with pytest.raises(UserError, match="meta yaml's limit"):
     cellspike_file.resolve(str(tmp_path), "cellA", "excite_4prB8kHz")
 
 
@@ -289,7 +298,7 @@ def test_par_names_must_be_strings(tmp_path):
     text = f.read().replace("- p3\n", "- {p3: 1}\n")
   with open(yaml_path, "w") as f:
     f.write(text)
-  with pytest.raises(UserError, match="parName is .* expected a list of parameter names"):
+  with pytest.raises(UserError, match="parName.*parameter names"):
     cellspike_file.resolve(str(tmp_path), "cellA", "excite_4prB8kHz")
 
 
@@ -303,8 +312,9 @@ def test_a_file_without_a_meta_yaml_takes_the_parameter_names_of_its_own_meta_js
       f["meta.JSON"] = json.dumps({"dataInfo": {"parName": names}})
     if len(names) == 15:
       assert cellspike_file.open_cellspike(path).par_names == tuple(names)
-  with pytest.raises(UserError, match=r"meta.JSON dataInfo.parName is .*expected a list of 15 parameter names"):
+  with pytest.raises(UserError) as caught:
     cellspike_file.open_cellspike(path)
+  assert_names(caught.value, "meta.JSON", "dataInfo.parName", "15 parameter names")
 
 
 def test_a_deeply_nested_meta_json_is_named(tmp_path):
@@ -312,7 +322,7 @@ def test_a_deeply_nested_meta_json_is_named(tmp_path):
   with h5py.File(path, "a") as f:
     del f["meta.JSON"]
     f.create_dataset("meta.JSON", data=["[" * 100000 + "]" * 100000], dtype=h5py.special_dtype(vlen=str))
-  with pytest.raises(UserError, match="'meta.JSON' is nested too deeply"):
+  with pytest.raises(UserError, match="'meta.JSON'.*too deeply"):
     cellspike_file.open_cellspike(path)
 
 
@@ -327,8 +337,9 @@ def test_meta_json_as_a_scalar_string_is_read_and_a_list_is_named(tmp_path):
   with h5py.File(path, "a") as f:
     del f["meta.JSON"]
     f["meta.JSON"] = "[1, 2, 3]"
-  with pytest.raises(UserError, match="'meta.JSON' holds a list, expected a JSON object"):
+  with pytest.raises(UserError) as caught:
     cellspike_file.open_cellspike(path)
+  assert_names(caught.value, "'meta.JSON'", "a list", "JSON object")
 
 
 def test_the_files_own_data_info_wins_over_the_folders_shared_meta_yaml(tmp_path):

@@ -16,6 +16,7 @@ from data.splits import Arrays, BatchLayout, eval_layout, split_from_arrays
 from errors import UserError
 from run_config import RunConfig
 from tests.support.cellspike_files import write_cellspike, write_row_marked
+from tests.support.helpers import assert_names
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -117,12 +118,12 @@ def test_an_evaluation_split_smaller_than_a_batch_is_read_whole_or_refused_where
   path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64, n_eval=3)
   validation = cellspike.load(_config(path), BatchLayout(1, 4, eval_keeps_tail=True)).validation
   assert (validation.steps, validation.samples) == (1, 3)
-  with pytest.raises(UserError, match=r"rows.h5: the val split has 3 samples: too few for 4 shards of at "
-                                      r"least one sample \(lower --replicas \(one shard each\)\)"):
+  with pytest.raises(UserError) as caught:
     cellspike.load(_config(path), BatchLayout(4, 4, eval_keeps_tail=True))
-  with pytest.raises(UserError, match="the val split has 3 samples: too few for 1 shard of at least one "
-                                      "batch of 4 .lower --batch_size"):
+  assert_names(caught.value, "rows.h5: ", "val split", "3 samples", "4 shards", "one sample", "--replicas")
+  with pytest.raises(UserError) as caught:
     cellspike.load(_config(path), BatchLayout(1, 4))
+  assert_names(caught.value, "val split", "3 samples", "1 shard", "batch of 4", "--batch_size")
 
 
 def test_replicas_that_take_elements_in_turn_each_end_with_a_short_batch(tmp_path):
@@ -224,7 +225,7 @@ def test_steps_per_epoch_caps_the_split(tmp_path):
 
 def test_too_few_samples_for_the_shards(tmp_path):
   path = write_row_marked(str(tmp_path / "rows.h5"), n_train=64)
-  with pytest.raises(UserError, match="val split has 24 samples: too few for 7 shard"):
+  with pytest.raises(UserError, match="24 samples.*7 shard"):
     cellspike.load(_config(path), BatchLayout(7, 4))
 
 

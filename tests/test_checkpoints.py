@@ -18,6 +18,7 @@ from training.checkpoints import CheckpointCallback, RunCheckpoints, read_index
 from training.lr_schedule import LearningRateSchedule
 from strategies import ipu as ipu_backend
 from tests.support import fake_ipu
+from tests.support.helpers import assert_names
 from tests.support.training_parts import readable_state, toy_checkpoints
 
 
@@ -99,8 +100,7 @@ def test_resume_builds_the_optimizer_family_its_checkpoint_was_written_with(tmp_
     np.testing.assert_array_equal(new.numpy(), old.numpy())
 
   fused, _, _ = toy_checkpoints(tmp_path / "fused", optimizers.make_optimizer("adam", 1e-3))
-  with pytest.raises(UserError, match="holds optimizer_2.11 optimizer state, but this run built a "
-                     "optimizer_v2 optimizer"):
+  with pytest.raises(UserError, match="optimizer_2.11.*optimizer_v2"):  # the checkpoint's, then this run's
     checkpoints_lib.RunCheckpoints(str(tmp_path), fused, {"model": "toy"}).restore_last()
 
 
@@ -137,7 +137,7 @@ def test_a_mid_epoch_resume_needs_the_same_batch_layout(tmp_path, monkeypatch):
                                 batch_layout=loop._batch_layout(config, backend))  # pylint: disable=protected-access
   callback.save_interrupted(0, 39, {"loss": 0.5})
   assert loop._resume_state(config, backend)["step"] == 39  # pylint: disable=protected-access
-  with pytest.raises(UserError, match="global batch of 4 on 1 replica.*this run has a global batch of 8 on 1"):
+  with pytest.raises(UserError, match="batch of 4 .*batch of 8"):  # the checkpoint's, then this run's
     loop._resume_state(dataclasses.replace(config, batch_size=8), backend)  # pylint: disable=protected-access
   # The same global batch on IPUs, whose steps are micro-batches (accumulation 2): 39 steps are half
   # the samples they were on the CPU.
@@ -146,9 +146,9 @@ def test_a_mid_epoch_resume_needs_the_same_batch_layout(tmp_path, monkeypatch):
   CheckpointCallback(checkpoints, LearningRateSchedule(1e-3, 0, 0.1, 1, 0), batch_layout=loop._batch_layout(  # pylint: disable=protected-access
       accumulating, dataclasses.replace(backend, gradient_accumulation=2))).save_interrupted(0, 40, {"loss": 0.5})
   ipu = ipu_backend.create(dataclasses.replace(accumulating, backend="ipu"))
-  with pytest.raises(UserError, match="on 1 replica; this run has a global batch of 4 on 1 replica in steps "
-                                      "of 2 rows .one micro-batch per replica."):
+  with pytest.raises(UserError) as caught:
     loop._resume_state(accumulating, ipu)  # pylint: disable=protected-access
+  assert_names(caught.value, "global batch of 4", "steps of 2 rows", "micro-batch per replica")
 
 
 def test_a_resume_keeps_the_batch_norm_statistics_its_checkpoint_was_written_with(tmp_path):
@@ -160,19 +160,17 @@ def test_a_resume_keeps_the_batch_norm_statistics_its_checkpoint_was_written_wit
                      batch_norm_statistics="batch", logdir=str(tmp_path), resume=True)
   identity = loop._identity(config)  # pylint: disable=protected-access
   checkpoints_lib.check_identity("ckpt", dict(identity), identity)
-  with pytest.raises(UserError, match="ckpt was written with batch_norm_statistics=batch, this run has "
-                                      "batch_norm_statistics=moving"):
+  with pytest.raises(UserError, match="ckpt .*=batch.*=moving"):  # the checkpoint's, then this run's
     checkpoints_lib.check_identity("ckpt", dict(identity), dict(identity, batch_norm_statistics="moving"))
   older = {key: value for key, value in identity.items() if key != "batch_norm_statistics"}
   checkpoints_lib.check_identity("ckpt", older, dict(identity, batch_norm_statistics="moving"))
-  with pytest.raises(UserError, match="written with batch_norm_statistics=moving, this run has "
-                                      "batch_norm_statistics=batch"):
+  with pytest.raises(UserError, match="ckpt .*=moving.*=batch"):
     checkpoints_lib.check_identity("ckpt", older, identity)
   assert "batch_norm_statistics" not in loop._identity(RunConfig(model="mnist"))  # pylint: disable=protected-access
 
 
 def test_evaluation_takes_the_best_checkpoint_else_the_last(tmp_path):
-  with pytest.raises(UserError, match="has no checkpoint .*has the run finished an epoch"):
+  with pytest.raises(UserError, match="no checkpoint.*an epoch"):
     checkpoints_lib.best_or_last(str(tmp_path))
   _, _, callback = toy_checkpoints(tmp_path)
   callback.on_epoch_end(0, {"loss": 0.5, "val_loss": 0.4})   # best and last: epoch 1
@@ -185,9 +183,9 @@ def test_evaluation_takes_the_best_checkpoint_else_the_last(tmp_path):
                                                                      "ckpt-2")
   # A damaged run is named as damaged, not as one that never finished an epoch.
   os.remove(os.path.join(str(tmp_path), "checkpoints", "last", "ckpt-2.index"))
-  with pytest.raises(UserError, match=r"no usable checkpoint: no checkpoint in .*best; checkpoint .*ckpt-2 is "
-                                      r"missing \(no ckpt-2.index in"):
+  with pytest.raises(UserError) as caught:
     checkpoints_lib.best_or_last(str(tmp_path))
+  assert_names(caught.value, "no usable checkpoint", "best", "ckpt-2", "missing", "no ckpt-2.index")
 
 
 def _enospc(*args, **kwargs):
@@ -230,7 +228,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, where)
   message = str(error.value)
   assert isinstance(error.value, UserError) and "\n" not in message
   assert reason in message and os.path.join(folder, "ckpt-2") in message
-  assert "previous checkpoint %s is intact" % os.path.join(folder, "ckpt-1") in message
+  assert_names(message, "previous checkpoint", os.path.join(folder, "ckpt-1"), "intact")
   assert read_index(folder) == ["ckpt-1"]
   for name, content in before.items():
     assert open(os.path.join(folder, name), "rb").read() == content
@@ -286,9 +284,10 @@ def test_a_resume_trains_on_the_data_its_run_started_with(tmp_path, trained, res
   if accepted:
     loop.check_same_data(resuming)
   else:
-    with pytest.raises(UserError, match="--resume: the run in .* trained on .*, this run would train on .*: "
-                                        "resume with (--data_path=/data|the built-in dataset)"):
+    with pytest.raises(UserError) as caught:
       loop.check_same_data(resuming)
+    advice = "--data_path=/data" if "data_path" in trained else "built-in dataset"
+    assert_names(caught.value, "--resume", "trained on", advice)
 
 
 def _checkpoints_keeping(tmp_path, keep_best, net=None):
@@ -345,9 +344,9 @@ def test_a_failed_save_of_one_of_the_best_k_keeps_them_all(tmp_path, monkeypatch
   best = checkpoints.folder("best")
   before = {name: open(os.path.join(best, name), "rb").read() for name in os.listdir(best)}
   monkeypatch.setattr(checkpoints_lib, "_write_index", _enospc)
-  with pytest.raises(checkpoints_lib.CheckpointSaveError, match="previous checkpoint %s is intact"
-                     % os.path.join(best, "ckpt-2")):
+  with pytest.raises(checkpoints_lib.CheckpointSaveError) as caught:
     _epochs(callback, [0.1], first=2)
+  assert_names(caught.value, "previous checkpoint", os.path.join(best, "ckpt-2"), "intact")
   monkeypatch.undo()
   assert read_index(best) == ["ckpt-1", "ckpt-2"]  # the new files, unlisted, go at the next save's sweep
   for name, content in before.items():
@@ -444,24 +443,21 @@ def test_init_from_refuses_what_holds_no_checkpoint(tmp_path):
       checkpoints_lib.resolve_init_from(str(tmp_path / given))
   data = tmp_path / "a" / "checkpoints" / "best" / "ckpt-1.data-00000-of-00001"
   data.write_bytes(b"\0" * len(data.read_bytes()))  # damaged in place
-  with pytest.raises(UserError, match="^--init_from: checkpoint .*ckpt-1 is unreadable") as error:
+  with pytest.raises(UserError, match="^--init_from: ") as error:
     checkpoints_lib.load_initial_weights(_new_network(), str(tmp_path / "a"), {"model": "toy"})
+  assert_names(error.value, "ckpt-1", "unreadable")
   assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("identity, outputs, inputs, fragments", [
-    ({"model": "toy", "design": "big"}, 2, 3, ("toy small (2 outputs); this run builds toy big (2 outputs)",
-                                               "same --design")),
-    ({"model": "other", "design": None}, 2, 3, ("toy small (2 outputs); this run builds other (2 outputs)",
-                                                "same --model")),
+@pytest.mark.parametrize("identity, outputs, inputs, names", [
+    ({"model": "toy", "design": "big"}, 2, 3, ("toy small (2 outputs)", "toy big (2 outputs)", "--design")),
+    ({"model": "other", "design": None}, 2, 3, ("toy small (2 outputs)", "other (2 outputs)", "--model")),
     ({"model": "toy", "design": "small", "batch_norm_statistics": "batch"}, 2, 3,
-     ("toy small (batch_norm_statistics=moving, 2 outputs); this run builds toy small "
-      "(batch_norm_statistics=batch, 2 outputs)", "same --batch_norm_statistics")),
-    ({"model": "toy", "design": "small"}, 5, 3, ("toy small (2 outputs); this run builds toy small (5 outputs)",
-                                                 "4x2 and 2 there, 4x5 and 5 here")),
-    ({"model": "toy", "design": "small"}, 2, 7, ("toy small (2 outputs); this run builds toy small (2 outputs)",
-                                                 "are 3x4 and 4 there, 7x4 and 4 here"))])
-def test_init_from_another_network_is_an_error_naming_both(tmp_path, identity, outputs, inputs, fragments):
+     ("(batch_norm_statistics=moving,", "(batch_norm_statistics=batch,",
+      "--batch_norm_statistics")),
+    ({"model": "toy", "design": "small"}, 5, 3, ("toy small (5 outputs)", "4x2 and 2 there", "4x5 and 5 here")),
+    ({"model": "toy", "design": "small"}, 2, 7, ("toy small (2 outputs)", "3x4 and 4 there", "7x4 and 4 here"))])
+def test_init_from_another_network_is_an_error_naming_both(tmp_path, identity, outputs, inputs, names):
   """The optimizer and learning rate may differ (the run's own); the network may not."""
   _toy_run(tmp_path / "a", {"model": "toy", "design": "small", "optimizer": "adam", "learning_rate": 1e-3})
   net = _new_network(outputs, inputs)
@@ -470,10 +466,9 @@ def test_init_from_another_network_is_an_error_naming_both(tmp_path, identity, o
     checkpoints_lib.load_initial_weights(net, str(tmp_path / "a"), dict(identity, optimizer="sgd",
                                                                           learning_rate=0.1))
   message = str(error.value)
-  assert message.startswith("--init_from: %s holds the weights of " % (tmp_path / "a" / "checkpoints" / "best" /
-                                                                       "ckpt-1")) and "\n" not in message
-  for fragment in fragments:
-    assert fragment in message
+  assert message.startswith("--init_from: %s " % (tmp_path / "a" / "checkpoints" / "best" / "ckpt-1"))
+  assert "\n" not in message
+  assert_names(message, *names)
   for weight, unchanged in zip(net.get_weights(), before):
     np.testing.assert_array_equal(weight, unchanged)
 
@@ -491,6 +486,6 @@ def test_init_from_loads_32_bit_weights_under_mixed_precision_only(tmp_path):
       for weight, expected in zip(net.get_weights(), best):
         np.testing.assert_array_equal(weight, expected)
     else:
-      with pytest.raises(UserError, match="^--init_from: .*ckpt-1 holds float32 weights, this run's network has "
-                                          "float16 and float32 ones: start it with --precision=32.32 or 16.32"):
+      with pytest.raises(UserError, match="^--init_from: ") as caught:
         checkpoints_lib.load_initial_weights(net, str(tmp_path / "a"), {"model": "toy"})
+      assert_names(caught.value, "ckpt-1", "float32 weights", "float16 and float32", "--precision=32.32", "16.32")

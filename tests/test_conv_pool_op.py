@@ -144,9 +144,9 @@ def test_blocks_of_other_sizes_keep_tensorflows_ops(library):
 
 def test_the_op_refuses_shapes_it_does_not_compute(library):
   ops = conv_pool_op.load(library)
-  with pytest.raises(tf.errors.InvalidArgumentError, match="at most 64 output channels"):
+  with pytest.raises(tf.errors.InvalidArgumentError, match="64 output channels"):
     ops.conv_pool1d(tf.zeros((1, 40, 4)), tf.zeros((4, 4, 65)), tf.zeros(65), pool=4)
-  with pytest.raises(tf.errors.InvalidArgumentError, match="shorter than one pool window"):
+  with pytest.raises(tf.errors.InvalidArgumentError, match="one pool window"):
     ops.conv_pool1d(tf.zeros((1, 5, 4)), tf.zeros((4, 4, 8)), tf.zeros(8), pool=4)
 
 

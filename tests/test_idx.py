@@ -8,6 +8,7 @@ import pytest
 
 from data import idx
 from errors import UserError
+from tests.support.helpers import assert_names
 from tests.support.idx_files import write_idx
 
 
@@ -22,15 +23,16 @@ def test_truncated_file_is_reported_with_sizes(tmp_path):
   path = write_idx(str(tmp_path / "x-idx3-ubyte"), np.zeros((5, 28, 28)))
   with open(path, "r+b") as f:
     f.truncate(os.path.getsize(path) - 100)
-  with pytest.raises(UserError, match=r"x-idx3-ubyte: IDX data holds 3820 bytes .* declares 3920"):
+  with pytest.raises(UserError) as caught:
     idx.read_idx(path)
+  assert_names(caught.value, "x-idx3-ubyte: ", "3820 bytes", "3920")
 
 
 def test_truncated_gzip_is_reported(tmp_path):
   path = write_idx(str(tmp_path / "x.gz"), np.zeros((50, 28, 28)), compress=True)
   raw = open(path, "rb").read()
   open(path, "wb").write(raw[: len(raw) // 2])
-  with pytest.raises(UserError, match="x.gz: cannot read IDX data"):
+  with pytest.raises(UserError, match="x.gz: cannot read"):
     idx.read_idx(path)
 
 
@@ -46,8 +48,9 @@ def test_negative_dimensions_are_reported(tmp_path):
   path = tmp_path / "negative"
   dims = b"".join(d.to_bytes(4, "big", signed=True) for d in (-100, -28, 28))
   path.write_bytes(bytes([0, 0, 0x08, 3]) + dims + b"\0" * (100 * 28 * 28))
-  with pytest.raises(UserError, match=r"negative: IDX header declares dimensions \(-100, -28, 28\)"):
+  with pytest.raises(UserError) as caught:
     idx.read_idx(str(path))
+  assert_names(caught.value, "negative: ", "dimensions", "(-100, -28, 28)")
 
 
 def test_wrong_type_code(tmp_path):
@@ -60,5 +63,5 @@ def test_wrong_type_code(tmp_path):
 def test_find_idx_file_accepts_both_spellings_and_gzip(tmp_path):
   (tmp_path / "train-images.idx3-ubyte.gz").write_bytes(gzip.compress(b""))
   assert idx.find_idx_file(str(tmp_path), "train-images-idx3-ubyte").endswith(".idx3-ubyte.gz")
-  with pytest.raises(UserError, match="missing MNIST file t10k-labels-idx1-ubyte"):
+  with pytest.raises(UserError, match="t10k-labels-idx1-ubyte"):
     idx.find_idx_file(str(tmp_path), "t10k-labels-idx1-ubyte")

@@ -17,7 +17,7 @@ from errors import UserError
 from run_config import RunConfig
 from strategies import ipu as ipu_backend
 from tests.support import fake_ipu
-from tests.support.helpers import REPO_ROOT
+from tests.support.helpers import REPO_ROOT, assert_names
 
 
 def _config(**kwargs):
@@ -119,12 +119,13 @@ def test_no_ipu_attached_is_one_clear_line(monkeypatch):
   fake_ipu.install(monkeypatch)
   monkeypatch.setattr(fake_ipu, "FAIL_CONFIGURE", "Target configuration failed: model disabled and no "
                       "hardware IPU found. (Are you sure you enabled the Poplar driver ?)\nmore lines")
-  with pytest.raises(UserError, match="no IPU is attached to this host .*--ipu_model"):
+  with pytest.raises(UserError) as caught:
     ipu_backend.create(_config())
+  assert_names(caught.value, "no IPU is attached", "--ipu_model")
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(replicas=3), "3 IPUs: IPU devices come in powers of two"),
+    (dict(replicas=3), "3 IPUs.*powers of two"),
     (dict(replicas=2, ipus_per_replica=3, pipeline_stages=3), "6 IPUs"),
     (dict(ipus_per_replica=2, pipeline_stages=2, gradient_accumulation=6), "multiple of 4"),
     (dict(ipus_per_replica=2, pipeline_stages=2, pipeline_schedule="interleaved",
@@ -189,8 +190,9 @@ def test_keras_steps_count_the_elements_of_all_local_replicas(monkeypatch):
 
 def test_poprun_replica_mismatch_is_refused(monkeypatch):
   fake_ipu.install(monkeypatch, popdist=fake_ipu.build_popdist(total_replicas=4))
-  with pytest.raises(UserError, match="--replicas=2 disagrees with poprun's --num-replicas=4"):
+  with pytest.raises(UserError) as caught:
     ipu_backend.create(_config(replicas=2))
+  assert_names(caught.value, "--replicas=2", "poprun", "--num-replicas=4")
 
 
 def test_gradients_are_averaged_over_ipu_strategy_replicas(monkeypatch):
@@ -204,15 +206,15 @@ def test_gradients_are_averaged_over_ipu_strategy_replicas(monkeypatch):
 def test_steps_per_execution_rules():
   assert ipu_backend.derive_steps_per_execution(120, 4, 0) == 120
   assert ipu_backend.derive_steps_per_execution(120, 4, 40) == 40
-  with pytest.raises(UserError, match="must divide the 120 training steps"):
+  with pytest.raises(UserError, match="120 training steps"):
     ipu_backend.derive_steps_per_execution(120, 4, 50)
-  with pytest.raises(UserError, match="multiple of --gradient_accumulation=4"):
+  with pytest.raises(UserError, match="--gradient_accumulation=4"):
     ipu_backend.derive_steps_per_execution(120, 4, 30)
 
 
 def test_steps_per_execution_fits_every_evaluation_split():
   """IPU Keras needs it to divide each evaluate's steps too, or truncates it (data_adapter.py)."""
-  with pytest.raises(UserError, match="must divide the 50 evaluation steps"):
+  with pytest.raises(UserError, match="50 evaluation steps"):
     ipu_backend.derive_steps_per_execution(120, 4, 40, eval_steps=(50,))
   assert ipu_backend.derive_steps_per_execution(120, 4, 40, eval_steps=(30, 80)) == 40  # 30: truncated
   # derived: 180 truncates to the 120 training steps and runs each split in one execution. fit checks
@@ -222,8 +224,9 @@ def test_steps_per_execution_fits_every_evaluation_split():
   assert ipu_backend.derive_steps_per_execution(120, 4, 0, eval_steps=(150,)) == 152
   assert ipu_backend.derive_steps_per_execution(120, 4, 0, eval_steps=(50,)) == 120
   assert ipu_backend.derive_steps_per_execution(8, 4, 0, eval_steps=(50,)) == 52
-  with pytest.raises(UserError, match="--steps_per_execution=10 must be a multiple of --gradient_accumulation=4"):
+  with pytest.raises(UserError) as caught:
     ipu_backend.derive_steps_per_execution(8, 4, 10)
+  assert_names(caught.value, "--steps_per_execution=10", "multiple", "--gradient_accumulation=4")
   # inference alone: no accumulation rule
   assert ipu_backend.derive_steps_per_execution(None, 4, 0, eval_steps=(30,)) == 30
   assert ipu_backend.derive_steps_per_execution(None, 4, 15, eval_steps=(30,)) == 15
@@ -246,13 +249,13 @@ def test_the_stand_in_refuses_stage_assignments_that_ipu_keras_refuses(monkeypat
       assignment.pipeline_stage = stage
     return assignments
   count = len(net.get_pipeline_stage_assignment())
-  with pytest.raises(ValueError, match="does not match the number of layers in the graph"):
+  with pytest.raises(ValueError, match="number of layers"):
     net.set_pipeline_stage_assignment(assigned([0] * count)[:-1])
-  with pytest.raises(ValueError, match="does not match the post-order"):
+  with pytest.raises(ValueError, match="the post-order"):
     net.set_pipeline_stage_assignment(list(reversed(assigned([0] * count))))
-  with pytest.raises(ValueError, match="has not been assigned a pipeline stage"):
+  with pytest.raises(ValueError, match="not been assigned"):
     net.set_pipeline_stage_assignment(assigned([0] * (count - 1) + [None]))
-  with pytest.raises(ValueError, match="Layers can only use outputs from current or previous pipeline stages"):
+  with pytest.raises(ValueError, match="previous pipeline stages"):
     net.set_pipeline_stage_assignment(assigned([1] + [0] * (count - 1)))
   net.set_pipeline_stage_assignment(assigned([0] * (count // 2) + [1] * (count - count // 2)))
 
@@ -285,7 +288,7 @@ def test_a_pipelined_batch_norm_is_warned_about_and_replicas_are_not(monkeypatch
                      batch_norm_statistics=statistics)
     backend = ipu_backend.create(config)
     backend.prepare_model(fake_ipu.inject_keras_extensions(module.build(config)), module.STAGE_BOUNDARIES)
-    assert ("moving statistics of BatchNormalization (batch_norm)" in caplog.text) == warned
+    assert ("moving statistics of" in caplog.text and "(batch_norm)" in caplog.text) == warned
   assert "--batch_norm_statistics=batch" in caplog.text
 
 
@@ -414,20 +417,22 @@ def test_poprun_instances_agree_on_a_stop_through_a_host_allreduce(monkeypatch, 
 
 
 def test_a_signal_to_one_instance_stops_all_at_the_next_batch_end(monkeypatch):
+  from stop_signals import InterruptFlag  # pylint: disable=import-outside-toplevel
   from training import interrupt  # pylint: disable=import-outside-toplevel
   fake_ipu.install(monkeypatch, popdist=fake_ipu.build_popdist(total_replicas=4, instances=2))
   backend = ipu_backend.create(_config(replicas=4))
   saved = []
   checkpointing = type("Checkpointing", (), {
       "save_interrupted": lambda self, epoch, step, logs: saved.append((epoch, step)) or "ckpt-1-step2"})()
-  stop = interrupt.GracefulStop(interrupt.InterruptFlag(), checkpointing, steps_per_epoch=4, total_epochs=3,
+  stop = interrupt.GracefulStop(InterruptFlag(), checkpointing, steps_per_epoch=4, total_epochs=3,
                                 any_process=backend.any_process)
   stop.on_epoch_begin(0)
   stop.on_train_batch_end(0, {"loss": 0.5})  # nobody signalled: training goes on
   fake_ipu.OTHER_INSTANCES_FLAGGED = 1
   with pytest.raises(interrupt.TrainingInterrupted) as stopped:
     stop.on_train_batch_end(1, {"loss": 0.5})
-  assert saved == [(0, 2)] and stopped.value.where == "in epoch 1 after step 2 of 4"
+  assert saved == [(0, 2)]
+  assert_names(stopped.value.where, "epoch 1", "step 2 of 4")
 
 
 @pytest.mark.parametrize("schedule, stages, ipus, training, overlap", [
@@ -441,7 +446,7 @@ def test_pipeline_overlap_follows_the_pipeline_visitor(schedule, stages, ipus, t
 
 def test_interleaved_training_needs_one_ipu_per_stage(monkeypatch):
   fake_ipu.install(monkeypatch)
-  with pytest.raises(UserError, match="interleaved needs one IPU per stage"):
+  with pytest.raises(UserError, match="one IPU per stage"):
     ipu_backend.create(_config(ipus_per_replica=2, pipeline_stages=4, pipeline_schedule="interleaved",
                                gradient_accumulation=8))
 
@@ -451,9 +456,9 @@ def test_pipelined_evaluation_splits_are_trimmed_to_the_inference_pipeline_depth
   backend = ipu_backend.create(_config(ipus_per_replica=2, pipeline_stages=2, gradient_accumulation=8))
   assert eval_layout(backend.layout(16)).steps_multiple == 2  # grouped inference: the 2 stages
   assert backend.compile_kwargs(120, [30]) == {"steps_per_execution": 120}  # depth min(120, 30) = 30
-  with pytest.raises(UserError, match="pipeline iterations in multiples of 4"):  # depth 10
+  with pytest.raises(UserError, match="multiples of 4"):  # depth 10
     ipu_backend.derive_steps_per_execution(120, 8, 40, eval_steps=(10,), eval_depth_multiple=4)
-  with pytest.raises(UserError, match="no --steps_per_execution fits"):  # depth 15 is odd
+  with pytest.raises(UserError, match="no --steps_per_execution"):  # depth 15 is odd
     ipu_backend.derive_steps_per_execution(120, 8, 0, eval_steps=(15,), eval_depth_multiple=2)
 
 
@@ -467,8 +472,9 @@ def test_prediction_places_the_model_as_training_does(monkeypatch):
   assert options["device_mapping"] == [0, 1]
   assert _calls("set_pipeline_stage_assignment")
   unpipelined = dataclasses.replace(backend, pipeline_stages=1)
-  with pytest.raises(UserError, match="--ipus_per_replica=2 without pipeline stages"):
+  with pytest.raises(UserError) as caught:
     evaluation.build_model(_config(), (1600, 4), 15, unpipelined)
+  assert_names(caught.value, "--ipus_per_replica=2", "pipeline stages")
 
 
 @pytest.mark.parametrize("sdk, replicas, stages, reduced", [
@@ -552,27 +558,29 @@ def test_the_stand_in_refuses_what_the_ipu_data_handler_refuses(monkeypatch):
   fake_ipu.install(monkeypatch)
   net = _tiny_net(ipu_backend.create(_config(replicas=2, gradient_accumulation=2)))
   net.compile(loss="mse", steps_per_execution=4)
-  with pytest.raises(ValueError, match=r"`steps_per_execution` \(4\) must be a divisor of the number of "
-                     r"batches \(6\) in the dataset provided to this replica\."):
+  with pytest.raises(ValueError) as caught:
     net.evaluate(_elements(12), steps=12)
-  with pytest.raises(ValueError, match=r"divisor of the number of batches \(6\)"):
+  assert_names(caught.value, "`steps_per_execution` (4)", "divisor", "batches (6)", "to this replica.")
+  with pytest.raises(ValueError, match=r"batches \(6\)"):
     net.predict(_elements(12).map(lambda x, y: x), steps=12)
-  with pytest.raises(ValueError, match="all 2 replicas are requested"):
+  with pytest.raises(ValueError, match="all 2 replicas"):
     net.evaluate(_elements(1), steps=1)
   extension = net.ipu_extension
   assert extension.check_inference(16) == (2, 8, 4)
   assert extension.check_inference(6) == (2, 3, 3)               # truncated to the 3 steps per replica
   assert extension.check_fit(16, validation_steps=8) == 4
-  with pytest.raises(RuntimeError, match=r"value \(set to 3\) is not divisible by "
-                     r"`gradient_accumulation_steps_per_replica` \(2\)"):
+  with pytest.raises(RuntimeError) as caught:
     net.fit(_elements(6).repeat(), steps_per_epoch=6)             # truncated to 3, not a multiple of 2
+  assert_names(caught.value, "(set to 3)", "not divisible", "`gradient_accumulation_steps_per_replica`", "(2)")
   # Infeeds need static shapes: a batch without drop_remainder is refused (IPUDataHandler).
-  with pytest.raises(ValueError, match=r"contains a shape \(None, 3\) which is not fully defined"):
+  with pytest.raises(ValueError) as caught:
     net.evaluate(_elements(12).unbatch().batch(2), steps=4)
+  assert_names(caught.value, "shape (None, 3)", "not fully defined")
   # The value as compiled is checked too, before fit truncates it (`_log_optimizer_batch_size`): 5
   # truncated to the 2 steps per replica of 4 would pass.
-  with pytest.raises(RuntimeError, match=r"value \(set to 5\) is not divisible"):
+  with pytest.raises(RuntimeError) as caught:
     extension.check_fit(4, steps_per_execution=5)
+  assert_names(caught.value, "(set to 5)", "not divisible")
 
 
 def test_validation_in_fit_is_checked_for_all_replicas_together(monkeypatch):
@@ -582,11 +590,12 @@ def test_validation_in_fit_is_checked_for_all_replicas_together(monkeypatch):
   net = _tiny_net(ipu_backend.create(_config(replicas=2)))
   net.compile(loss="mse", steps_per_execution=40)
   assert net.ipu_extension.check_inference(60) == (2, 30, 30)   # evaluate alone is fine
-  with pytest.raises(ValueError, match=r"`steps_per_execution` \(40\) must be a divisor of the number of "
-                     r"batches \(60\) in the dataset provided\."):
+  with pytest.raises(ValueError) as caught:
     net.ipu_extension.check_fit(240, validation_steps=60)
-  with pytest.raises(UserError, match="must divide the 60 evaluation steps of all 2 replicas together"):
+  assert_names(caught.value, "`steps_per_execution`", "(40)", "divisor", "batches (60)", "dataset provided.")
+  with pytest.raises(UserError) as caught:
     ipu_backend.derive_steps_per_execution(120, 1, 40, eval_steps=(30,), replicas=2)
+  assert_names(caught.value, "60 evaluation steps", "all 2 replicas")
   assert ipu_backend.derive_steps_per_execution(None, 1, 40, eval_steps=(30,), replicas=2) == 40  # predict
   # derived: 80 truncates to the 50 steps per replica but does not divide the 100 of both replicas
   assert ipu_backend.derive_steps_per_execution(80, 1, 0, eval_steps=(50,)) == 80
@@ -605,9 +614,9 @@ def test_the_stand_in_checks_the_inference_pipeline_depth(monkeypatch, schedule,
                   inference=True)
   extension = net.ipu_extension
   assert extension.check_inference(4 * multiple, multiple) == (1, 4 * multiple, multiple)
-  with pytest.raises(tf.errors.FailedPreconditionError, match="must be a multiple of %d, but it is %d"
-                     % (multiple, iterations)):
+  with pytest.raises(tf.errors.FailedPreconditionError) as caught:
     extension.check_inference(iterations, 100)                  # truncated to the 3 or 6 steps
+  assert_names(caught.value, "multiple of %d" % multiple, "it is %d" % iterations)
 
 
 def test_the_stand_in_places_models_as_ipu_keras(monkeypatch):
@@ -744,7 +753,7 @@ def test_reported_losses_are_all_replicas_or_the_log_says_otherwise(monkeypatch,
   test_x, test_steps = backend.fit_input(splits.test.dataset, splits.test.steps)
   test = net.evaluate(test_x, steps=test_steps, return_dict=True, verbose=0)
   (_, (validation_replicas,), _), (_, (test_replicas,), _) = _calls("evaluate")[-2:]
-  said = "reports one replica's metrics" in caplog.text
+  said = "one replica's metrics" in caplog.text
   for reported, replicas in ((history["val_loss"][-1], validation_replicas), (test["loss"], test_replicas)):
     losses = [logs["loss"] for logs in replicas]
     assert losses[1] > losses[0] + 50                              # the replicas' figures differ
@@ -791,7 +800,7 @@ def test_a_pipelined_run_normalises_by_batch_statistics_and_its_predictions_do_t
                                   logdir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache")))
   assert config.batch_norm_statistics == "batch"
   loop.run(config, select.select_backend(config))
-  assert "each batch's own statistics" in caplog.text and "moving statistics of" not in caplog.text
+  assert "batch's own statistics" in caplog.text and "moving statistics of" not in caplog.text
   path = checkpoints.best_or_last(config.logdir)
   assert not [name for name, _ in tf.train.list_variables(path) if "moving_" in name]
   saved = saved_config.load_run_config(config.logdir)
@@ -971,7 +980,7 @@ def test_the_stand_in_refuses_an_overridden_train_step(monkeypatch, sdk, kwargs)
   fake_ipu.install(monkeypatch, sdk=sdk)
   net = _own_model(ipu_backend.create(_config(**kwargs)), _OwnTrainStep)
   net.compile(loss="mse", steps_per_execution=4)
-  with pytest.raises(RuntimeError, match="`train_step` for the model .* has been overridden"):
+  with pytest.raises(RuntimeError, match="`train_step`.*overridden"):
     net.fit(_elements(4), steps_per_epoch=4, verbose=0)
 
 
@@ -982,7 +991,7 @@ def test_the_stand_in_refuses_an_overridden_test_step_in_a_pipeline_and_eager_ru
   pipelined = _own_model(ipu_backend.create(_config(ipus_per_replica=2, pipeline_stages=2,
                                                     gradient_accumulation=4)), _OwnTestStep)
   pipelined.compile(loss="mse", steps_per_execution=4)
-  with pytest.raises(RuntimeError, match="`test_step` for the model .* not supported for pipelined"):
+  with pytest.raises(RuntimeError, match="`test_step`.*pipelined"):
     pipelined.evaluate(_elements(4), steps=4, verbose=0)
   net = _own_model(ipu_backend.create(_config()), _OwnTestStep)
   net.compile(loss="mse")
@@ -1001,7 +1010,7 @@ def test_the_stand_in_refuses_a_finite_dataset_without_enough_data(monkeypatch):
   fake_ipu.install(monkeypatch)
   net = _tiny_net(ipu_backend.create(_config(replicas=2)))
   net.compile(optimizer=legacy_sgd(0.01), loss="mse")
-  with pytest.raises(ValueError, match=r"does not have enough data.*at least 5 batches"):
+  with pytest.raises(ValueError, match=r"enough data.*5 batches"):
     net.fit(_elements(4), steps_per_epoch=2, epochs=5, verbose=0)
   net.fit(_elements(4), steps_per_epoch=4, epochs=5, verbose=0)   # the dataset's size: a new pass each epoch
   with pytest.raises(ValueError, match="does not have enough data"):

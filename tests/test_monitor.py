@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from errors import UserError
-from tests.support.helpers import REPO_ROOT, assert_one_line_error
+from tests.support.helpers import REPO_ROOT, assert_names, assert_one_line_error
 from analysis.events import read_scalars
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
@@ -55,11 +55,11 @@ def test_auto_source_follows_the_installed_tool(tmp_path, monkeypatch, tool, sou
 def test_a_source_named_without_its_tool_is_refused(tmp_path, monkeypatch):
   """--source=gpu without nvidia-smi is refused, rather than sampling the host alone in silence."""
   monkeypatch.setenv("PATH", str(tmp_path))
-  with pytest.raises(UserError, match="--source=gpu needs nvidia-smi on the PATH"):
+  with pytest.raises(UserError, match="--source=gpu.*nvidia-smi"):
     monitor.resolve_source("gpu")
   (tmp_path / "gc-info").write_text("#!/bin/sh\n")
   (tmp_path / "gc-info").chmod(0o755)
-  with pytest.raises(UserError, match="--source=ipu needs --ipu_ids"):
+  with pytest.raises(UserError, match="--source=ipu.*--ipu_ids"):
     monitor.resolve_source("ipu", [])
   assert monitor.resolve_source("ipu", ["0", "1"]) == "ipu"
   assert monitor.resolve_source("host") == "host"
@@ -79,12 +79,12 @@ def test_the_command_line_runs_a_command_and_says_nothing_of_its_own(tmp_path):
   assert read_scalars(str(tmp_path / "monitor"))["host/cpu_percent"]
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("logdir_is_a_file", "--logdir={a_file} is a file; expected a folder (created if missing)"),
-    ("no_such_command", "/nonexistent/cmd: command not found (not an executable file)"),
-    ("not_on_the_path", "nonexistent-cmd: command not found (not an executable file on the PATH)"),
+@pytest.mark.parametrize("case, names", [
+    ("logdir_is_a_file", ["--logdir={a_file}", "is a file"]),
+    ("no_such_command", ["/nonexistent/cmd", "command not found"]),
+    ("not_on_the_path", ["nonexistent-cmd", "command not found", "PATH"]),
 ])
-def test_what_would_fail_after_tensorflows_start_is_one_error_first(tmp_path, case, expected):
+def test_what_would_fail_after_tensorflows_start_is_one_error_first(tmp_path, case, names):
   a_file = str(tmp_path / "a_file")
   with open(a_file, "w") as f:
     f.write("x")
@@ -93,7 +93,7 @@ def test_what_would_fail_after_tensorflows_start_is_one_error_first(tmp_path, ca
       case, [sys.executable, "-c", "pass"])
   with pytest.raises(UserError) as error:
     monitor.monitor(logdir, 0.1, 0, "host", [], command)
-  assert str(error.value) == expected.format(a_file=a_file)
+  assert_names(error.value, *(name.format(a_file=a_file) for name in names))
   assert not os.path.exists(os.path.join(str(tmp_path), "monitor"))
 
 
@@ -103,5 +103,4 @@ def test_an_endless_or_undefined_time_is_a_flag_error(tmp_path, flag):
   result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "monitor.py"),
                            "--logdir=%s" % tmp_path, flag], capture_output=True, text=True, timeout=30)
   assert result.returncode == 2
-  assert_one_line_error(result, "monitor.py: error: flag %s: --%s must be a finite number of seconds"
-                        % (flag, flag[2:].split("=")[0]))
+  assert_one_line_error(result, "monitor.py: error:", flag, "finite")

@@ -19,6 +19,7 @@ from data import cellspike_generate
 from data import neuron_sim
 from errors import UserError
 from host import atomic_files
+from tests.support.helpers import assert_names
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COUNTS = {"train": 40, "val": 8, "test": 8}
@@ -233,25 +234,26 @@ def test_fp16_file(tmp_path, fp32_file):
   np.testing.assert_allclose(frames.std(axis=(0, 1)), 1.0, atol=0.01)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"num_train": 0}, "num_train must be an integer >= 1"),
-    ({"num_val": -1}, "num_val must be an integer >= 1"),
-    ({"cell_name": "a/b"}, "cell_name 'a/b' is not usable"),
-    ({"cell_name": "*"}, "cell_name"),
-    ({"probe_type": ""}, "probe_type"),
-    ({"batch_size": 0}, "batch_size must be >= 1"),
-    ({"seed": -1}, "seed must be >= 0"),
+@pytest.mark.parametrize("kwargs, names", [
+    ({"num_train": 0}, ["num_train", ">= 1"]),
+    ({"num_val": -1}, ["num_val", ">= 1"]),
+    ({"cell_name": "a/b"}, ["cell_name 'a/b'", "not usable"]),
+    ({"cell_name": "*"}, ["cell_name"]),
+    ({"probe_type": ""}, ["probe_type"]),
+    ({"batch_size": 0}, ["batch_size", ">= 1"]),
+    ({"seed": -1}, ["seed", ">= 0"]),
 ])
-def test_bad_arguments_are_user_errors(tmp_path, kwargs, message):
-  with pytest.raises(UserError, match=message):
+def test_bad_arguments_are_user_errors(tmp_path, kwargs, names):
+  with pytest.raises(UserError) as caught:
     _generate(tmp_path / "out", **kwargs)
+  assert_names(caught.value, *names)
   assert not os.path.exists(str(tmp_path / "out"))
 
 
 def test_out_dir_that_is_a_file(tmp_path):
   path = tmp_path / "file"
   path.write_text("x")
-  with pytest.raises(UserError, match="exists and is not a directory"):
+  with pytest.raises(UserError, match="not a directory"):
     _generate(path)
 
 
@@ -332,7 +334,7 @@ def test_progress_rate_leaves_out_the_workers_start_up(monkeypatch, capsys):
     clock[0] += 1.0
     progress.update("train", 1000)
   last = capsys.readouterr().err.strip().splitlines()[-1]   # 10 s after the previous line
-  assert "13000/30000 samples (43%), 1000.0 samples/s, 17 s left (train split)" in last, last
+  assert_names(last, "13000/30000 samples (43%)", "1000.0 samples/s", "17 s left", "(train split)")
 
 
 def test_a_line_before_the_rate_is_measured_gives_no_time_left(monkeypatch, capsys):
@@ -346,9 +348,10 @@ def test_a_line_before_the_rate_is_measured_gives_no_time_left(monkeypatch, caps
   clock[0] += 10.0
   progress.update("train", 20480, batches=20)
   first, second = capsys.readouterr().err.strip().splitlines()
-  assert first == ("generating: 2048/69632 samples (3%), the workers are starting, rate and time left to "
-                   "follow (train split)"), first
-  assert second == "generating: 22528/69632 samples (32%), 2048.0 samples/s, 23 s left (train split)", second
+  assert first.startswith("generating: ") and "samples/s" not in first and "s left" not in first, first
+  assert_names(first, "2048/69632 samples (3%)", "workers are starting", "(train split)")
+  assert second.startswith("generating: "), second
+  assert_names(second, "22528/69632 samples (32%)", "2048.0 samples/s", "23 s left", "(train split)")
 
 
 def test_batches_that_arrive_together_after_the_start_up_give_no_rate(monkeypatch, capsys):
@@ -366,8 +369,10 @@ def test_batches_that_arrive_together_after_the_start_up_give_no_rate(monkeypatc
     clock[0] += 0.45
     progress.update("train", 1024)
   first, second = capsys.readouterr().err.strip().splitlines()
-  assert first.startswith("generating: 6144/69632 samples (9%), the workers are starting,"), first
-  assert second == "generating: 29696/69632 samples (43%), 2417.4 samples/s, 17 s left (train split)", second
+  assert first.startswith("generating: ") and "samples/s" not in first, first
+  assert_names(first, "6144/69632 samples (9%)", "workers are starting")
+  assert second.startswith("generating: "), second
+  assert_names(second, "29696/69632 samples (43%)", "2417.4 samples/s", "17 s left", "(train split)")
 
 
 def test_progress_rate_leaves_out_the_burst_of_batches_held_for_the_normalisation(monkeypatch, capsys):
@@ -381,7 +386,7 @@ def test_progress_rate_leaves_out_the_burst_of_batches_held_for_the_normalisatio
   clock[0] += 2.0
   progress.update("val", 256)
   last = capsys.readouterr().err.strip().splitlines()[-1]
-  assert "768/768 samples (100%), 128.0 samples/s" in last, last
+  assert_names(last, "768/768 samples (100%)", "128.0 samples/s")
 
 
 _BUILT_IN = """
@@ -424,7 +429,7 @@ def test_processes_that_start_together_generate_the_built_in_dataset_once(tmp_pa
       raise
   out, err = second.communicate(timeout=120)
   assert second.returncode == 0, err
-  assert "Generating the built-in dataset" not in err and "Using the built-in generated dataset" in err, err
+  assert "Generating the built-in" not in err and "Using the built-in" in err, err
   assert out.strip() == path
 
 
@@ -449,6 +454,9 @@ def test_on_a_terminal_the_status_line_is_a_bar_within_its_width(monkeypatch, ca
   assert lines[0].startswith("generating [>.........")
   if columns < 80:
     return   # the bar at its narrowest, the words cut at the width
-  assert lines[0].endswith("] 1% 1024/69632 samples, train split, workers starting"), lines[0]
-  assert lines[33].endswith("] 50% 34816/69632 samples, train split, 2048/s, 17 s left"), lines[33]
-  assert lines[-1].endswith("=] 100% 69632/69632 samples, test split, 2048/s, 0 s left"), lines[-1]
+  assert lines[0].endswith("workers starting"), lines[0]
+  assert_names(lines[0], "] 1% 1024/69632 samples", "train split")
+  assert lines[33].endswith("17 s left"), lines[33]
+  assert_names(lines[33], "] 50% 34816/69632 samples", "train split", "2048/s")
+  assert lines[-1].endswith("0 s left"), lines[-1]
+  assert_names(lines[-1], "=] 100% 69632/69632", "test split", "2048/s")

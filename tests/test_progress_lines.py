@@ -62,7 +62,7 @@ def test_a_line_every_interval_with_the_step_loss_rate_and_time_left_and_none_at
   assert _steps_shown(lines) == [("1/2", "4/10"), ("1/2", "7/10"), ("2/2", "4/10"), ("2/2", "7/10")], lines
   loss = float(re.search(r"Loss: train=([0-9.]+)", lines[0]).group(1))
   assert loss == pytest.approx((0 + 1 + 4 + 9) / 4, rel=1e-4)  # Keras' running mean of the epoch
-  assert "8 samples/s" in lines[0] and lines[0].endswith("about 6 s left in the epoch"), lines[0]
+  assert "8 samples/s" in lines[0] and lines[0].endswith("6 s left in the epoch"), lines[0]
 
 
 def test_steps_per_execution_and_a_resumed_epoch_count_the_epochs_steps(caplog):

@@ -17,7 +17,7 @@ from host import cpuinfo
 from run_config import RunConfig
 from strategies import cpu, environment, gpu, ipu, multiworker, select
 from strategies import precision as precision_lib
-from tests.support.helpers import REPO_ROOT
+from tests.support.helpers import REPO_ROOT, assert_names
 
 
 def test_auto_picks_cpu_here():
@@ -54,14 +54,15 @@ def test_cpu_replicas_with_gradient_accumulation_keep_mirrored_strategy():
 
 
 def test_jit_compile_is_refused_with_several_cpu_replicas_and_where_keras_lacks_it():
-  with pytest.raises(UserError, match="--jit_compile trains on one CPU replica only|--jit_compile needs "):
+  with pytest.raises(UserError, match="--jit_compile"):  # one CPU replica only, or Keras lacks it
     select.select_backend(RunConfig(model="mnist", backend="cpu", replicas=2, jit_compile=True))
   one = RunConfig(model="mnist", backend="cpu", replicas=1, jit_compile=True)
   if "jit_compile" in inspect.signature(tf.keras.Model.compile).parameters:   # Keras 2.8 on
     assert select.select_backend(one).compile_kwargs(10)["jit_compile"] is True
   else:                                                                           # TensorFlow 2.6
-    with pytest.raises(UserError, match=r"--jit_compile needs Keras' compile\(jit_compile=...\)"):
+    with pytest.raises(UserError) as caught:
       select.select_backend(one)
+    assert_names(caught.value, "--jit_compile", "compile(jit_compile=")
 
 
 def test_replica_input_pipelines_are_not_autotuned():
@@ -79,8 +80,9 @@ def test_replica_input_pipelines_are_not_autotuned():
 
 def test_too_many_cpu_replicas_after_start_is_a_clear_error():
   tf.config.list_logical_devices("CPU")  # TensorFlow's runtime starts here, whatever ran before in this worker
-  with pytest.raises(UserError, match="--replicas=8 needs 8 logical CPU devices"):
+  with pytest.raises(UserError) as caught:
     select.select_backend(RunConfig(model="mnist", backend="cpu", replicas=8))
+  assert_names(caught.value, "--replicas=8", "8 logical CPU devices")
 
 
 @pytest.mark.parametrize("replicas, cores, environ, threads", [
@@ -95,16 +97,18 @@ def test_replicas_on_as_many_cores_run_their_ops_side_by_side(replicas, cores, e
 def test_gpu_replicas_need_visible_gpus():
   visible = len(tf.config.list_physical_devices("GPU"))
   wanted = visible + 1
-  hint = "this machine has no NVIDIA device" if not environment.nvidia_device_nodes() else "CUDA_VISIBLE_DEVICES"
-  with pytest.raises(UserError, match=r"--replicas=%d needs %d %s but TensorFlow sees %d \(%s"
-                     % (wanted, wanted, "GPU" if wanted == 1 else "GPUs", visible, hint)):
+  hint = "no NVIDIA device" if not environment.nvidia_device_nodes() else "CUDA_VISIBLE_DEVICES"
+  with pytest.raises(UserError) as caught:
     select.select_backend(RunConfig(model="mnist", backend="gpu", replicas=wanted))
+  assert_names(caught.value, "--replicas=%d" % wanted, "%d %s" % (wanted, "GPU" if wanted == 1 else "GPUs"),
+               "sees %d" % visible, hint)
 
 
 def test_ipu_without_graphcore_tensorflow_says_what_to_install():
   assert not ipu.graphcore_tensorflow_available()
-  with pytest.raises(UserError, match="--backend=ipu: Graphcore's TensorFlow is not installed.*pip install"):
+  with pytest.raises(UserError) as caught:
     select.select_backend(RunConfig(model="mnist", backend="ipu"))
+  assert_names(caught.value, "--backend=ipu", "Graphcore's TensorFlow", "pip install")
 
 
 def test_keras_is_version_2():
@@ -156,7 +160,7 @@ def test_onednn_kernels_are_switched_on_where_tensorflow_had_them_off_by_default
   crashed = version == "2.6.3" and vendor == "AuthenticAMD" and user == "1"
   assert ("SIGFPE" in caplog.text) == crashed, caplog.text
   if crashed:
-    assert "TF_ENABLE_ONEDNN_OPTS=1 with TensorFlow 2.6.3 on this AuthenticAMD CPU" in caplog.text
+    assert_names(caplog.text, "TF_ENABLE_ONEDNN_OPTS=1", "TensorFlow 2.6.3", "AuthenticAMD")
 
 
 def test_the_machine_signature_names_tensorflows_kernel_set_where_it_is_chosen(monkeypatch):
@@ -217,7 +221,7 @@ def test_the_cpu_start_up_runs_for_the_cpu_and_auto_backends_with_the_installed_
 
 
 def test_environment_refuses_to_run_after_tensorflow_import():
-  with pytest.raises(RuntimeError, match="before TensorFlow is imported"):
+  with pytest.raises(RuntimeError, match="before TensorFlow"):
     environment.prepare(RunConfig(model="mnist"))
 
 
@@ -320,8 +324,9 @@ def test_auto_precision_stays_float32_where_tensorflow_lacks_cpu_bfloat16_kernel
   monkeypatch.setattr(cpu, "has_bfloat16_units", lambda: True)
   monkeypatch.setattr(cpu, "bfloat16_kernels_available", lambda: False)
   assert select.resolve_precision("auto", "cpu") == "32.32"
-  with pytest.raises(UserError, match=r"--precision=16.32 on the CPU needs TensorFlow >= 2.9"):
+  with pytest.raises(UserError) as caught:
     cpu.check_precision("16.32")
+  assert_names(caught.value, "--precision=16.32", "TensorFlow >= 2.9")
 
 
 @pytest.mark.parametrize("flags, vendor, cap, outcome", [
@@ -340,14 +345,14 @@ def test_bfloat16_is_refused_under_a_cap_that_hides_the_units_and_a_warning_wher
   warnings = []
   monkeypatch.setattr(cpu.logging, "warning", lambda message, *args: warnings.append(message % args))
   if outcome == "refused":
-    with pytest.raises(UserError, match=r"^--precision=16.32: ONEDNN_MAX_CPU_ISA=AVX2 hides this CPU's "
-                                        r"bfloat16 units from oneDNN.*use --precision=32.32"):
+    with pytest.raises(UserError, match="^--precision=16.32:") as caught:
       cpu.check_precision("16.32")
+    assert_names(caught.value, "ONEDNN_MAX_CPU_ISA=AVX2", "bfloat16 units", "--precision=32.32")
     return
   cpu.check_precision("16.32")
   cpu.check_precision("32.32")
   assert [w.split(":")[0] for w in warnings] == (["--precision=16.32"] if outcome != "runs" else [])
-  assert all({"emulated": "no bfloat16 units", "slower": "trained slower than float32"}[outcome] in w
+  assert all({"emulated": "no bfloat16 units", "slower": "slower than float32"}[outcome] in w
              for w in warnings)
 
 
@@ -373,7 +378,7 @@ def test_a_precision_is_parsed_from_its_name_and_says_what_it_means():
   assert (half.sixteen_bit, half.mixed, half.half_weights) == (True, False, True)
   assert precision_lib.parse(mixed) is mixed and str(mixed) == "16.32"
   for text in ("auto", "8.8", "16", None):
-    with pytest.raises(ValueError, match="none of 32.32, 16.32, 16.16"):
+    with pytest.raises(ValueError, match="32.32, 16.32, 16.16"):
       precision_lib.parse(text)
 
 
@@ -421,8 +426,9 @@ def test_a_backends_flag_rules_apply_to_it_alone():
 def test_a_registry_entry_without_its_module_is_named(monkeypatch):
   from strategies import registry  # pylint: disable=import-outside-toplevel
   monkeypatch.setitem(registry.BACKENDS, "cpu", "strategies.no_such_module")
-  with pytest.raises(UserError, match=r"registry.py names module 'strategies.no_such_module' for backend 'cpu'"):
+  with pytest.raises(UserError) as caught:
     select.backend_module("cpu")
+  assert_names(caught.value, "registry.py", "'strategies.no_such_module'", "backend 'cpu'")
 
 
 def test_resolve_settles_auto_before_the_backend_is_built():
@@ -492,7 +498,8 @@ def test_the_config_holds_what_the_backend_decided(tmp_path):
 def test_a_cpu_without_avx_is_refused_before_tensorflow_is_imported(fields, refused):
   reason = cpuinfo.tensorflow_unsupported_reason(fields)
   if refused:
-    assert reason.startswith("this CPU (QEMU Virtual CPU version 2.5+) lacks AVX") and "\n" not in reason
+    assert_names(reason, "QEMU Virtual CPU", "AVX")
+    assert "\n" not in reason
   else:
     assert reason is None
 
@@ -537,19 +544,20 @@ def test_usable_cores_are_the_affinity_capped_by_the_quota(tmp_path, monkeypatch
 _TWO_WORKERS = {"worker": ["127.0.0.1:20001", "127.0.0.1:20002"]}
 
 
-@pytest.mark.parametrize("tf_config, expected", [
-    ("[1, 2]", "is not a JSON object"),
-    ({"cluster": {"worker": "127.0.0.1:20001"}}, "needs .cluster.*a list of host:port strings per job"),
-    ({"cluster": {"worker": [20001, 20002]}}, "needs .cluster.*a list of host:port strings per job"),
-    ({"cluster": _TWO_WORKERS}, 'needs "task"'),
-    ({"cluster": _TWO_WORKERS, "task": {"type": "chief", "index": 0}}, 'needs "task".*one of worker'),
-    ({"cluster": _TWO_WORKERS, "task": {"type": "worker", "index": 5}}, "has .task. index 5.*2 worker task.*0 to 1"),
-    ({"cluster": _TWO_WORKERS, "task": {"type": "worker", "index": "1"}}, "has .task. index '1'")])
-def test_a_malformed_tf_config_is_one_user_error(monkeypatch, tf_config, expected):
+@pytest.mark.parametrize("tf_config, names", [
+    ("[1, 2]", ["JSON object"]),
+    ({"cluster": {"worker": "127.0.0.1:20001"}}, ["cluster", "host:port strings"]),
+    ({"cluster": {"worker": [20001, 20002]}}, ["cluster", "host:port strings"]),
+    ({"cluster": _TWO_WORKERS}, ['needs "task"']),
+    ({"cluster": _TWO_WORKERS, "task": {"type": "chief", "index": 0}}, ['needs "task"', "one of worker"]),
+    ({"cluster": _TWO_WORKERS, "task": {"type": "worker", "index": 5}}, ["index 5", "2 worker task", "0 to 1"]),
+    ({"cluster": _TWO_WORKERS, "task": {"type": "worker", "index": "1"}}, ["index '1'"])])
+def test_a_malformed_tf_config_is_one_user_error(monkeypatch, tf_config, names):
   """TensorFlow's resolver would fail on each of these with a traceback (AttributeError, ValueError)."""
   monkeypatch.setenv("TF_CONFIG", tf_config if isinstance(tf_config, str) else json.dumps(tf_config))
-  with pytest.raises(UserError, match="TF_CONFIG " + expected):
+  with pytest.raises(UserError, match="TF_CONFIG ") as caught:
     multiworker.cluster_source()
+  assert_names(caught.value, *names)
 
 
 def test_a_well_formed_tf_config_names_its_source(monkeypatch):
@@ -569,9 +577,10 @@ def test_slurm_variables_that_are_not_numbers_are_one_user_error(monkeypatch, va
   monkeypatch.delenv("TF_CONFIG", raising=False)
   for key, value in variables.items():
     monkeypatch.setenv(key, value)
-  with pytest.raises(UserError, match="%s=.* is not a whole number" % name):
+  with pytest.raises(UserError) as caught:
     source = multiworker.cluster_source()
     multiworker.slurm_cluster.resolver("cpu") if source == "slurm" else None
+  assert_names(caught.value, name + "=", "whole number")
 
 
 def test_settings_for_another_backends_hardware_are_named_in_the_log():

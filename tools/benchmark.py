@@ -370,7 +370,7 @@ def main(argv):
   from training import logs  # pylint: disable=import-outside-toplevel
   logs.setup()
   if FLAGS.json and not FLAGS.child:  # checked first: a mistyped path would fail after the benchmark
-    from errors import check_output_path  # pylint: disable=import-outside-toplevel
+    from host.output_paths import check_output_path  # pylint: disable=import-outside-toplevel
     check_output_path("--json", FLAGS.json)
   config = _prepare()  # the parent too: it may generate the built-in dataset
   FLAGS.precisions = _resolved_precisions(FLAGS.precisions)

@@ -24,7 +24,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from errors import leave_interrupts_to_the_parent, parse_flags, report_missing_packages, with_one_line_errors  # noqa: E402  pylint: disable=wrong-import-position
+from errors import parse_flags, report_missing_packages, with_one_line_errors  # noqa: E402  pylint: disable=wrong-import-position
+from stop_signals import leave_interrupts_to_the_parent  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
 from host import atomic_files  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -154,7 +155,7 @@ def main(argv):
   del argv
   from run_config import RunConfig  # pylint: disable=import-outside-toplevel
   from strategies import environment, start  # pylint: disable=import-outside-toplevel
-  from errors import check_output_path  # pylint: disable=import-outside-toplevel
+  from host.output_paths import check_output_path  # pylint: disable=import-outside-toplevel
   if FLAGS.json:  # checked first: a mistyped path would fail after the benchmark
     check_output_path("--json", FLAGS.json)
   config = RunConfig(model="neuron_inverter", data_path=FLAGS.data_path, batch_size=FLAGS.batch_size,

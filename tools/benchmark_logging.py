@@ -71,7 +71,7 @@ def _step_seconds(mode: str, logdir: str) -> float:
 def main(argv):
   del argv
   if FLAGS.json:  # checked first: a mistyped path would fail after the benchmark
-    from errors import check_output_path  # pylint: disable=import-outside-toplevel
+    from host.output_paths import check_output_path  # pylint: disable=import-outside-toplevel
     check_output_path("--json", FLAGS.json)
   rounds = []
   with tempfile.TemporaryDirectory(prefix="benchmark_logging.") as folder:

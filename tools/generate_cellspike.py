@@ -17,7 +17,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from errors import UserError, ignore_stops_while_exiting, parse_flags, refuse_arguments, report_missing_packages, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
+from errors import UserError, parse_flags, refuse_arguments, report_missing_packages, reported_on_one_line  # noqa: E402  pylint: disable=wrong-import-position
+from stop_signals import ignore_stops_while_exiting  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position

@@ -127,7 +127,7 @@ def resolve_source(requested: str, ipu_ids=("0",)) -> str:
 
 def check_arguments(logdir, command) -> None:
   """What would fail only after TensorFlow's start (the summary writer, Popen): one line, at once."""
-  from errors import check_output_path  # pylint: disable=import-outside-toplevel
+  from host.output_paths import check_output_path  # pylint: disable=import-outside-toplevel
   check_output_path("--logdir", logdir, folder=True)
   if command and not shutil.which(command[0]):
     raise UserError("%s: command not found (not an executable file%s)" % (

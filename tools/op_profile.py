@@ -18,7 +18,8 @@ import sys
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-from errors import UserError, check_output_path, parse_flags, report_missing_packages  # noqa: E402  pylint: disable=wrong-import-position
+from errors import UserError, parse_flags, report_missing_packages  # noqa: E402  pylint: disable=wrong-import-position
+from host.output_paths import check_output_path  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
 from host import atomic_files  # noqa: E402  pylint: disable=wrong-import-position
 

@@ -30,8 +30,9 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from errors import (OneLineArgumentParser, UserError, check_output_path, existing_file,  # noqa: E402  pylint: disable=wrong-import-position
-                    report_missing_packages, reported_on_one_line)
+from errors import (OneLineArgumentParser, UserError, existing_file, report_missing_packages,  # noqa: E402  pylint: disable=wrong-import-position
+                    reported_on_one_line)
+from host.output_paths import check_output_path  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
 from host import atomic_files  # noqa: E402  pylint: disable=wrong-import-position
 

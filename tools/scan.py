@@ -29,8 +29,8 @@ import time
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-from errors import (handles, leave_a_closed_terminal, parse_flags, remember_terminal_outputs,  # noqa: E402
-                    report_missing_packages)  # noqa: E402  pylint: disable=wrong-import-position
+from errors import parse_flags, report_missing_packages  # noqa: E402  pylint: disable=wrong-import-position
+from stop_signals import handles, leave_a_closed_terminal, remember_terminal_outputs  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages()  # before the first third-party import: one line where one is missing
 
 import yaml  # noqa: E402  pylint: disable=wrong-import-position

@@ -73,7 +73,7 @@ class EpochScalars(tf.keras.callbacks.TensorBoard):
     super().on_epoch_end(epoch, {_TENSORBOARD_NAMES.get(key, key): value
                                  for key, value in (logs or {}).items()})
 
-  def _collect_learning_rate(self, logs):  # Keras' hook (keras 2.6 and tf_keras callbacks.py)
+  def _collect_learning_rate(self, logs):  # Keras' private hooks here: tf_workarounds.REGISTRY
     return logs
 
   def _implements_train_batch_hooks(self):
@@ -228,7 +228,7 @@ class RunProgbar(tf.keras.callbacks.ProgbarLogger):
   def set_params(self, params):
     super().set_params(params if self.run_epochs is None else dict(params, epochs=self.run_epochs))
 
-  def _maybe_init_progbar(self):  # Keras' hook that makes the bar (keras 2.6 and tf_keras callbacks.py)
+  def _maybe_init_progbar(self):  # Keras' private hook that makes the bar (tf_workarounds.REGISTRY)
     if self.progbar is None:
       self.progbar = FittedProgbar(target=self.target, verbose=self.verbose,
                                    stateful_metrics=set(self.stateful_metrics),
@@ -444,7 +444,7 @@ class ProgressLines(tf.keras.callbacks.Callback):
     self.samples_per_step, self.first_step, self.clock, self.processes = samples_per_step, first_step, clock, processes
     self._epoch, self._offset, self._last = 0, 0, None
 
-  def _implements_train_batch_hooks(self):
+  def _implements_train_batch_hooks(self):  # Keras' private hooks here: tf_workarounds.REGISTRY
     return self.every_seconds > 0
 
   def on_epoch_begin(self, epoch, logs=None):

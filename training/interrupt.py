@@ -1,24 +1,10 @@
-"""Graceful stop on SIGTERM / SIGINT / SIGHUP: save a checkpoint at the next safe point, exit, `--resume`
-later.
+"""Graceful stops of training: a checkpoint saved at the next safe point after a stop signal, the exit, and
+`--resume` later.
 
-Slurm sends SIGTERM at the time limit (then SIGKILL after `KillWait`, 30 s by default; ask for an
-earlier warning with `sbatch --signal=TERM@120`), srun forwards it to every task, and Ctrl-C is SIGINT.
-A terminal that closes (an ssh connection lost) sends SIGHUP: the output that went to it goes to
-/dev/null from then on (`errors.leave_a_closed_terminal`), and the run stops as on SIGTERM, exit status
-129. Started under nohup, which ignores SIGHUP, a run keeps it ignored and trains on.
-
-Design:
-- Until the first training step of the process has ended (its tracing and compilation included), a
-  signal stops the run at once, as in its set-up: one `interrupted by SIG...` line, status 128 + signal
-  number, nothing saved (nothing is trained yet; a resumed run keeps its checkpoints). On IPUs the first
-  step is the first execution, one epoch by default, which a stop then does not save.
-- After it, the signal handler only records the signal (and writes one line with `os.write`, which is safe in a
-  handler); repeated signals are noted and ignored, so a second Ctrl-C or SIGTERM can never interrupt
-  the save. It stays installed until the interrupted run has saved, closed its writers and logged its
-  line, and then gives way to SIG_IGN (not to the default action) for the rest of the exit, so a second
-  signal at any point cannot turn the exit status 128 + signal into "killed by the signal". SIGKILL
-  still stops the process at once, and the atomic checkpoint writes (training/checkpoints.py) then
-  leave the previous checkpoint intact.
+stop_signals.py owns the signals (Ctrl-C, Slurm's SIGTERM at the time limit, a closed terminal's SIGHUP):
+during training its `InterruptFlag` records them, in phases, and takes one at once until the first
+training step has ended (nothing is trained yet). Here are the Keras callbacks that read the flag and what
+a stop saves:
 - `GracefulStop`, a Keras callback, looks at the flag at every batch end (the next safe point: the
   weights and optimizer state are those after a whole step). Mid-epoch it saves `checkpoints/last`
   with the epoch, the steps done in it and their running training metrics, then raises
@@ -43,21 +29,19 @@ Design:
   gradient all-reduce), so a signal to any one of them (srun delivers SIGTERM to all tasks, a kill
   to one) stops them all after the same step, each saving its checkpoint. On IPUs with one execution
   per epoch the batch end is the epoch end.
+- SIGKILL still ends the process at once: the atomic checkpoint writes (training/checkpoints.py) then
+  leave the previous checkpoint intact.
 """
 
 import math
-import os
 import signal
 import sys
-import threading
 
 import tensorflow as tf
 from absl import logging
 
-from errors import handles, leave_a_closed_terminal, remember_terminal_outputs, set_graceful_stops, stop_now
+from stop_signals import InterruptFlag
 from training.checkpoints import in_run_folder
-
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class TrainingInterrupted(SystemExit):
@@ -71,106 +55,6 @@ class TrainingInterrupted(SystemExit):
   @property
   def signal_name(self) -> str:
     return signal.Signals(self.signum).name
-
-
-class InterruptFlag:
-  """Records SIGTERM/SIGINT/SIGHUP while installed (a context manager); the handler does nothing else
-  (but for SIGHUP, move the output off a closed terminal). With `immediate_until_first_step`, a signal
-  before the first training step has ended (while the step is traced and compiled: minutes for many
-  CPU replicas, or a Poplar compilation) stops the run at once instead, as in its set-up
-  (errors.stop_now): there is nothing to save yet, and waiting for the step would hold the stop for as
-  long as the compilation takes."""
-
-  # What a signal does in each phase of the run, as the handler's line says it.
-  MESSAGES = {
-      "training": "stopping after the current training step and saving a checkpoint "
-                  "(more signals are ignored until it is saved)",
-      "test": "stopping the test evaluation; the checkpoints are saved, and --resume evaluates the test "
-              "split (more signals are ignored)",
-      "finishing": "the run has finished training and testing, and ends normally (more signals are "
-                   "ignored)",
-      "finishing_before_report": "the run has finished training and testing; it stops before the --predict "
-                                 "report, which --resume makes (more signals are ignored)",
-  }
-
-  def __init__(self, immediate_until_first_step: bool = False):
-    self.signum = None
-    self._immediate = immediate_until_first_step
-    self.phase = "training"  # set by the loop as it moves on (MESSAGES)
-    self._previous = {}
-    self._graceful_before = None  # errors.set_graceful_stops' setting outside the flag
-
-  @property
-  def phase(self) -> str:
-    return self._phase
-
-  @phase.setter
-  def phase(self, phase: str) -> None:
-    self._phase = phase
-    if phase != "training":
-      self.first_step_done()
-
-  def first_step_done(self) -> None:
-    """From now on a signal is taken at the next safe point (GracefulStop calls it at every batch end)."""
-    if self._immediate:
-      self._immediate = False
-      if self._graceful_before is not None:
-        set_graceful_stops(True)
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():  # handlers can only be set there
-      remember_terminal_outputs()
-      for signum in SIGNALS:
-        if handles(signum):
-          self._previous[signum] = signal.signal(signum, self._handle)
-      self._graceful_before = set_graceful_stops(not self._immediate)
-    return self
-
-  def __exit__(self, exc_type, exc, tb):
-    # Leaving on the SystemExit of a stop that a signal asked for (TrainingInterrupted), the process is
-    # about to exit: restoring the default action now would let a second signal kill it during the
-    # rest of its exit (interpreter and TensorFlow teardown), with status -signum instead of 128 +
-    # signum. More signals are ignored instead, until the process has exited (SIGKILL still works;
-    # Python resets its own handlers to the default action early in its shutdown, SIG_IGN it keeps).
-    exiting = self.signum is not None and exc_type is not None and issubclass(exc_type, SystemExit)
-    for signum, handler in self._previous.items():
-      signal.signal(signum, signal.SIG_IGN if exiting else handler)
-    self._previous = {}
-    if self._graceful_before is not None:
-      set_graceful_stops(self._graceful_before)
-      self._graceful_before = None
-    return False
-
-  def _handle(self, signum, frame):
-    del frame
-    if self._immediate:
-      stop_now(signum)  # raises
-    if signum == signal.SIGHUP:
-      leave_a_closed_terminal()
-    name = signal.Signals(signum).name
-    if self.signum is None:
-      self.signum = signum
-      message = "%s received: %s\n" % (name, self.MESSAGES[self.phase])
-    elif self.phase == "training":
-      message = "%s received again: still stopping and saving the checkpoint; please wait\n" % name
-    else:
-      message = "%s received again: ignored; please wait\n" % name
-    try:
-      # On a line of its own: Keras' progress bar rewrites its line with "\r" and ends it only at the
-      # epoch's end.
-      os.write(2, ("\n" + message).encode())
-    except OSError:
-      pass
-
-  @property
-  def requested(self) -> bool:
-    return self.signum is not None
-
-  @property
-  def stopping_signal(self) -> int:
-    """The signal a stop reports: this process's, or SIGTERM where another process of the run was
-    signalled (the processes agree on stops, `agreed_stop`)."""
-    return self.signum or signal.SIGTERM
 
 
 def _finite(logs: dict) -> bool:

@@ -13,7 +13,6 @@ Backend specifics stay behind `backend`.
 """
 
 import contextlib
-import hashlib
 import math
 import os
 import random
@@ -31,6 +30,7 @@ from data import pinned_files
 from errors import UserError
 from run_config import RunConfig
 from stderr_lines import DroppedLines
+from stop_signals import InterruptFlag
 from strategies.backend import Backend
 from training import autotune
 from training import callbacks as callbacks_lib
@@ -327,14 +327,6 @@ def _use_best_weights(checkpointing, last_epoch: int):
   return best
 
 
-def weights_digest(net: tf.keras.Model) -> str:
-  """SHA-256 of all weights: equal digests mean identical models (e.g. across workers)."""
-  digest = hashlib.sha256()
-  for weight in net.get_weights():
-    digest.update(np.ascontiguousarray(weight).tobytes())
-  return digest.hexdigest()
-
-
 def _merge_histories(*histories) -> dict:
   merged = {}
   for history in histories:
@@ -502,7 +494,7 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
   init_from = checkpointing.init_from
   # SIGTERM/SIGINT from the end of the first step to the summary: a stop at the next safe point with
   # every checkpoint saved, then exit 128 + signal number; before it, at once (training/interrupt.py).
-  flag = interrupt_lib.InterruptFlag(immediate_until_first_step=True)
+  flag = InterruptFlag(immediate_until_first_step=True)
   callbacks, throughput = _make_callbacks(config, backend, schedule, checkpointing, state, outdir, flag,
                                           splits.train.steps, process_started)
   # Only now, with the flags, data and any checkpoint to resume found good: a bad command leaves the
@@ -540,7 +532,7 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
         global_batch_size=global_batch_size,
         first_epoch=resume_state["epoch"] + 1 if history else None,
         wall_seconds=time.perf_counter() - started, fit_seconds=fit_seconds,
-        weights_sha256=weights_digest(net), tensorflow_version=tf.__version__,
+        weights_sha256=checkpoints_lib.weights_digest(net), tensorflow_version=tf.__version__,
         keras_policy=tf.keras.mixed_precision.global_policy().name,
         total_seconds=time.monotonic() - process_started,
         stops=stopping.record(callbacks, config.target_loss), init_from=init_from)

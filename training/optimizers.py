@@ -46,6 +46,7 @@ class _TorchEpsilon:
   exactly, so with PyTorch's default 1e-8 the steps are those of torch.optim.Adam. Keras' own 1e-7,
   uncorrected, is 3e-6 in PyTorch's terms at the first step: it damps the small-gradient weights
   (batch-norm scales) for the first epochs. Variables, slots and checkpoints are those of Adam.
+  Keras' private method it overrides is registered in tf_workarounds.py.
   """
 
   def _prepare_local(self, var_device, var_dtype, apply_state):
@@ -71,6 +72,7 @@ class _DecoupledWeightDecay:
   that skips a step with non-finite gradients skips the decay too, as PyTorch's GradScaler does. The
   update rules of Adam and SGD do not read the weight, so decaying first is PyTorch's order exactly.
   The decay is a Python float, not a Keras hyperparameter: no variable is added to checkpoints.
+  Keras' private methods it overrides and calls are registered in tf_workarounds.py.
   """
 
   def __init__(self, *args, weight_decay=0.0, **kwargs):
@@ -201,7 +203,8 @@ def create_slots(optimizer, variables) -> None:
 
   Left to Keras, the first traced training step creates it, and a tf.function whose first trace
   creates variables is traced a second time: about half a second of start-up for ontra4, which no
-  executable cache can save. Both Keras 2 families (and the loss-scale wrappers) have the hook.
+  executable cache can save. Both Keras 2 families (and the loss-scale wrappers) have the hook; the
+  legacy family's, a private method, is registered in tf_workarounds.py, whose test fails without it.
   """
   if hasattr(optimizer, "_create_all_weights"):  # legacy OptimizerV2 family (TF 2.4+)
     optimizer._create_all_weights(variables)  # pylint: disable=protected-access

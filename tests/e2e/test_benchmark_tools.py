@@ -3,6 +3,7 @@
 The reference PyTorch model runs from `.venv-torch`, which `make test` builds (requirements-reference.txt).
 """
 
+import ast
 import glob
 import json
 import os
@@ -20,7 +21,7 @@ from data import cellspike_generate
 from errors import UserError
 from strategies import cpu
 from tests.support.cellspike_files import write_cellspike
-from tests.support.helpers import REPO_ROOT
+from tests.support.helpers import REPO_ROOT, assert_names, line_naming
 
 TORCH_PYTHON = os.path.join(REPO_ROOT, ".venv-torch", "bin", "python")
 # TensorFlow's start-up lines that main.py drops (strategies/environment.py): oneDNN's notice, the
@@ -60,7 +61,7 @@ def test_benchmark_produces_every_figure(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   results = json.load(open(out))
   assert results["machine"] == cpu.machine_signature()  # the figures name the CPU they were measured on
-  assert "batch 16 per replica, 2 replicas (samples/s of all together; the reference: batch 32)" in result.stdout
+  assert_names(line_naming(result.stdout, "reference: batch"), "batch 16 per replica", "2 replicas", "batch 32")
   row = results["precisions"][precision]["dev"]
   train = row["train"]
   assert results["replicas"] == train["replicas"] == 2 and row["reference"]["batch_size"] == 32
@@ -92,8 +93,8 @@ def test_benchmark_reads_float32_training_against_the_matmul_rate_of_each_round(
   assert result.returncode == 0, result.stderr[-3000:]
   # Shares per round: ours 85 / 85 / 42 %, the reference 42 / 42 / 11 %: medians 85 and 42, twice 85.
   # Only the float32 row: a bfloat16 step is not read against the float32 rate.
-  assert result.stdout.strip() == ("['32.32 ontra4: training at 85 % of the float32 matmul rate of its round, "
-                                   "the reference at 42 %; twice the reference would take 85 %']")
+  (line,) = ast.literal_eval(result.stdout.strip())
+  assert_names(line, "32.32 ontra4", "training at 85 %", "reference at 42 %", "would take 85 %")
 
 
 def test_benchmark_shows_each_rounds_figures_and_the_spread_of_its_windows():
@@ -113,10 +114,9 @@ def test_benchmark_shows_each_rounds_figures_and_the_spread_of_its_windows():
   result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
   assert result.returncode == 0, result.stderr[-3000:]
   # Ratios 1.568 / 1.882 / 1.569; the widest round is the third (1,320 over 1,100 = 1.20x).
-  assert result.stdout.strip() == (
-      "['32.32 ontra4 by round: x torch 1.57 / 1.88 / 1.57 (median 1.57, range 1.57-1.88); "
-      "ours 1,287 / 1,489 / 1,222 samples/s; the reference 821 / 791 / 779; "
-      "our windows within a round up to 1.20x apart']")
+  (line,) = ast.literal_eval(result.stdout.strip())
+  assert_names(line, "32.32 ontra4 by round", "1.57 / 1.88 / 1.57", "median 1.57", "range 1.57-1.88",
+               "1,287 / 1,489 / 1,222", "reference 821 / 791 / 779", "up to 1.20x")
 
 
 def test_benchmark_trains_with_the_forms_the_autotune_chose_and_times_them_once(tmp_path):
@@ -133,9 +133,9 @@ def test_benchmark_trains_with_the_forms_the_autotune_chose_and_times_them_once(
   row = json.load(open(out))["precisions"]["32.32"]["dev"]
   assert [run["conv_forms_chosen_by"] for run in row["train_rounds"]] == ["measured", "cached"]
   # The table says how the run came by its forms, whichever round is the row's median.
-  assert "32.32 dev convolution forms (measured): " in result.stdout
-  assert "32.32 dev by round: ours %s / %s samples/s\n" % tuple(
-      "{:,.0f}".format(run["samples_per_sec"]) for run in row["train_rounds"]) in result.stdout
+  assert "32.32 dev convolution" in line_naming(result.stdout, "forms (measured)")
+  assert line_naming(result.stdout, "32.32 dev by round").endswith(" ours %s / %s samples/s" % tuple(
+      "{:,.0f}".format(run["samples_per_sec"]) for run in row["train_rounds"]))
   assert len(os.listdir(cache / "autotune")) == 1
   assert row["train_rounds"][0]["conv_forms"] == row["train_rounds"][1]["conv_forms"]
 
@@ -145,7 +145,7 @@ def test_benchmark_refuses_jit_compile_over_several_replicas_before_measuring():
                            "--replicas=4"], capture_output=True, text=True, timeout=60)
   lines = result.stderr.strip().splitlines()
   assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
-  assert "--jit_compile trains one CPU replica only" in lines[0] and "replicas=4" in lines[0]
+  assert_names(lines[0], "--jit_compile", "one CPU replica", "replicas=4")
 
 
 def test_input_benchmark_reports_what_sizes_a_host(tmp_path):
@@ -164,7 +164,7 @@ def test_input_benchmark_reports_what_sizes_a_host(tmp_path):
   assert result["raw_h5py"]["gb_per_sec"] > 0 and result["raw_h5py_parallel"]["processes"] == 2
   assert "feeds 2 device(s) at" in run.stdout and "A100 GPUs" in run.stdout
   if not glob.glob("/dev/nvidia[0-9]*"):
-    assert "cuInit" not in run.stderr and "Could not find cuda drivers" not in run.stderr
+    assert "cuInit" not in run.stderr and "find cuda drivers" not in run.stderr
   assert "DT_HALF" not in run.stderr  # the float16 frames' one-off oneDNN line, dropped as by main.py
 
 
@@ -187,7 +187,7 @@ def test_forms_benchmark_times_both_forms(variant, other):
   assert "round 2/2" in result.stdout and other + " / application:" in result.stdout
   assert result.stdout.count("ms/step") == 2
   if not glob.glob("/dev/nvidia[0-9]*"):  # as in main.py's log: no CUDA probe lines without a GPU
-    assert "cuInit" not in result.stderr and "Could not find cuda drivers" not in result.stderr
+    assert "cuInit" not in result.stderr and "find cuda drivers" not in result.stderr
 
 
 def test_reference_trainer_follows_the_reference_schedule(tmp_path):
@@ -213,20 +213,22 @@ def test_reference_trainer_validates_every_row_as_the_application_does():
   assert float(result.stdout) == pytest.approx(np.mean(np.arange(35.0) ** 2), rel=1e-6)   # not over 32
 
 
-@pytest.mark.parametrize("tool, args, message", [
+@pytest.mark.parametrize("tool, args, names", [
     ("reference_train.py", ["--data_path=" + os.path.join(REPO_ROOT, "README.md"), "--batch_size=x"],
-     "argument --batch_size: invalid int value: 'x'"),
-    ("reference_train.py", ["--data_path=no_such.h5"], "argument --data_path: no_such.h5 is not a file"),
-    ("reference_torch.py", [], "the following arguments are required: --data_path"),
-    ("parity.py", ["--data_path=no_such.h5"], "argument --data_path: no_such.h5 is not a file"),
-    ("parity.py", ["--schedules=linear"], "--schedules: linear is not plateau or cosine"),
+     ["--batch_size", "'x'"]),
+    ("reference_train.py", ["--data_path=no_such.h5"], ["--data_path", "no_such.h5", "not a file"]),
+    ("reference_torch.py", [], ["required", "--data_path"]),
+    ("parity.py", ["--data_path=no_such.h5"], ["--data_path", "no_such.h5", "not a file"]),
+    ("parity.py", ["--schedules=linear"], ["--schedules", "linear", "plateau or cosine"]),
 ])
-def test_the_argparse_tools_report_a_bad_argument_on_one_line(tool, args, message):
+def test_the_argparse_tools_report_a_bad_argument_on_one_line(tool, args, names):
   python = sys.executable if tool == "parity.py" else TORCH_PYTHON
   result = subprocess.run([python, os.path.join(REPO_ROOT, "tools", tool)] + args, capture_output=True,
                           text=True, timeout=120)
   assert result.returncode == 2
-  assert result.stderr.splitlines() == ["%s: error: %s" % (tool, message)]    # no usage block before it
+  (line,) = result.stderr.splitlines()    # no usage block before it
+  assert line.startswith("%s: error: " % tool), line
+  assert_names(line, *names)
 
 
 def _run_until_exit(python, tool, args, module):
@@ -262,8 +264,10 @@ def test_parity_report_and_time_to_quality(tmp_path):
   assert parity.seconds_to(ours, 0.1) is None
   args = parity.parse_args(["--epochs=2", "--seeds=0"])
   text = parity.report(args, {"reference": [reference], "ours 32.32": [ours]})
-  assert "| ours 32.32 | 0.2800 | 0.2800 | 0.933 | 6 (1/1 seeds) | 6.0 |" in text
-  assert "| 2 | 0.4000 / 0.3000 | 0.3000 / 0.2800 |" in text
+  rows = {cells[0]: cells[1:] for cells in ([cell.strip() for cell in line.strip("|").split("|")]
+                                            for line in text.splitlines() if line.startswith("|"))}
+  assert rows["ours 32.32"] == ["0.2800", "0.2800", "0.933", "6 (1/1 seeds)", "6.0"]
+  assert rows["2"] == ["0.4000 / 0.3000", "0.3000 / 0.2800"]
 
 
 def test_parity_runs_both_sides_on_the_references_schedule(tmp_path):
@@ -300,39 +304,39 @@ def test_parity_runs_both_sides_on_the_references_schedule(tmp_path):
     assert 'add_argument("%s"' % flag.split("=")[0] in source, flag
 
 
-@pytest.mark.parametrize("flag, expected", [
-    ("--designs=ontra4,nope", "designs nope: valid designs are ontra4, dev"),
-    ("--precisions=32.32,99", "precisions 99: valid precisions are auto, 32.32, 16.32, 16.16"),
-    ("--skip=reference,bogus", "parts bogus: valid parts are train, reference"),
+@pytest.mark.parametrize("flag, names", [
+    ("--designs=ontra4,nope", ["nope", "ontra4, dev"]),
+    ("--precisions=32.32,99", ["99", "auto, 32.32, 16.32, 16.16"]),
+    ("--skip=reference,bogus", ["bogus", "train, reference"]),
 ])
-def test_benchmark_names_an_unknown_value_before_measuring_anything(flag, expected):
+def test_benchmark_names_an_unknown_value_before_measuring_anything(flag, names):
   result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "benchmark.py"), flag],
                           capture_output=True, text=True, timeout=60)
   assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
   lines = result.stderr.strip().splitlines()
-  assert len(lines) == 1 and lines[0].startswith("benchmark.py: error: flag " + flag.split("=")[0])
-  assert expected in lines[0]
+  assert len(lines) == 1 and lines[0].startswith("benchmark.py: error: "), lines
+  assert_names(lines[0], flag.split("=")[0], *names)
 
 
-@pytest.mark.parametrize("tool, args, expected", [
+@pytest.mark.parametrize("tool, args, names", [
     # An output file that cannot be written: said first, not after the whole benchmark (nor after
     # finding that README.md is no cellSpike file).
     ("benchmark_input.py", ["--data_path=README.md", "--json=/nonexistent/x.json"],
-     "error: --json=/nonexistent/x.json: no folder /nonexistent exists; expected a file name in an existing "
-     "folder"),
+     ["--json=/nonexistent/x.json", "no folder /nonexistent"]),
     ("benchmark.py", ["--data_path=README.md", "--skip=reference", "--json=" + REPO_ROOT],
-     "error: --json=%s is a folder; expected a file name" % REPO_ROOT),
+     ["--json=%s" % REPO_ROOT, "is a folder"]),
     ("benchmark_forms.py", ["--design=dev", "--precision=32.32", "--variant=bogus=1"],
-     "error: --variant: unknown model option 'bogus'; options: "),
+     ["--variant", "'bogus'", "options: "]),
     ("benchmark_forms.py", ["--design=dev", "--precision=32.32", "--variant=channel_multiple=x"],
-     "error: --variant: channel_multiple='x' is not of type int"),
+     ["--variant", "channel_multiple='x'", "int"]),
 ])
-def test_the_benchmark_tools_report_a_user_error_on_one_line(tool, args, expected):
+def test_the_benchmark_tools_report_a_user_error_on_one_line(tool, args, names):
   result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", tool)] + args, capture_output=True,
                           text=True, timeout=120)
   assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
   errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-  assert len(errors) == 1 and errors[0].startswith(expected), result.stderr[-2000:]
+  assert len(errors) == 1, result.stderr[-2000:]
+  assert_names(errors[0], *names)
 
 
 @pytest.mark.parametrize("variant", ["bogus=1", "channel_multiple=x"])
@@ -345,8 +349,9 @@ def test_the_forms_benchmark_refuses_a_bad_variant_before_importing_tensorflow(v
 def test_the_benchmark_tools_check_data_path_as_main_does_before_importing_tensorflow(tool):
   result = _run_until_exit(sys.executable, tool, ["--data_path=/nonexistent.h5"], "tensorflow")
   assert result.stdout.splitlines()[-1] == "2 False", result.stdout + result.stderr[-2000:]
-  assert result.stderr.splitlines() == ["%s: error: flag --data_path=/nonexistent.h5: --data_path does not "
-                                        "exist (give an existing file or folder)" % tool]
+  (line,) = result.stderr.splitlines()
+  assert line.startswith("%s: error: " % tool), line
+  assert_names(line, "--data_path=/nonexistent.h5", "does not exist")
 
 
 def _fake_reference(tmp_path):
@@ -359,33 +364,30 @@ def _fake_reference(tmp_path):
 
 
 def _parity_inputs(tmp_path, case):
-  """The arguments of each bad-input case, and the error line's start."""
+  """The arguments of each bad-input case, and what its error line names."""
   data = write_cellspike(str(tmp_path / "d.h5"), sizes={"train": 64, "val": 16, "test": 16})
   if case == "seeds":
-    return ["--seeds=0,a"], "parity.py: error: argument --seeds: 0,a: expected comma-separated integers"
+    return ["--seeds=0,a"], ["--seeds", "0,a", "comma-separated integers"]
   if case == "repeated seed":  # both runs of seed 0 in one folder: the second failed after training
-    return ["--data_path=" + data, "--seeds=0,0"], "parity.py: error: --seeds: 0,0 lists a value more than once"
+    return ["--data_path=" + data, "--seeds=0,0"], ["--seeds", "0,0", "more than once"]
   if case == "precision":
-    return ["--data_path=" + data, "--precisions=32.32,64.64"], (
-        "parity.py: error: argument --precisions: 32.32,64.64: 64.64 is not a --precision of main.py")
+    return ["--data_path=" + data, "--precisions=32.32,64.64"], ["--precisions", "64.64", "--precision of main.py"]
   if case == "split key":
     import h5py  # pylint: disable=import-outside-toplevel
     with h5py.File(data, "a") as f:
       del f["val_frames"]
-    return ["--data_path=" + data], "error: --data_path=%s has no val_frames; expected a cellSpike file" % data
+    return ["--data_path=" + data], ["--data_path=%s" % data, "val_frames"]
   if case == "not hdf5":
-    return ["--data_path=" + os.path.join(REPO_ROOT, "README.md")], (
-        "error: --data_path=%s: not a readable HDF5 file (" % os.path.join(REPO_ROOT, "README.md"))
+    return ["--data_path=" + os.path.join(REPO_ROOT, "README.md")], [
+        "--data_path=%s" % os.path.join(REPO_ROOT, "README.md"), "not a readable HDF5 file"]
   if case == "reference python":
-    return ["--data_path=" + data, "--reference_python=" + str(tmp_path / "none")], (
-        "error: --reference_python=%s: no such program; expected the Python of the reference's" % (tmp_path / "none"))
+    return ["--data_path=" + data, "--reference_python=" + str(tmp_path / "none")], [
+        "--reference_python=%s" % (tmp_path / "none"), "no such program"]
   if case == "out is a file":
-    return ["--data_path=" + data, "--out=" + data], "error: --out=%s is a file; expected a folder" % data
+    return ["--data_path=" + data, "--out=" + data], ["--out=%s" % data, "is a file"]
   # A second run into the same --out: main.py refused ours-... after the reference had trained.
   (tmp_path / "parity" / "ours-32.32-plateau-seed0").mkdir(parents=True)
-  return ["--data_path=" + data], ("error: --out=%s already holds runs of an earlier parity "
-                                   "(ours-32.32-plateau-seed0): delete them, or choose another --out"
-                                   % (tmp_path / "parity"))
+  return ["--data_path=" + data], ["--out=%s" % (tmp_path / "parity"), "ours-32.32-plateau-seed0", "delete them"]
 
 
 @pytest.mark.parametrize("case", ["seeds", "repeated seed", "precision", "split key", "not hdf5",
@@ -393,14 +395,16 @@ def _parity_inputs(tmp_path, case):
 def test_parity_refuses_bad_input_in_one_line_before_training(tmp_path, case):
   """Each was a traceback (ValueError, KeyError, OSError, FileNotFoundError, FileExistsError) or an
   error only after the reference had trained."""
-  args, expected = _parity_inputs(tmp_path, case)
+  args, names = _parity_inputs(tmp_path, case)
   result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "parity.py"), "--epochs=1",
                            "--seeds=0", "--train_samples=32", "--val_samples=8",
                            "--reference_python=" + _fake_reference(tmp_path),
                            "--out=" + str(tmp_path / "parity")] + args, capture_output=True, text=True,
                           timeout=120)
   assert result.returncode in (1, 2) and "Traceback" not in result.stderr, result.stderr[-2000:]
-  assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith(expected), result.stderr[-2000:]
+  assert len(result.stderr.splitlines()) == 1, result.stderr[-2000:]
+  assert re.match(r"(parity.py: )?error: ", result.stderr), result.stderr
+  assert_names(result.stderr, *names)
   assert not (tmp_path / "reference_started").exists()
 
 
@@ -419,7 +423,7 @@ def test_parity_on_the_built_in_dataset_prints_no_tensorflow_start_up_lines(tmp_
                           env=env, capture_output=True, text=True, timeout=120)
   # The fake reference fails at once: the tool had found the dataset and cut its slice.
   assert result.returncode == 1 and (tmp_path / "reference_started").exists(), result.stderr[-2000:]
-  assert result.stderr.startswith("error: the reference failed"), result.stderr[-2000:]
+  assert result.stderr.startswith("error: ") and "reference failed" in result.stderr, result.stderr[-2000:]
   assert_no_start_up_lines(result.stderr)
 
 
@@ -440,47 +444,51 @@ def test_ctrl_c_during_parity_is_one_line(tmp_path):
   tool.send_signal(signal.SIGINT)
   out, err = tool.communicate(timeout=60)
   assert tool.returncode == 130, out + err
-  assert err.strip().splitlines() == ["interrupted by SIGINT (Ctrl-C)"], err
+  (line,) = err.strip().splitlines()
+  assert line.startswith("interrupted by SIGINT"), err
 
 
-@pytest.mark.parametrize("content, expected", [
-    (b"\xff" * 64, "{trace}: not a profiler trace (an XSpace protobuf) or a damaged one ("),
-    (b"", "{trace} holds no profiled training step; "),   # an empty XSpace: it printed a table of nothing
+@pytest.mark.parametrize("content, names", [
+    (b"\xff" * 64, ["not a profiler trace", "damaged"]),
+    (b"", ["no profiled training step"]),   # an empty XSpace: it printed a table of nothing
 ], ids=["garbage", "empty"])
-def test_op_profile_names_a_trace_it_cannot_use(tmp_path, content, expected):
+def test_op_profile_names_a_trace_it_cannot_use(tmp_path, content, names):
   from tools import op_profile  # pylint: disable=import-outside-toplevel
   trace = tmp_path / "host.xplane.pb"
   trace.write_bytes(content)
   assert op_profile.newest_trace(str(tmp_path)) == str(trace)
   with pytest.raises(UserError) as error:
     op_profile.op_times(str(trace))
-  assert str(error.value).startswith(expected.format(trace=trace))
+  assert str(error.value).startswith(str(trace))
+  assert_names(error.value, *names)
 
 
 def test_op_profile_checks_its_json_file_and_skips_folders_named_like_traces(tmp_path):
   (tmp_path / "run.xplane.pb").mkdir()   # no trace: --profile_dir holds none
   tool = [sys.executable, os.path.join(REPO_ROOT, "tools", "op_profile.py"), "--profile_dir=%s" % tmp_path]
   result = subprocess.run(tool, capture_output=True, text=True, timeout=60)
-  assert result.returncode == 2 and result.stderr.startswith("error: --profile_dir=%s holds no profile" % tmp_path)
+  assert result.returncode == 2 and result.stderr.startswith("error: --profile_dir=%s" % tmp_path)
+  assert "no profile" in result.stderr
   # The --json file is checked first: with a readable trace, the error came after the printed table.
   result = subprocess.run(tool + ["--json=/nonexistent/ops.json"], capture_output=True, text=True, timeout=60)
   assert result.returncode == 2 and result.stdout == ""
-  assert result.stderr.splitlines() == ["error: --json=/nonexistent/ops.json: no folder /nonexistent exists; "
-                                        "expected a file name in an existing folder"]
+  (line,) = result.stderr.splitlines()
+  assert line.startswith("error: "), line
+  assert_names(line, "--json=/nonexistent/ops.json", "no folder /nonexistent")
 
 
 def test_generate_cellspike_replaces_a_dataset_only_with_overwrite(tmp_path):
   """The tool only: main.py's built-in dataset calls data/cellspike_generate.py itself."""
   from tools import generate_cellspike  # pylint: disable=import-outside-toplevel
   existing = tmp_path / "synth_excite.cellSpike_4prB8kHz.data.h5"
-  existing.write_text("a dataset runs were trained on")
+  existing.write_text("a-dataset-runs-were-trained-on")
   result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "generate_cellspike.py"),
                            "--out_dir=%s" % tmp_path, "--seed=1", "--num_train=4", "--num_val=1", "--num_test=1",
                            "--workers=1", "--noprogress"], capture_output=True, text=True, timeout=60)
-  assert result.returncode == 1 and result.stderr.splitlines() == [
-      "error: --out_dir=%s already holds %s: pass --overwrite to replace it, or choose another --out_dir or "
-      "--cell_name" % (tmp_path, existing.name)]
-  assert existing.read_text() == "a dataset runs were trained on"
+  (line,) = result.stderr.splitlines()
+  assert result.returncode == 1 and line.startswith("error: "), line
+  assert_names(line, "--out_dir=%s" % tmp_path, existing.name, "--overwrite", "--cell_name")
+  assert existing.read_text() == "a-dataset-runs-were-trained-on"
   generate_cellspike.refuse_to_overwrite(str(tmp_path), "synth", overwrite=True)
   generate_cellspike.refuse_to_overwrite(str(tmp_path), "another_cell", overwrite=False)
 
@@ -495,9 +503,9 @@ def test_the_generator_keeps_a_meta_yaml_of_other_data(tmp_path):
   content = yaml.safe_load(meta.read_text())
   content["dataInfo"]["parName"] = ["r%d" % i for i in range(15)]
   meta.write_text(yaml.safe_dump(content))
-  with pytest.raises(UserError, match=r"its meta.cellSpike_excite_4prB8kHz.yaml describes other data \(its "
-                                      r"parName differs"):
+  with pytest.raises(UserError) as caught:
     generate_cellspike.refuse_to_overwrite(str(tmp_path), "cell2", overwrite=False)
+  assert_names(caught.value, "meta.cellSpike_excite_4prB8kHz.yaml", "other data", "parName")
   generate_cellspike.refuse_to_overwrite(str(tmp_path), "cell2", overwrite=True)
   assert os.path.isfile(generated)
 
@@ -520,8 +528,8 @@ def test_repeat_step_repeats_the_step_and_reports_how_many_differed():
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.splitlines()
   assert lines[0].startswith("forms: {") and any(line.startswith("2 repeats, ") for line in lines)
-  differed = int(re.fullmatch(r"3 repeats of the step \(2 replicas x 8 rows, CPU\): (\d+) differed from the "
-                              r"first", lines[-1]).group(1))
+  assert_names(lines[-1], "3 repeats", "2 replicas x 8 rows", "CPU")
+  differed = int(re.search(r"(\d+) differed", lines[-1]).group(1))
   # A repeat that differs names its gradients (rare: two repeats in 25,000 of the main job's step).
   assert len([line for line in lines if line.startswith("repeat ")]) == differed <= 3
   assert "Reduce to /device:CPU:0" not in result.stderr  # the libraries' INFO lines are dropped, as in main.py

@@ -23,8 +23,8 @@ import h5py
 import psutil
 import pytest
 
-from errors import STOP_GRACE_SECONDS
 from host.cpuinfo import MAX_CPU_REPLICAS
+from stop_signals import STOP_GRACE_SECONDS
 from tests.support.cellspike_files import write_cellspike, write_meta_yaml
 from tests.support.helpers import REPO_ROOT, WITH_DEFAULT_SIGINT, assert_one_line_error, run_main
 
@@ -72,9 +72,9 @@ def test_replicas_beyond_what_a_cpu_holds_are_refused_before_any_device(tmp_path
 
 
 @pytest.mark.parametrize("args, fragments", [
-    (("--replicas=9", "--batch_size=8"), ("--replicas=9 x --batch_size=8 = 72 rows", "the 64 of the train split")),
-    (("--batch_size=4", "--gradient_accumulation=20"), ("--gradient_accumulation=20 = 80 rows", "64")),
-    (("--replicas=40", "--batch_size=1"), ("--replicas=40", "the 32 samples of the test split")),
+    (("--replicas=9", "--batch_size=8"), ("--replicas=9", "--batch_size=8", "72 rows", "64", "train split")),
+    (("--batch_size=4", "--gradient_accumulation=20"), ("--gradient_accumulation=20", "80 rows", "64")),
+    (("--replicas=40", "--batch_size=1"), ("--replicas=40", "32 samples", "test split")),
 ], ids=["train-batch", "accumulation", "evaluation"])
 def test_replicas_and_batches_beyond_the_splits_are_refused_before_tensorflow(tmp_path, tiny_file, args,
                                                                               fragments):

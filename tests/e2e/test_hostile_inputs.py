@@ -24,7 +24,7 @@ import tensorflow as tf
 import yaml
 
 from tests.support.cellspike_files import make_arrays
-from tests.support.helpers import REPO_ROOT, assert_one_line_error
+from tests.support.helpers import REPO_ROOT, assert_names, assert_one_line_error, line_naming
 from tests.support.training_parts import readable_state
 
 ARGS = ("--model=neuron_inverter", "--design=dev", "--backend=cpu", "--batch_size=8", "--seed=3",
@@ -103,10 +103,10 @@ def test_a_data_file_truncated_while_training_is_one_line_and_keeps_the_checkpoi
   os.truncate(path, os.path.getsize(path) // 3)
   result = job.finish()
   assert result.returncode == 1, result.stderr[-3000:]
-  assert_one_line_error(result, path, "the data file shrank from", "checkpoints saved before are kept")
+  assert_one_line_error(result, path, "shrank", "checkpoints saved before")
   assert_last_checkpoint_kept(job.logdir)
   with open(os.path.join(job.logdir, "log.txt")) as log:
-    assert "the data file shrank from" in log.read()
+    assert "shrank from" in log.read()
   assert not os.path.exists(os.path.join(job.logdir, ".lock"))  # ended, not killed
 
 
@@ -135,8 +135,7 @@ def test_a_data_file_replaced_or_deleted_while_training_is_read_to_the_end(tmp_p
   result = job.finish()
   assert result.returncode == 0, result.stderr[-3000:]
   assert "Traceback" not in result.stderr
-  assert re.search(r"%s was %s.* the run goes on reading the file it checked" % (re.escape(path), change),
-                   result.stderr), result.stderr[-3000:]
+  assert_names(line_naming(result.stderr, "%s was %s" % (path, change)), "goes on reading", "file it checked")
   with open(os.path.join(job.logdir, "summary.yaml")) as f:
     summary = yaml.safe_load(f)
   assert summary["test_samples"] == SIZES["test"] and len(summary["history"]["val_loss"]) == 2
@@ -152,7 +151,7 @@ def test_a_staged_copy_truncated_while_training_is_one_line_naming_it(tmp_path, 
   assert len(copy) == 1, os.listdir(stage)
   os.truncate(str(stage / copy[0]), 4096)
   result = job.finish()
-  assert_one_line_error(result, str(stage / copy[0]), "the data file shrank from")
+  assert_one_line_error(result, str(stage / copy[0]), "shrank")
   assert_last_checkpoint_kept(job.logdir)
 
 
@@ -187,7 +186,7 @@ def test_a_fault_on_a_truncated_mapping_is_one_line_without_any_step(tmp_path):
   result = subprocess.run([sys.executable, "-c", _READER, path, "truncate"], capture_output=True, text=True,
                           timeout=180)
   assert result.returncode == 1, result.stderr[-3000:]
-  assert_one_line_error(result, path, "the data file shrank from %d to 4096 bytes" % size)
+  assert_one_line_error(result, path, "shrank", "from %d to 4096 bytes" % size)
   assert "read on" not in result.stdout
 
 
@@ -196,7 +195,7 @@ def test_a_sigbus_that_no_data_file_explains_ends_the_process_as_before(tmp_path
   result = subprocess.run([sys.executable, "-c", _READER, path, "kill"], capture_output=True, text=True,
                           timeout=180)
   assert result.returncode == -signal.SIGBUS, result.stderr[-3000:]
-  assert "Fatal Python error: Bus error" in result.stderr
+  assert_names(result.stderr, "Fatal Python error", "Bus error")
   assert not re.search(r"^error: ", result.stderr, re.MULTILINE), result.stderr[-3000:]
 
 
@@ -219,8 +218,7 @@ def test_generating_under_a_file_size_limit_is_one_line_and_leaves_nothing(tmp_p
                            "--num_val=16", "--num_test=16", "--workers=1", "--noprogress"], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=180, preexec_fn=_limited(2 * 2**20))
   assert result.returncode == 1, result.stderr[-3000:]
-  assert_one_line_error(result, "--out_dir=%s: the dataset needs" % out_dir, "at most 2.1 MB",
-                        "the file-size limit, ulimit -f")
+  assert_one_line_error(result, "--out_dir=%s" % out_dir, "at most 2.1 MB", "file-size limit", "ulimit -f")
   assert os.listdir(out_dir) == []
 
 
@@ -245,8 +243,8 @@ def test_a_file_size_limit_lowered_while_generating_is_one_line_and_no_crash(tmp
       job.wait()
   result = subprocess.CompletedProcess(job.args, job.returncode, out, err)
   assert result.returncode == 1, err[-3000:]
-  assert_one_line_error(result, "--out_dir=%s: cannot write %s (File too large)" % (
-      out_dir, out_dir / "synth_excite.cellSpike_4prB8kHz.data.h5"), "its partial file was removed")
+  assert_one_line_error(result, "--out_dir=%s" % out_dir, out_dir / "synth_excite.cellSpike_4prB8kHz.data.h5",
+                        "File too large", "partial file was removed")
   assert os.listdir(out_dir) == []
 
 
@@ -257,6 +255,6 @@ def test_the_built_in_dataset_under_a_file_size_limit_is_one_line(tmp_path):
                            "--epochs=1", "--data_cache=%s" % cache, "--logdir=%s" % (tmp_path / "run")],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
                           preexec_fn=_limited(64 * 2**20))
-  assert_one_line_error(result, "--data_cache=%s: the dataset needs" % cache, "the file-size limit")
+  assert_one_line_error(result, "--data_cache=%s" % cache, "file-size limit")
   assert [name for name in os.listdir(cache / "cellspike-v3-seed0") if not name.endswith(".lock")] == []
   assert "generating:" not in result.stderr

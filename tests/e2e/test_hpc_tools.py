@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.support.helpers import REPO_ROOT, assert_one_line_error
+from tests.support.helpers import REPO_ROOT, assert_names, assert_one_line_error
 
 TOOLS = os.path.join(REPO_ROOT, "tools")
 
@@ -27,9 +27,10 @@ def test_definition_files_parse(name, base):
   assert "pip install" in installs and "tensorflow-cpu" not in installs
   if "ipu" in name:  # never a PyPI TensorFlow over Graphcore's wheel, nor other versions of its packages
     assert "requirements-ipu.txt" in installs
-    assert "-c /opt/neuron_inverter/requirements-sdk-constraints.txt" in installs
+    words = installs.split()
+    assert words[words.index("/opt/neuron_inverter/requirements-sdk-constraints.txt") - 1] == "-c"
     assert recipe.install[-1] == "python3 -m pip check"
-  assert recipe.cmd == 'exec python3 /opt/neuron_inverter/main.py "$@"'
+  assert shlex.split(recipe.cmd) == ["exec", "python3", "/opt/neuron_inverter/main.py", "$@"]
 
 
 def _files_lines(name):
@@ -169,8 +170,8 @@ def test_container_launcher_keeps_a_cache_dir_set_the_old_way(tmp_path):
   env["CACHE_DIR"] = str(renamed)
   result = subprocess.run([os.path.join(TOOLS, "run_container.sh"), "--model=mnist"], env=env,
                           capture_output=True, text=True, cwd=str(tmp_path), timeout=30)
-  assert result.returncode == 1 and result.stderr.startswith(
-      "error: CACHE_DIR=%s holds the application's caches directly" % renamed), result.stderr
+  assert result.returncode == 1 and result.stderr.startswith("error: CACHE_DIR=%s " % renamed), result.stderr
+  assert "caches directly" in result.stderr
   assert not (renamed / "neuron_inverter").exists()
 
 
@@ -181,16 +182,16 @@ def test_container_launcher_without_its_runtime_or_image_is_one_line(tmp_path, c
   folder = _path_of(tmp_path, "bash", "mkdir")  # without apptainer or singularity, whatever this machine has
   env = dict(os.environ, PATH=str(folder), IMAGE=str(tmp_path / "app.sif"), CACHE_DIR=str(tmp_path / "cache"),
              LOG_DIR=str(tmp_path / "logs"))
-  expected = "neither apptainer nor singularity is on the PATH"
+  expected = ["apptainer", "singularity", "PATH"]
   if case == "named runtime missing":
     env["SINGULARITY"] = "apptainer-1.3"
-    expected = "SINGULARITY=apptainer-1.3: no such command on the PATH"
+    expected = ["SINGULARITY=apptainer-1.3", "no such command"]
   elif case == "no image":
     _stand_in(tmp_path, "apptainer")
-    expected = "IMAGE=%s: no such image" % env["IMAGE"]
+    expected = ["IMAGE=%s" % env["IMAGE"], "no such image"]
   result = subprocess.run([os.path.join(TOOLS, "run_container.sh"), "--model=mnist"], env=env,
                           capture_output=True, text=True, timeout=30)
-  assert_one_line_error(result, expected)
+  assert_one_line_error(result, *expected)
   assert not (tmp_path / "cache").exists() and not (tmp_path / "logs").exists()
 
 
@@ -264,7 +265,7 @@ def test_the_ipu_job_trains_as_many_replicas_as_its_ipus_hold(tmp_path, ipus, ar
   main_flags = given[given.index("/app/main.py") + 1:given.index(resubmit)]
   assert given[0] == expected[0] and [f for f in main_flags if f.startswith("--replicas=")] == expected[1:]
   assert main_flags[len(main_flags) - len(args):] == args  # the user's flags last: they win
-  assert resubmit.startswith("resubmit: IPUS=%s sbatch --ipus=%s " % ((ipus or "4",) * 2))
+  assert resubmit.split()[:4] == ["resubmit:", "IPUS=%s" % (ipus or "4"), "sbatch", "--ipus=%s" % (ipus or "4")]
 
 
 @pytest.mark.parametrize("ipus, args", [("4", ["--ipus_per_replica=3"]), ("four", []),
@@ -277,7 +278,7 @@ def test_the_ipu_job_refuses_ipus_that_replicas_cannot_divide(tmp_path, ipus, ar
   result = subprocess.run(["bash", os.path.join(TOOLS, "slurm", "ipu.sbatch")] + args, env=env,
                           capture_output=True, text=True, timeout=30)
   assert result.returncode == 2 and "ran" not in result.stdout
-  assert_one_line_error(result, "IPUS=%s must be a whole multiple of --ipus_per_replica" % ipus)
+  assert_one_line_error(result, "IPUS=%s" % ipus, "whole multiple", "--ipus_per_replica")
 
 
 def test_tensorboard_tunnel_prints_the_ssh_command(tmp_path):
@@ -285,22 +286,20 @@ def test_tensorboard_tunnel_prints_the_ssh_command(tmp_path):
                            "--logdir=" + str(tmp_path), "--port=9998", "--login_host=login.example.org",
                            "--user=ann", "--nostart"], capture_output=True, text=True, check=True)
   import socket  # pylint: disable=import-outside-toplevel
-  assert "ssh -N -L 9998:%s:9998 ann@login.example.org" % socket.gethostname() in result.stdout
+  assert_names(result.stdout, "ssh -N -L 9998:%s:9998" % socket.gethostname(), "ann@login.example.org")
   assert "http://localhost:9998/" in result.stdout
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--port=70000"], "tensorboard_tunnel.py: error: flag --port=70000: 70000 is not an integer in the range "
-                       "[1, 65535]"),
-    (["--nostart", "logs/run", "extra"], "tensorboard_tunnel.py: error: unexpected arguments logs/run extra: "
-                                         "this program takes flags only"),
+    (["--port=70000"], ["tensorboard_tunnel.py: ", "--port=70000", "[1, 65535]"]),
+    (["--nostart", "logs/run", "extra"], ["tensorboard_tunnel.py: ", "logs/run extra", "flags only"]),
 ])
 def test_tensorboard_tunnel_refuses_bad_input_before_printing_the_ssh_line(tmp_path, args, expected):
   """A port out of range was printed in the ssh line, then refused by serve_tensorboard.py; stray
   words were ignored."""
   result = subprocess.run([sys.executable, os.path.join(TOOLS, "tensorboard_tunnel.py"),
                            "--logdir=" + str(tmp_path)] + args, capture_output=True, text=True, timeout=60)
-  assert_one_line_error(result, expected)
+  assert_one_line_error(result, *expected)
   assert result.returncode == 2 and result.stdout == ""
 
 
@@ -310,8 +309,7 @@ def test_serve_tensorboard_bounds_the_port_before_starting(tmp_path, port):
   own error came after it, in two lines)."""
   result = subprocess.run([sys.executable, os.path.join(TOOLS, "serve_tensorboard.py"), "--logdir",
                            str(tmp_path)] + port, capture_output=True, text=True, timeout=60)
-  assert_one_line_error(result, "error: --port=%s: expected a port number from 0 to 65535 (0: any free port)"
-                        % port[-1].split("=")[-1])
+  assert_one_line_error(result, "error: --port=%s" % port[-1].split("=")[-1], "0 to 65535")
 
 
 def test_local_cluster_writes_a_slurm_conf_for_this_node(tmp_path):

@@ -31,8 +31,8 @@ import main
 from errors import UserError, parse_flags
 from training.logs import LOG_FILE
 from tests.support.cellspike_files import write_cellspike, write_meta_yaml
-from tests.support.helpers import (REPO_ROOT, WITH_DEFAULT_SIGINT, assert_one_line_error, can_mount_tmpfs,
-                                   hold_lock, run_main)
+from tests.support.helpers import (REPO_ROOT, WITH_DEFAULT_SIGINT, assert_names, assert_one_line_error,
+                                   can_mount_tmpfs, hold_lock, run_main)
 
 flags.define_flags()
 FLAGS = absl_flags.FLAGS
@@ -121,10 +121,9 @@ def run_in_process(*args):
   return str(error.value)
 
 
-def assert_clear(message, *fragments):
+def assert_clear(message, *names):
   assert "\n" not in message, message       # main.py prints it as one `error:` line
-  for fragment in fragments:
-    assert fragment in message, message
+  assert_names(message, *names)
 
 
 def check_bad_run(logdir, fragments, *args):
@@ -149,9 +148,9 @@ def check_bad_resume(logdir, fragments, *args):
     (["--backend=ipu", "--ipus_per_replica=2", "--pipeline_schedule=interleaved",
       "--gradient_accumulation=3"], ["--gradient_accumulation", "multiple of 2 (got 3)"]),
     (["--backend=ipu", "--ipus_per_replica=2", "--pipeline_stages=4", "--pipeline_schedule=interleaved",
-      "--gradient_accumulation=8"], ["interleaved needs one IPU per stage"]),
+      "--gradient_accumulation=8"], ["interleaved", "one IPU per stage"]),
     (["--backend=ipu", "--ipus_per_replica=4", "--pipeline_stages=2", "--gradient_accumulation=8"],
-     ["--pipeline_stages must be at least --ipus_per_replica"]),
+     ["--pipeline_stages", "at least", "--ipus_per_replica"]),
     (["--resume", "--epochs=2"], ["--resume needs --logdir"]),
     (["--data_path=/no/such/cellA.h5"], ["--data_path", "does not exist"]),
     (["--batch_size=0"], ["--batch_size"]),
@@ -169,7 +168,8 @@ def test_logdir_that_is_a_file_is_refused_unchanged(capsys, tmp_path):
   existing.write_text("model: mnist\n")
   before = snapshot(str(tmp_path))
   status, lines = parse_flag_error(capsys, *BASE_ARGS, "--logdir=%s" % existing)
-  assert status == 2 and len(lines) == 1 and "--logdir names an existing file" in lines[0], lines
+  assert status == 2 and len(lines) == 1, lines
+  assert_names(lines[0], "--logdir", "existing file")
   assert_untouched(str(tmp_path), before)
 
 
@@ -177,7 +177,7 @@ def test_ipu_replicas_not_a_power_of_two_end_to_end(logdir):
   before = snapshot(logdir)
   result = run_main(*BASE_ARGS, "--backend=ipu", "--replicas=3", "--logdir=" + logdir, timeout=120)
   assert result.returncode == 2
-  assert_one_line_error(result, "--replicas=3 x --ipus_per_replica=1 = 3 IPUs: IPU devices come in powers of two")
+  assert_one_line_error(result, "--replicas=3", "--ipus_per_replica=1", "3 IPUs", "powers of two")
   assert_untouched(logdir, before)
 
 
@@ -201,28 +201,28 @@ def _with_nonfinite(path, key, index, value):
 
 
 DATA_CASES = {
-    "missing_key": (lambda p: _edited(p, "val_unitStar_par", None), ["missing key 'val_unitStar_par'"]),
+    "missing_key": (lambda p: _edited(p, "val_unitStar_par", None), ["missing key", "'val_unitStar_par'"]),
     "frames_rank": (lambda p: _edited(p, "train_frames", np.zeros((64, 1600), np.float32)),
-                    ["'train_frames' has shape (64, 1600), expected rank 3"]),
+                    ["'train_frames'", "(64, 1600)", "rank 3"]),
     "targets_rank": (lambda p: _edited(p, "test_unitStar_par", np.zeros((32, 15, 2), np.float32)),
-                     ["'test_unitStar_par' has shape (32, 15, 2), expected rank 2"]),
+                     ["'test_unitStar_par'", "(32, 15, 2)", "rank 2"]),
     "probes_differ": (lambda p: _edited(p, "val_frames", np.ones((32, 1600, 3), np.float32)),
-                      ["splits disagree on frame shape"]),
+                      ["splits disagree", "frame shape"]),
     "lengths_differ": (lambda p: _edited(p, "train_unitStar_par", np.zeros((63, 15), np.float32)),
-                       ["'train_frames' has 64 samples but 'train_unitStar_par' has 63"]),
+                       ["'train_frames'", "64 samples", "'train_unitStar_par'", "has 63"]),
     "empty_split": (lambda p: _edited(_edited(p, "test_frames", np.zeros((0, 1600, 4), np.float32)),
                                       "test_unitStar_par", np.zeros((0, 15), np.float32)),
                     ["the test split is empty"]),
     "last_sample_unwritten": (
         lambda p: _edited(p, "val_frames", np.concatenate([np.ones((31, 1600, 4), np.float32),
                                                            np.zeros((1, 1600, 4), np.float32)])),
-        ["the last sample of 'val_frames' (row 31) is zero at every time bin and probe"]),
+        ["last sample", "'val_frames'", "(row 31)", "zero"]),
     "integer_dtype": (lambda p: _edited(p, "train_frames", np.zeros((64, 1600, 4), np.int16)),
-                      ["'train_frames' has dtype int16, expected float16 or float32"]),
+                      ["'train_frames'", "int16", "float16 or float32"]),
     "nan_one_cell": (lambda p: _with_nonfinite(p, "train_frames", (37, 811, 2), np.nan),
-                     ["'train_frames' contains NaN or Inf values (row 37)"]),
+                     ["'train_frames'", "NaN or Inf", "(row 37)"]),
     "inf_target": (lambda p: _with_nonfinite(p, "val_unitStar_par", (17, 3), -np.inf),
-                   ["'val_unitStar_par' contains NaN or Inf values (row 17)"]),
+                   ["'val_unitStar_par'", "NaN or Inf", "(row 17)"]),
 }
 
 
@@ -242,7 +242,7 @@ def test_not_hdf5_file(tmp_path, logdir):
 def test_folder_where_a_file_is_expected(tmp_path, logdir):
   folder = tmp_path / "cellA.h5"
   folder.mkdir()
-  check_bad_resume(logdir, ["--data_path=%s is a folder without meta.cellSpike_excite_4prB8kHz.yaml" % folder],
+  check_bad_resume(logdir, ["--data_path=%s" % folder, "meta.cellSpike_excite_4prB8kHz.yaml"],
                 "--data_path=%s" % folder)
 
 
@@ -286,14 +286,14 @@ def _folder_with_yaml(tmp_path, **yaml_kwargs):
 
 @pytest.mark.parametrize("yaml_text, yaml_kwargs, fragments", [
     ("dataInfo: [unclosed", {}, ["malformed YAML"]),
-    ("just a string\n", {}, ["expected a top-level 'dataInfo' mapping"]),
-    ("dataInfo: {numFeature: 4, numPar: 15}\n", {}, ["dataInfo lacks h5nameTemplate, parName"]),
+    ("just a string\n", {}, ["'dataInfo' mapping"]),
+    ("dataInfo: {numFeature: 4, numPar: 15}\n", {}, ["dataInfo", "h5nameTemplate, parName"]),
     (yaml.safe_dump({"dataInfo": {"h5nameTemplate": "*_excite.cellSpike_4prB8kHz.data.h5",
                                   "numFeature": "four", "parName": ["a"] * 15, "numPar": 15}}),
-     {}, ["dataInfo.numFeature is 'four', expected a positive integer"]),
+     {}, ["dataInfo.numFeature", "'four'", "positive integer"]),
     (b"dataInfo: \xff\xfe\n", {}, ["malformed YAML"]),
-    (None, {"num_par": 14}, ["numPar=14 with 14 parName entries but the targets have 15"]),
-    (None, {"num_feature": 3}, ["numFeature=3 but the frames have 4 probes"]),
+    (None, {"num_par": 14}, ["numPar=14", "14 parName entries", "have 15"]),
+    (None, {"num_feature": 3}, ["numFeature=3", "4 probes"]),
 ], ids=["unclosed", "not_mapping", "missing_keys", "not_integer", "not_utf8", "numPar", "numFeature"])
 def test_meta_yaml_malformed_or_disagreeing(tmp_path, logdir, yaml_text, yaml_kwargs, fragments):
   folder, yaml_path = _folder_with_yaml(tmp_path, **yaml_kwargs)
@@ -310,7 +310,7 @@ def test_meta_yaml_malformed_or_disagreeing(tmp_path, logdir, yaml_text, yaml_kw
 def test_meta_yaml_beside_the_file_is_checked_too(tmp_path, logdir):
   folder, _ = _folder_with_yaml(tmp_path, num_feature=2)
   path = os.path.join(folder, "cellA_excite.cellSpike_4prB8kHz.data.h5")
-  check_bad_resume(logdir, [path, "numFeature=2 but the frames have 4 probes"], "--data_path=" + path)
+  check_bad_resume(logdir, [path, "numFeature=2", "4 probes"], "--data_path=" + path)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -423,7 +423,7 @@ def test_a_data_cache_that_cannot_hold_the_builtin_dataset_is_one_error_line(tmp
     if given:
       logdir.mkdir()
     result = run_main(*BASE_ARGS, "--epochs=1", "--data_cache=%s" % cache, "--logdir=%s" % logdir)
-    assert_one_line_error(result, "--data_cache=%s: cannot create %s" % (cache, cache / "cellspike-v3-seed0"))
+    assert_one_line_error(result, "--data_cache=%s" % cache, "cannot create", cache / "cellspike-v3-seed0")
     # The run folder it made is gone; one the user made stays as it was, empty: a start refused by its
     # checks writes nothing there (its error is on the terminal only).
     assert logdir.exists() == given and (not given or os.listdir(logdir) == [])
@@ -441,17 +441,16 @@ def test_a_home_where_the_caches_cannot_be_made_is_one_line_that_says_how_to_mov
     env = {"XDG_CACHE_HOME": str(not_a_folder)}
   result = run_main(*BASE_ARGS, "--epochs=1", "--logdir=%s" % (tmp_path / "run"), env=env)
   root = not_a_folder / ".cache" if where == "HOME" else not_a_folder
-  source = "~/.cache, HOME=%s" % not_a_folder if where == "HOME" else "XDG_CACHE_HOME=%s" % not_a_folder
-  hint = ("(Not a directory; it is the default, under %s: set XDG_CACHE_HOME to a writable folder, or pass "
-          "--cache_dir and --data_cache)" % source)
-  assert_one_line_error(result, "--data_cache=%s: cannot create %s for the built-in dataset %s" % (
-      root / "neuron_inverter", root / "neuron_inverter" / "cellspike-v3-seed0", hint))
+  source = ["~/.cache", "HOME=%s" % not_a_folder] if where == "HOME" else ["XDG_CACHE_HOME=%s" % not_a_folder]
+  hint = ["Not a directory", "default"] + source + ["XDG_CACHE_HOME", "--cache_dir", "--data_cache"]
+  assert_one_line_error(result, "--data_cache=%s" % (root / "neuron_inverter"),
+                        root / "neuron_inverter" / "cellspike-v3-seed0", *hint)
   # --backend=auto sets every backend's start-up variables, the IPU's executable cache among them, before
   # the data: its folder comes first, with the same hint.
   auto = [arg for arg in BASE_ARGS if not arg.startswith("--backend=")] + ["--backend=auto"]
   result = run_main(*auto, "--epochs=1", "--logdir=%s" % (tmp_path / "run"), env=env)
   executables = root / "neuron_inverter" / "executables"
-  assert_one_line_error(result, "--cache_dir=%s cannot be created %s" % (executables, hint))
+  assert_one_line_error(result, "--cache_dir=%s" % executables, "cannot be created", *hint)
 
 
 def test_a_read_only_data_cache_is_one_error_line(tmp_path):
@@ -465,8 +464,7 @@ def test_a_read_only_data_cache_is_one_error_line(tmp_path):
   result = run_main(*BASE_ARGS, "--epochs=1", "--data_cache=%s" % folder.parent,
                     "--logdir=" + str(tmp_path / "run"), prefix=("unshare", "-m", "sh", "-c", script, "sh"),
                     env={"RO": str(folder)})
-  assert_one_line_error(result, "--data_cache=%s: cannot write the built-in dataset into %s" % (folder.parent,
-                                                                                               folder))
+  assert_one_line_error(result, "--data_cache=%s" % folder.parent, "cannot write", folder)
 
 
 def test_a_data_cache_without_room_for_the_dataset_is_one_error_line(tmp_path):
@@ -480,8 +478,7 @@ def test_a_data_cache_without_room_for_the_dataset_is_one_error_line(tmp_path):
   result = run_main("--model=neuron_inverter", "--epochs=1", "--data_cache=%s" % cache,
                     "--logdir=" + str(tmp_path / "run"), prefix=("unshare", "-m", "sh", "-c", script, "sh"),
                     env={"MNT": str(cache)})
-  assert_one_line_error(result, "--data_cache=%s: the dataset needs 897 MB, and the file system of %s has 1 MB "
-                        "free" % (cache, cache / "cellspike-v3-seed0"))
+  assert_one_line_error(result, "--data_cache=%s" % cache, "897 MB", cache / "cellspike-v3-seed0", "1 MB free")
   assert "generating" not in result.stderr
   assert not (tmp_path / "run").exists()
 
@@ -510,8 +507,7 @@ exit $status
              "--num_train=200", "--num_val=8", "--num_test=8", "--workers=1", "--noprogress"]
   result = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh"] + command, capture_output=True, text=True,
                           timeout=180, env=dict(os.environ, MNT=str(mount), LISTING=str(listing)))
-  assert_one_line_error(result, "--out_dir=%s: the file system of %s filled up while the dataset was written"
-                        % (out_dir, out_dir), "its partial file was removed")
+  assert_one_line_error(result, "--out_dir=%s" % out_dir, "filled up", "partial file was removed")
   assert listing.read_text().split() == []
 
 
@@ -545,7 +541,7 @@ def test_ctrl_c_while_generating_is_one_line_from_the_whole_process_group(tmp_pa
       job.wait()
   assert job.returncode == 130, err
   assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
-  assert err.strip().splitlines()[-1] == "interrupted by SIGINT (Ctrl-C)", err
+  assert err.strip().splitlines()[-1].startswith("interrupted by SIGINT"), err
   assert not os.listdir(out_dir)  # the partial file removed
 
 
@@ -579,8 +575,7 @@ def test_main_on_a_really_full_staging_disk_is_one_error_line_and_leaves_nothing
                     "--batch_size=64", "--stage_dir=%s" % (mount / "local"), "--logdir=%s" % (tmp_path / "run"),
                     prefix=("unshare", "-m", "sh", "-c", script, "sh"),
                     env={"MNT": str(mount), "LISTING": str(listing)})
-  assert_one_line_error(result, "staging train_frames/train_unitStar_par needs 6.6 MB but",
-                        "has 1.0 MB free; free space there or choose a larger --stage_dir")
+  assert_one_line_error(result, "train_frames/train_unitStar_par", "6.6 MB", "1.0 MB free", "--stage_dir")
   assert listing.read_text().split() == []
 
 
@@ -597,7 +592,7 @@ def test_a_cpu_without_avx_is_one_error_line_not_an_abort(tmp_path):
   result = run_main("--model=neuron_inverter", "--logdir=%s" % (tmp_path / "run"),
                     prefix=("unshare", "-m", "sh", "-c", script, "sh"), env={"FAKE": str(fake)})
   assert result.returncode == 1, result.stderr[-2000:]
-  assert_one_line_error(result, "this CPU (QEMU Virtual CPU version 2.5+) lacks AVX", "-cpu host")
+  assert_one_line_error(result, "QEMU Virtual CPU", "AVX", "-cpu host")
   assert not (tmp_path / "run").exists()
 
 
@@ -615,5 +610,5 @@ def test_a_tools_unknown_flag_is_one_line_and_exit_status_2(tool):
   """As main.py's: absl's own report is a FATAL line and a hint."""
   result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", tool + ".py"), "--no_such_flag=3"],
                           capture_output=True, text=True, timeout=120, check=False)
-  assert result.returncode == 2 and result.stderr.strip() == (
-      "%s.py: error: Unknown command line flag 'no_such_flag'" % tool), result.stderr
+  assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+  assert_names(result.stderr, "%s.py: error:" % tool, "'no_such_flag'")

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.support.helpers import REPO_ROOT
+from tests.support.helpers import REPO_ROOT, assert_names, line_naming
 
 MAKE = shutil.which("make")
 pytestmark = pytest.mark.skipif(MAKE is None, reason="make is not installed")
@@ -61,7 +61,7 @@ def test_no_supported_python_is_one_error_line_and_no_environment(tmp_path):
   assert result.returncode != 0
   errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
   assert len(errors) == 1, result.stderr
-  assert "requirements-%s.txt" % BACKEND in errors[0] and "python3 is Python 3.14.0" in errors[0]
+  assert_names(errors[0], "requirements-%s.txt" % BACKEND, "python3", "Python 3.14.0")
   assert "%d.%d" % sys.version_info[:2] in errors[0]  # the list of supported versions
   assert not venv.exists()
   assert "pip" not in result.stdout + result.stderr
@@ -71,7 +71,7 @@ def test_an_unsupported_python_named_by_the_user_is_refused(tmp_path):
   folder = _bin(tmp_path, [THIS_PYTHON])
   result = _make(tmp_path, folder, "install", "VENV=" + str(tmp_path / "venv"), "PYTHON=" + str(folder / "python3"))
   assert result.returncode != 0
-  assert "PYTHON=%s is Python 3.14.0" % (folder / "python3") in result.stderr
+  assert_names(line_naming(result.stderr, "PYTHON=%s" % (folder / "python3")), "Python 3.14.0")
   assert not (tmp_path / "venv").exists()
 
 
@@ -89,9 +89,10 @@ def test_a_venv_that_fails_half_way_is_removed(tmp_path):
   venv = tmp_path / "venv"
   result = _make(tmp_path, folder, "install", "VENV=" + str(venv))
   assert result.returncode != 0
-  assert "ensurepip is not available" in result.stderr  # Python's own reason stays
+  assert "ensurepip" in result.stderr  # Python's own reason stays
   errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-  assert len(errors) == 1 and "the partial %s was removed" % venv in errors[0], result.stderr
+  assert len(errors) == 1, result.stderr
+  assert_names(errors[0], "partial %s" % venv, "removed")
   assert not venv.exists()
   assert "pip install" not in result.stdout
 
@@ -143,9 +144,8 @@ def test_an_environment_of_another_backend_is_refused_before_pip(tmp_path):
   result = _make(tmp_path, _bin(tmp_path, [THIS_PYTHON]), "install", "VENV=" + str(venv))
   assert result.returncode != 0
   errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-  assert errors == ["error: %s holds the TensorFlow of BACKEND=gpu, which that of BACKEND=%s would overwrite: "
-                    "remove it (rm -rf %s) and run make again, or name another folder with VENV=" % (
-                        venv, BACKEND, venv)], result.stderr
+  assert len(errors) == 1, result.stderr
+  assert_names(errors[0], venv, "BACKEND=gpu", "BACKEND=%s" % BACKEND, "rm -rf %s" % venv, "VENV=")
   assert "pip install" not in result.stdout and not (venv / (".installed-" + BACKEND)).exists()
 
 
@@ -194,7 +194,7 @@ def test_two_makes_started_together_install_once(tmp_path):
   outputs = [make.communicate(timeout=60) for make in makes]
   assert [make.returncode for make in makes] == [0, 0], outputs
   assert log.read_text().splitlines() == ["venv %s" % venv] + ["pip start", "pip end"] * 2 + ["compile"]
-  waited = [out for out, _ in outputs if "waiting for the other make that is installing into %s" % venv in out]
+  waited = [out for out, _ in outputs if "the other make" in out and str(venv) in out]
   assert len(waited) == 1, outputs
   assert (venv / (".installed-" + BACKEND)).exists()
 
@@ -210,14 +210,15 @@ def test_a_venv_left_without_pip_by_a_stopped_make_is_made_again(tmp_path):
   (venv / "bin" / "python").chmod(0o755)
   result = _make(tmp_path, folder, "install", "VENV=" + str(venv))
   assert result.returncode == 0, result.stdout + result.stderr
-  assert "%s has no pip: an earlier make stopped while making it; removing it" % venv in result.stdout
+  assert_names(line_naming(result.stdout, "%s has no pip" % venv), "removing it")
   assert log.read_text().splitlines() == ["venv %s" % venv, "pip start", "pip end", "pip start", "pip end",
                                           "compile"]
   # pip runs --quiet for a minute or more on a fresh machine: a line before it says so and for how long.
   lines = result.stdout.splitlines()
-  requirements = [i for i, line in enumerate(lines) if "pip install --quiet --no-compile -r requirements-" in line]
-  assert len(requirements) == 1 and lines[requirements[0] - 1].startswith(
-      "pip installs TensorFlow and the rest quietly: about 1-2 minutes"), result.stdout
+  requirements = [i for i, line in enumerate(lines)
+                  if all(name in line for name in ("pip install", "--quiet", "--no-compile", "-r requirements-"))]
+  assert len(requirements) == 1, result.stdout
+  assert_names(lines[requirements[0] - 1], "pip installs", "quietly", "1-2 minutes")
 
 
 def test_make_run_from_another_folder_tells_main_py_where_the_shell_is(tmp_path):

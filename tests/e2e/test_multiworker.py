@@ -14,7 +14,7 @@ import yaml
 from analysis.events import read_hparams
 from tests.support.cellspike_files import write_cellspike
 from tests.support.training_parts import free_ports
-from tests.support.helpers import REPO_ROOT, other_process_report
+from tests.support.helpers import REPO_ROOT, assert_names, line_naming, other_process_report
 from training.checkpoints import read_index
 
 TIMEOUT_SECONDS = 240
@@ -100,7 +100,7 @@ def test_a_signal_to_one_worker_stops_both_after_the_same_step_and_the_run_resum
   for process_output in outputs:
     assert "Traceback" not in process_output[1], process_output[1][-3000:]
   chief_log = outputs[0][1]
-  assert "continuing with epoch 1 of 2 at step %d of 16" % (int(stops[0]) + 1) in chief_log
+  assert_names(line_naming(chief_log, "continuing with"), "epoch 1 of 2", "at step %d of 16" % (int(stops[0]) + 1))
   assert "rank 0 of 2 (chief)" in chief_log and "rank 1 of 2" in outputs[1][1]
   summary = yaml.safe_load(open(os.path.join(logdir, "summary.yaml")))
   assert summary["world_size"] == 2 and summary["replicas"] == 2 and summary["history"]["epoch"] == [1, 2]
@@ -113,14 +113,16 @@ def test_a_signal_to_one_worker_stops_both_after_the_same_step_and_the_run_resum
   # The other worker's folder is scratch: gone at its end, and nothing else of the run left in TMPDIR.
   assert not os.path.exists(worker_dir) and os.listdir(str(tmp_path / "tmp")) == []
   # Each optimizer step takes a batch from every worker: 16 steps of 32 samples per epoch, in all.
-  assert "16 optimizer steps per epoch" in chief_log
+  assert_names(line_naming(chief_log, "Global batch "), "; 16 optimizer steps", "per epoch")
   assert summary["steps_per_epoch"] == 16 and summary["train_samples_per_epoch"] == 512
   # Only the chief reports; its resume line says that every worker must be started again.
-  assert "in each of the 2 processes, launched as before" in outputs[0][0]
+  assert_names(line_naming(outputs[0][0], "launched as before"), "each of the 2 processes")
   assert "Run finished" not in outputs[1][0]
   # Disjoint contiguous shards: worker 0 rows [0, 256), worker 1 rows [256, 512).
   assert summary["train_blocks"] == [[0, 256]]
-  assert "(shards 0-0 of 2, 256 rows each)" in chief_log and "(shards 1-1 of 2, 256 rows each)" in outputs[1][1]
+  for shard, log in enumerate([chief_log, outputs[1][1]]):
+    lines = [line for line in log.splitlines() if "(shards %d-%d of 2, " % (shard, shard) in line]
+    assert any("256 rows each)" in line for line in lines), lines
   # Every test sample: 35 on each worker, 2 batches of 16 and a short one of 3. The loss is the mean
   # over all 70 of the saved weights, as the predict tool computes it on one device.
   assert summary["test_samples"] == 70

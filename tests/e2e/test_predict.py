@@ -24,7 +24,7 @@ from errors import UserError
 from run_config import RunConfig
 import saved_config
 from tests.support.cellspike_files import PAR_NAMES, write_cellspike, write_meta_yaml
-from tests.support.helpers import REPO_ROOT, assert_one_line_error, run_main
+from tests.support.helpers import REPO_ROOT, assert_names, assert_one_line_error, line_naming, run_main
 from analysis import evaluation, plots
 from analysis.events import read_scalars
 from training import summary
@@ -104,9 +104,9 @@ def test_main_predict_writes_the_report(trained_run):
   assert sum_pred["mean_predictor"] == "training-set mean"
   assert sum_pred["mean_predictor_mse"] == pytest.approx(run_summary["mean_predictor_test_loss"], rel=1e-9)
   assert run_summary["mean_predictor_test_loss"] != pytest.approx(run_summary["mean_predictor_val_loss"])
-  assert "  test: loss %.4f (%.3f of the mean-predictor baseline %.4f)" % (
-      run_summary["test_loss"], run_summary["test_loss"] / run_summary["mean_predictor_test_loss"],
-      run_summary["mean_predictor_test_loss"]) in result.stdout
+  assert_names(line_naming(result.stdout, "  test: loss"), "loss %.4f" % run_summary["test_loss"],
+               "%.3f" % (run_summary["test_loss"] / run_summary["mean_predictor_test_loss"]),
+               "baseline %.4f" % run_summary["mean_predictor_test_loss"])
   for name in ("truth_vs_pred.png", "residuals.png", "training_curves.png"):
     width, height = png_size(os.path.join(logdir, "predict", name))
     assert width >= 800 and height >= 600
@@ -128,7 +128,7 @@ def test_main_predict_writes_the_report(trained_run):
   outputs = next(line for line in closing.splitlines() if line.strip().startswith("outputs:"))
   for name in ("summary.yaml", "run_config.yaml", "log.txt", "history.csv", "checkpoints/", "predict/"):
     assert name in outputs, outputs
-  assert "tools/predict.py --logdir " + logdir in closing
+  assert_names(line_naming(closing, "tools/predict.py"), "--logdir " + logdir)
   with open(os.path.join(logdir, "log.txt"), encoding="utf-8") as f:  # also where the terminal is gone
     assert f.read().endswith(closing)
 
@@ -155,17 +155,17 @@ def test_predict_tool_and_export_round_trip(trained_run, data_file, tmp_path):
                        "--probe_type=excite_4prB8kHz", "--split=validation", "--max_samples=50",
                        "--backend=cpu", "--outdir=" + outdir, "--export_dir=" + export_dir, "--noplots")
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "compiled metrics have yet to be built" not in result.stderr  # Keras' warning on exporting
+  assert "compiled metrics have yet" not in result.stderr  # Keras' warning on exporting
   # TensorFlow's start-up lines, dropped as in main.py's log (the tool sets TF_CPP_MIN_LOG_LEVEL itself).
-  for line in ("oneDNN custom operations are on", "rebuild TensorFlow", "absl::InitializeLog()") + (
-      () if glob.glob("/dev/nvidia[0-9]*") else ("Could not find cuda drivers", "cuInit")):
+  for line in ("oneDNN custom operations", "rebuild TensorFlow", "absl::InitializeLog()") + (
+      () if glob.glob("/dev/nvidia[0-9]*") else ("find cuda drivers", "cuInit")):
     assert line not in result.stderr, result.stderr[-3000:]
   # 50 samples exactly: 3 batches of 16 and a short one of 2.
-  assert "parameter" in result.stdout and "p14" in result.stdout and "validation split, 50 samples" \
-      in result.stdout
+  assert "parameter" in result.stdout and "p14" in result.stdout
+  assert_names(line_naming(result.stdout, "validation split"), "50 samples")
   # The report outside the run folder: TensorBoard over the report's folder, whose root run holds it.
-  assert "In TensorBoard (Images, Text and Scalars of the run .): " in result.stdout
-  assert "tools/serve_tensorboard.py --logdir %s\n" % outdir in result.stdout
+  assert "of the run .)" in line_naming(result.stdout, "In TensorBoard")
+  assert line_naming(result.stdout, "tools/serve_tensorboard.py").endswith(" --logdir %s" % outdir)
   sum_pred = _load_yaml(os.path.join(outdir, "sum_pred.yaml"))
   _check_sum_pred(sum_pred, "validation", 50)
   # The folder's cell file was evaluated (a run of its own evaluated 32 test samples; this one's split
@@ -212,7 +212,7 @@ def test_training_history_from_events_and_from_summary(trained_run, tmp_path):
 
 def test_a_stray_argument_is_one_line_error_not_the_help(tmp_path):
   result = run_predict("--logdir=" + str(tmp_path), "extra")
-  assert_one_line_error(result, "unexpected argument extra", "flags only")
+  assert_one_line_error(result, "argument extra", "flags only")
   assert "--max_samples" not in result.stdout + result.stderr   # not absl's whole --help
 
 
@@ -230,7 +230,7 @@ def test_run_without_checkpoint_is_a_user_error(trained_run, tmp_path):
 
 
 def test_not_a_run_folder_is_a_user_error(tmp_path):
-  with pytest.raises(UserError, match="not a training run folder"):
+  with pytest.raises(UserError, match="not a training run"):
     saved_config.load_run_config(str(tmp_path))
 
 
@@ -239,8 +239,9 @@ def test_data_of_another_shape_is_a_user_error(trained_run, tmp_path):
   other = write_cellspike(str(tmp_path / "short.h5"), sizes={"train": 32, "val": 32, "test": 32},
                           time_bins=800)
   config = saved_config.load_run_config(logdir, data_path=other, backend="cpu")
-  with pytest.raises(UserError, match=r"does not fit .* \(800, 4\) -> 15 parameters"):
+  with pytest.raises(UserError) as caught:
     evaluation.evaluate_run(config, _cpu_backend(), outdir=str(tmp_path / "out"))
+  assert_names(caught.value, "does not fit", "(800, 4) -> 15")
   assert not os.path.exists(str(tmp_path / "out"))
 
 
@@ -248,15 +249,14 @@ def test_too_few_samples_for_the_reports_correlations(trained_run, tmp_path, cap
   """One sample would end in a ValueError traceback (after training, with main.py --predict); a few
   would give confident verdicts from r of +-1."""
   config = saved_config.load_run_config(trained_run[0], backend="cpu")
-  with pytest.raises(UserError, match=r"1 test sample to evaluate \(--max_samples=1\); the report's "
-                                      r"correlations need at least 2"):
+  with pytest.raises(UserError) as caught:
     evaluation.evaluate_run(config, _cpu_backend(), max_samples=1, outdir=str(tmp_path / "one"))
+  assert_names(caught.value, "1 test sample", "--max_samples=1", "at least 2")
   with caplog.at_level("WARNING", logger="absl"):
     result = evaluation.evaluate_run(config, _cpu_backend(), max_samples=3, outdir=str(tmp_path / "three"),
                                      plots=False)
   assert result.results["num_samples"] == 3
-  assert "Only 3 test samples (--max_samples=3): the per-parameter correlations and verdicts are " \
-      "unreliable below 20" in caplog.text
+  assert_names(line_naming(caplog.text, "Only 3 test samples"), "--max_samples=3", "unreliable below 20")
 
 
 def test_main_predict_with_a_one_sample_test_split_is_refused_before_training(tmp_path):
@@ -266,8 +266,7 @@ def test_main_predict_with_a_one_sample_test_split_is_refused_before_training(tm
   result = run_main("--model=neuron_inverter", "--design=dev", "--backend=cpu", "--batch_size=16",
                     "--data_path=" + data, "--logdir=" + str(logdir), "--epochs=1", "--precision=32.32",
                     "--predict")
-  assert_one_line_error(result, data + ": 1 test sample, and the --predict report's correlations need at "
-                        "least 2", "leave --predict off")
+  assert_one_line_error(result, data, "1 test sample", "at least 2", "leave --predict off")
   assert not (logdir / "summary.yaml").exists() and "Epoch 1/1" not in result.stderr
 
 
@@ -283,8 +282,7 @@ def test_an_output_folder_that_cannot_be_made_is_refused_before_evaluating(tmp_p
   config = RunConfig(model="neuron_inverter", backend="cpu", logdir=str(tmp_path))
   with pytest.raises(UserError) as error:
     evaluation.evaluate_run(config, _cpu_backend(), **{flag: folder})
-  assert str(error.value) == "--%s=%s: %s is not a folder, so no folder can be created below it" % (
-      flag, folder, blocker)
+  assert_names(error.value, "--%s=%s:" % (flag, folder), "%s is not a folder" % blocker)
 
 
 def test_the_default_output_folder_is_named_as_the_default(tmp_path):
@@ -294,8 +292,7 @@ def test_the_default_output_folder_is_named_as_the_default(tmp_path):
   config = RunConfig(model="neuron_inverter", backend="cpu", logdir=str(tmp_path))
   with pytest.raises(UserError) as error:
     evaluation.evaluate_run(config, _cpu_backend())
-  assert str(error.value) == ("the default --outdir=%s is a file; expected a folder (created if missing); "
-                              "pass --outdir=<a writable folder>" % (tmp_path / "predict"))
+  assert_names(error.value, "default --outdir=%s" % (tmp_path / "predict"), "is a file", "pass --outdir=")
 
 
 def _cpu_backend():
@@ -329,8 +326,8 @@ def test_predict_names_real_data_as_main_does_a_folder_and_a_cell(trained_run, d
   assert result.returncode == 0, result.stderr[-3000:]
   assert _load_yaml(os.path.join(copy, "predict", "sum_pred.yaml"))["data_path"] == os.path.abspath(data_file)
   # The report in the run folder (the default --outdir): TensorBoard over the run, beside its training.
-  assert "In TensorBoard (Images, Text and Scalars of the run predict): " in result.stdout
-  assert "tools/serve_tensorboard.py --logdir %s\n" % copy in result.stdout
+  assert "of the run predict)" in line_naming(result.stdout, "In TensorBoard")
+  assert line_naming(result.stdout, "tools/serve_tensorboard.py").endswith(" --logdir %s" % copy)
 
 
 def test_predict_on_a_file_that_is_not_cellspike_data_is_one_line_before_tensorflow(trained_run, tmp_path):
@@ -355,7 +352,7 @@ def _copy_of(trained_run, tmp_path):
     ({"design": "nope"}, ["--design=nope", "ontra4"]),
     ({"precision": "8.8"}, ["--precision=8.8", "32.32"]),
     ({"read_chunk": -5}, ["--read_chunk=-5"]),
-    ({"learning_rate": float("nan")}, ["--learning_rate must be a finite number"]),
+    ({"learning_rate": float("nan")}, ["--learning_rate", "finite"]),
 ])
 def test_hand_edited_run_config_is_checked_like_the_flags(trained_run, tmp_path, edit, fragments):
   """One code path for flags and saved configurations."""
@@ -367,8 +364,7 @@ def test_hand_edited_run_config_is_checked_like_the_flags(trained_run, tmp_path,
     yaml.safe_dump(saved, f)
   with pytest.raises(UserError) as error:
     saved_config.load_run_config(copy)
-  for fragment in [path] + fragments:
-    assert fragment in str(error.value)
+  assert_names(error.value, path, *fragments)
 
 
 @pytest.mark.parametrize("text", ["model: [unclosed\n", "!!python/object/apply:os.system ['touch pwned']\n"])
@@ -377,7 +373,7 @@ def test_malformed_or_hostile_run_config_is_one_line(trained_run, tmp_path, text
   with open(os.path.join(copy, summary.RUN_CONFIG_FILE), "w") as f:
     f.write(text)
   result = run_predict("--logdir=" + copy, timeout=120)
-  assert_one_line_error(result, summary.RUN_CONFIG_FILE, "not a readable run configuration")
+  assert_one_line_error(result, summary.RUN_CONFIG_FILE, "not a readable")
   assert not os.path.exists(os.path.join(REPO_ROOT, "pwned"))
 
 

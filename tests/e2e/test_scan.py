@@ -13,7 +13,7 @@ import yaml
 
 from analysis.events import read_hparams
 from tests.support.cellspike_files import write_cellspike
-from tests.support.helpers import REPO_ROOT, WITH_DEFAULT_SIGHUP, assert_one_line_error
+from tests.support.helpers import REPO_ROOT, WITH_DEFAULT_SIGHUP, assert_names, assert_one_line_error, line_naming
 from tools import scan
 
 SCAN = os.path.join(REPO_ROOT, "tools", "scan.py")
@@ -47,7 +47,7 @@ def test_a_serial_scan_reports_every_point_and_lists_the_failed_one(tmp_path):
   result = _scan_in(tmp_path, "--scan_dir=scan", "--learning_rates=1e-3,3e-3,-1", "--replicas=2", "--",
                     *_main_args("data.h5"))
   assert result.returncode == 1, result.stdout + result.stderr
-  assert "error: 1 of 3 scan points did not finish: replicas2_lr-1" in result.stdout
+  assert_names(result.stdout, "error: 1 of 3", "replicas2_lr-1")
   # Each point's line starts with an interpreter, so it can be pasted: the tool's own, as a user types it,
   # and the words are quoted for the shell (a checkout in a folder whose name has a space). The flags
   # after `--` are kept as typed (the relative data.h5, for the point run in the same folder); main.py
@@ -74,8 +74,8 @@ def test_a_serial_scan_reports_every_point_and_lists_the_failed_one(tmp_path):
     assert trial == name and settings["replicas"] == 2
     assert settings["learning_rate"] == pytest.approx(rows[name]["learning_rate"])
   assert table["best"]["name"] in ("replicas2_lr0.001", "replicas2_lr0.003")
-  assert "best: %s, validation loss %.4f (epoch 1)" % (table["best"]["name"], table["best"]["best_val_loss"]) \
-      in result.stdout
+  assert_names(line_naming(result.stdout, "best: "), table["best"]["name"], "validation loss",
+               "%.4f (epoch 1)" % table["best"]["best_val_loss"])
   assert os.path.getsize(os.path.join(scan_dir, "scan.png")) > 10000
 
   # Run again: the finished points are skipped, the failed one is tried again (and fails again).
@@ -92,8 +92,9 @@ def test_a_scan_folder_that_cannot_be_written_is_one_error_line(tmp_path):
   scan_dir = str(tmp_path / "a_file" / "scan")
   result = _scan("--scan_dir=" + scan_dir, "--learning_rates=1e-3", "--", "--epochs=1")
   assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
-  assert result.stderr.splitlines() == ["error: --scan_dir=%s: cannot write %s/grid.yaml (Not a directory)"
-                                        % (scan_dir, scan_dir)]
+  (line,) = result.stderr.splitlines()
+  assert line.startswith("error: --scan_dir=%s: " % scan_dir), line
+  assert_names(line, "cannot write", "%s/grid.yaml" % scan_dir, "Not a directory")
 
 
 def _scan_signalled_in_its_first_point(tmp_path, signum, learning_rates):
@@ -124,27 +125,28 @@ def test_ctrl_c_stops_the_point_with_a_checkpoint_and_the_scan_continues_it(tmp_
   refuses before TensorFlow starts: whether it ran shows in the report, without a second training."""
   args, status, out, err, log = _scan_signalled_in_its_first_point(tmp_path, signal.SIGINT, "1e-3,-1")
   assert status == 130, out + err
-  assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted by SIGINT: the scan "
-                                                                            "stopped"), err
-  assert "Training interrupted by SIGINT" in open(log).read()  # a graceful stop, with its checkpoint
+  assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted by SIGINT"), err
+  assert "SIGINT" in line_naming(open(log).read(), "Training interrupted")  # a graceful stop, with its checkpoint
   assert "replicas1_lr-1" not in out                            # the next point did not start
   again = _scan(*args)
   # Status 1 for the refused next point alone (0 when that point trained): the resumed one finished.
   assert again.returncode == 1, again.stdout + again.stderr
-  assert "error: 1 of 2 scan points did not finish: replicas1_lr-1" in again.stdout, again.stdout
+  assert_names(again.stdout, "error: 1 of 2", "replicas1_lr-1")
   assert "--resume" in again.stdout.splitlines()[0]             # the stopped point continued
-  assert "point 0 (replicas1_lr0.001): exit status 0" in again.stdout
+  statuses = {line.split(": ")[0]: line for line in again.stdout.splitlines() if "exit status" in line}
+  assert "exit status 0" in statuses["point 0 (replicas1_lr0.001)"], again.stdout
   assert "Resumed from" in open(log).read()
-  assert "point 1 (replicas1_lr-1): exit status " in again.stdout  # and the scan went on to the next point
+  assert "point 1 (replicas1_lr-1)" in statuses, again.stdout  # and the scan went on to the next point
 
 
-@pytest.mark.parametrize("rates, replicas, named", [(["nan"], ["1"], "--learning_rates value nan"),
-                                                 (["1e-3", "inf"], ["1"], "--learning_rates value inf"),
-                                                 (["1e-3"], ["4", "0"], "--replicas value 0")])
-def test_grid_values_no_point_could_run_with_are_refused_at_once(rates, replicas, named):
+@pytest.mark.parametrize("rates, replicas, names", [(["nan"], ["1"], ["--learning_rates", "value nan"]),
+                                                 (["1e-3", "inf"], ["1"], ["--learning_rates", "value inf"]),
+                                                 (["1e-3"], ["4", "0"], ["--replicas", "value 0"])])
+def test_grid_values_no_point_could_run_with_are_refused_at_once(rates, replicas, names):
   """Refused before any point runs, not one failed point each (in folders such as replicas0_lrnan)."""
-  with pytest.raises(scan.ScanError, match=named + ": learning rates must be finite"):
+  with pytest.raises(scan.ScanError) as caught:
     scan.make_grid(rates, replicas, ["--model=neuron_inverter"])
+  assert_names(caught.value, *names)
 
 
 @pytest.mark.parametrize("main_arg, flag, own", [("--learning_rate=5", "learning_rate", "--learning_rates"),
@@ -154,8 +156,7 @@ def test_main_py_flags_that_the_scan_sets_itself_are_refused(main_arg, flag, own
   """After `--` they were silently overridden by each point's own."""
   with pytest.raises(scan.ScanError) as error:
     scan.make_grid(["1e-3"], ["1"], ["--model=neuron_inverter", main_arg, "3"])
-  assert str(error.value) == "%s after `--`: the scan sets --%s of each point itself; use the scan's %s" % (
-      main_arg, flag, own)
+  assert_names(error.value, main_arg, "--" + flag, own)
 
 
 def _scan_dir(tmp_path):
@@ -165,9 +166,9 @@ def _scan_dir(tmp_path):
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("points: [\n", "grid.yaml is not valid YAML (while parsing"),
-    ("[1, 2]\n", "grid.yaml does not hold a scan grid"),
-    ("main_args: []\npoints: [{index: 0}]\n", "grid.yaml does not hold a scan grid"),
+    ("points: [\n", "not valid YAML"),
+    ("[1, 2]\n", "scan grid"),
+    ("main_args: []\npoints: [{index: 0}]\n", "scan grid"),
 ])
 def test_a_damaged_grid_is_one_error(tmp_path, text, expected):
   scan_dir = _scan_dir(tmp_path)
@@ -175,14 +176,14 @@ def test_a_damaged_grid_is_one_error(tmp_path, text, expected):
     f.write(text)
   for mode in ("report", "point"):
     result = _scan("--scan_dir=" + scan_dir, "--mode=" + mode, "--point=0")
-    assert_one_line_error(result, os.path.join(scan_dir, expected))
+    assert_one_line_error(result, os.path.join(scan_dir, "grid.yaml"), expected)
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("returncode: [\n", "is unreadable (while parsing"), ("hello\n", "holds no mapping"),
-    ("returncode: x\n", "returncode is 'x', expected the exit status of the point's main.py"),
+@pytest.mark.parametrize("text, names", [
+    ("returncode: [\n", ["unreadable"]), ("hello\n", ["no mapping"]),
+    ("returncode: x\n", ["returncode is 'x'", "exit status"]),
 ])
-def test_a_damaged_status_file_is_one_error(tmp_path, text, expected):
+def test_a_damaged_status_file_is_one_error(tmp_path, text, names):
   scan_dir = _scan_dir(tmp_path)
   point = scan.load_grid(scan_dir)["points"][0]
   with open(os.path.join(scan_dir, point["name"] + ".status.yaml"), "w") as f:
@@ -190,20 +191,21 @@ def test_a_damaged_status_file_is_one_error(tmp_path, text, expected):
   with pytest.raises(scan.ScanError) as error:
     scan.report(scan_dir)
   assert str(error.value).startswith(os.path.join(scan_dir, point["name"] + ".status.yaml"))
-  assert expected in str(error.value) and str(error.value).endswith("; delete it to run the point again")
+  assert_names(error.value, *names, "delete it")
 
 
-@pytest.mark.parametrize("task, expected", [
-    ("abc", "SLURM_ARRAY_TASK_ID=abc is not a point index (an integer); pass --point=<index>"),
-    (None, "--mode=point needs --point=<index> (or SLURM_ARRAY_TASK_ID, in a Slurm array task)"),
+@pytest.mark.parametrize("task, names", [
+    ("abc", ["SLURM_ARRAY_TASK_ID=abc", "--point=<index>"]),
+    (None, ["--mode=point", "--point=<index>", "SLURM_ARRAY_TASK_ID"]),
 ])
-def test_a_point_without_its_index_is_one_error(monkeypatch, task, expected):
+def test_a_point_without_its_index_is_one_error(monkeypatch, task, names):
   if task is None:
     monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
   else:
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", task)
-  with pytest.raises(scan.ScanError, match="^%s$" % re.escape(expected)):
+  with pytest.raises(scan.ScanError) as caught:
     scan._array_task_id()  # pylint: disable=protected-access
+  assert_names(caught.value, *names)
 
 
 def _fake_sbatch(tmp_path):
@@ -249,7 +251,7 @@ def test_slurm_mode_keeps_quoted_options_and_its_points_run_in_the_submit_folder
 def test_sbatch_args_a_shell_could_not_split_are_one_error_before_anything_is_written(tmp_path):
   result = _scan_in(tmp_path, "--mode=slurm", "--scan_dir=scan", "--learning_rates=1e-3",
                     "--sbatch_args=--comment='lr scan", "--", "--epochs=1")
-  assert_one_line_error(result, "--sbatch_args=--comment='lr scan: No closing quotation; expected sbatch options")
+  assert_one_line_error(result, "--sbatch_args", "--comment='lr scan", "No closing quotation")
   assert not (tmp_path / "scan").exists()
 
 
@@ -263,8 +265,9 @@ def test_an_mnist_scan_is_ranked_by_the_validation_loss(tmp_path):
   assert table["ranked_by"] == "best_val_loss"
   best = min(table["points"], key=lambda row: row["best_val_loss"])
   assert table["best"]["name"] == best["name"] and 0 <= table["best"]["test_accuracy"] <= 1
-  assert "best: %s, validation loss %.4f (epoch 1), test accuracy %.4f\n" % (
-      best["name"], best["best_val_loss"], best["test_accuracy"]) in result.stdout
+  (line,) = [line for line in result.stdout.splitlines() if line.startswith("best: ")]
+  assert_names(line, best["name"], "validation loss", "%.4f (epoch 1)" % best["best_val_loss"],
+               "%.4f" % best["test_accuracy"])
   assert "ranked by their test loss" not in result.stdout
   assert os.path.getsize(str(tmp_path / "scan" / "scan.png")) > 10000
 
@@ -289,8 +292,8 @@ def test_points_without_a_validation_loss_are_ranked_by_their_test_loss_and_the_
   assert scan.report(scan_dir) == 0
   table = yaml.safe_load(open(os.path.join(scan_dir, "scan.yaml")))
   assert table["ranked_by"] == "test_loss" and table["best"]["name"] == second["name"]
-  assert ("best: %s, test loss 0.2500, test accuracy 0.9000 (no point's summary.yaml has a validation loss, "
-          "so the points are ranked by their test loss)" % second["name"]) in capsys.readouterr().out
+  (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("best: ")]
+  assert_names(line, second["name"], "test loss 0.2500", "0.9000", "ranked by their test loss")
   with open(os.path.join(scan_dir, first["name"], "summary.yaml"), "w") as f:
     yaml.safe_dump({"best_val_loss": 0.7, "best_val_epoch": 1, "test_loss": 0.5, "wall_seconds": 1.0}, f)
   assert scan.report(scan_dir) == 0
@@ -307,14 +310,15 @@ def test_the_report_drops_matplotlibs_info_lines(tmp_path):
   assert result.stderr.splitlines() == [], result.stderr
 
 
-@pytest.mark.parametrize("rates, replicas, named", [
-    (["1e-3", "0.001"], ["1"], "--learning_rates lists the same value more than once (1e-3 and 0.001)"),
-    (["1e-3", "2e-3"], ["4", "04", "1"], "--replicas lists the same value more than once (4 and 04)"),
+@pytest.mark.parametrize("rates, replicas, names", [
+    (["1e-3", "0.001"], ["1"], ["--learning_rates", "same value", "(1e-3 and 0.001)"]),
+    (["1e-3", "2e-3"], ["4", "04", "1"], ["--replicas", "same value", "(4 and 04)"]),
 ])
-def test_a_value_given_twice_is_refused(rates, replicas, named):
+def test_a_value_given_twice_is_refused(rates, replicas, names):
   """1e-3 and 0.001 were one folder, listed twice in the report with the same losses."""
-  with pytest.raises(scan.ScanError, match="^%s: give each value once$" % re.escape(named)):
+  with pytest.raises(scan.ScanError) as caught:
     scan.make_grid(rates, replicas, ["--epochs=1"])
+  assert_names(caught.value, *names, "each value once")
 
 
 def test_distinct_rates_get_distinct_folders():
@@ -329,6 +333,5 @@ def test_a_hang_up_stops_the_point_with_a_checkpoint_and_the_scan_with_status_12
   must stop its point too, not end on the spot and leave the point training on without it."""
   _, status, out, err, log = _scan_signalled_in_its_first_point(tmp_path, signal.SIGHUP, "1e-3")
   assert status == 129, out + err
-  assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted by SIGHUP: the scan "
-                                                                            "stopped"), err
-  assert "Training interrupted by SIGHUP" in open(log).read()  # a graceful stop, with its checkpoint
+  assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted by SIGHUP"), err
+  assert "SIGHUP" in line_naming(open(log).read(), "Training interrupted")  # a graceful stop, with its checkpoint

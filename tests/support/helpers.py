@@ -1,4 +1,4 @@
-"""Helpers shared by tests: running main.py as a user does, and checking one-line errors."""
+"""Helpers shared by tests: running main.py as a user does, and checking that errors name what they are about."""
 
 import os
 import re
@@ -62,15 +62,32 @@ def hold_lock(logdir):
   return holder
 
 
-def assert_one_line_error(result, *fragments):
-  """A user error: non-zero exit, no traceback, one line on stderr containing every fragment."""
+def assert_names(message, *names):
+  """`message` (text or an exception) names each of `names`: the flag, file, key or value it is about.
+  Tests check these, not the wording around them, so a message can be reworded without editing tests."""
+  text = str(message)
+  for name in names:
+    assert str(name) in text, "%r not named in: %s" % (str(name), text)
+
+
+def line_naming(text, name):
+  """The first line of `text` (a log or an output) that names `name`, for assert_names to check that the
+  other names are on that same line."""
+  lines = [line for line in text.splitlines() if name in line]
+  assert lines, "no line names %r in: %s" % (name, text[-3000:])
+  return lines[0]
+
+
+def assert_one_line_error(result, *names):
+  """A user error: non-zero exit, no traceback, one `error:` line on stderr naming each of `names`
+  (assert_names); returns that line."""
   assert result.returncode != 0, result.stdout + result.stderr
   assert "Traceback" not in result.stderr, result.stderr
   # TensorFlow's own C++ log lines may precede ours; the application's error is the "error:" line.
   error_lines = [line for line in result.stderr.splitlines() if re.match(r"^(\S+: )?error: ", line)]
   assert len(error_lines) == 1, result.stderr
-  for fragment in fragments:
-    assert fragment in error_lines[0], error_lines[0]
+  assert_names(error_lines[0], *names)
+  return error_lines[0]
 
 
 def other_process_report(log: str, rank: int = 1):
