@@ -14,7 +14,6 @@ import sys
 
 import pytest
 
-from tests.support.cellspike_files import write_contiguous_folder
 from tests.support.helpers import REPO_ROOT, assert_one_line_error, can_mount_tmpfs, run_main
 
 RUN_FLAGS = ("--model=neuron_inverter", "--design=dev", "--backend=cpu", "--batch_size=16", "--precision=32.32",
@@ -23,16 +22,9 @@ VICTIM = b"a file of the user's, outside the run folder\n"
 
 
 @pytest.fixture(scope="module")
-def data_file(tmp_path_factory):
-  """A small cellSpike file stored contiguously (read in place: nothing is staged to /tmp, which a
-  file-size limit would also stop)."""
-  return write_contiguous_folder(str(tmp_path_factory.mktemp("data")))
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, data_file):
+def finished_run(tmp_path_factory, contiguous_data_file):
   logdir = str(tmp_path_factory.mktemp("runs") / "run")
-  result = run_main(*RUN_FLAGS, "--data_path=" + data_file, "--logdir=" + logdir, "--epochs=1")
+  result = run_main(*RUN_FLAGS, "--data_path=" + contiguous_data_file, "--logdir=" + logdir, "--epochs=1")
   assert result.returncode == 0, result.stderr[-3000:]
   return logdir
 
@@ -69,8 +61,8 @@ def snapshot(folder):
   return state
 
 
-def resume(run, data_file, *flags):
-  return run_main(*RUN_FLAGS, "--data_path=" + data_file, "--logdir=" + run, "--resume", "--epochs=2",
+def resume(run, contiguous_data_file, *flags):
+  return run_main(*RUN_FLAGS, "--data_path=" + contiguous_data_file, "--logdir=" + run, "--resume", "--epochs=2",
                   *flags)
 
 
@@ -90,7 +82,7 @@ def test_a_finished_run_leaves_no_lock_file(finished_run):
 
 
 @pytest.mark.parametrize("refusal", ["another_design", "damaged_index"])
-def test_a_refused_resume_leaves_the_run_folder_byte_for_byte_as_it_was(run, data_file, refusal):
+def test_a_refused_resume_leaves_the_run_folder_byte_for_byte_as_it_was(run, contiguous_data_file, refusal):
   """The check that refuses the command comes after the lock is taken and the log started: neither may
   show in the folder. A killed run's `.lock` (its pid) stays as it was too."""
   with open(os.path.join(run, ".lock"), "w") as f:
@@ -103,19 +95,19 @@ def test_a_refused_resume_leaves_the_run_folder_byte_for_byte_as_it_was(run, dat
       f.write("garbage\n")  # names no checkpoint
     named = os.path.join(run, "checkpoints", "last")
   before = snapshot(run)
-  result = resume(run, data_file, *flags)
+  result = resume(run, contiguous_data_file, *flags)
   assert_one_line_error(result, "--resume", named)
   assert snapshot(run) == before
 
 
 @pytest.mark.parametrize("name", [".lock", "log.txt", "summary.yaml.tmp"])
-def test_a_link_planted_in_a_run_folder_stops_a_resume_and_is_not_written_through(run, data_file, victim, name):
+def test_a_link_planted_in_a_run_folder_stops_a_resume_and_is_not_written_through(run, contiguous_data_file, victim, name):
   link = os.path.join(run, name)
   if os.path.lexists(link):
     os.remove(link)
   os.symlink(victim, link)
   before = snapshot(run)
-  result = resume(run, data_file)
+  result = resume(run, contiguous_data_file)
   assert_one_line_error(result, link + " is a symbolic link")
   with open(victim, "rb") as f:
     assert f.read() == VICTIM

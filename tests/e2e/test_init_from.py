@@ -10,7 +10,6 @@ import os
 import pytest
 import yaml
 
-from tests.support.cellspike_files import write_contiguous_folder
 from tests.support.helpers import assert_one_line_error, run_main
 
 RUN_FLAGS = ("--model=neuron_inverter", "--backend=cpu", "--batch_size=16", "--precision=32.32",
@@ -18,15 +17,10 @@ RUN_FLAGS = ("--model=neuron_inverter", "--backend=cpu", "--batch_size=16", "--p
 
 
 @pytest.fixture(scope="module")
-def data_file(tmp_path_factory):
-  return write_contiguous_folder(str(tmp_path_factory.mktemp("data")))
-
-
-@pytest.fixture(scope="module")
-def run_a(tmp_path_factory, data_file):
+def run_a(tmp_path_factory, contiguous_data_file):
   """The run started from: 3 epochs, its best 2 kept."""
   logdir = str(tmp_path_factory.mktemp("runs") / "a")
-  result = run_main(*RUN_FLAGS, "--design=dev", "--data_path=" + data_file, "--logdir=" + logdir, "--epochs=3",
+  result = run_main(*RUN_FLAGS, "--design=dev", "--data_path=" + contiguous_data_file, "--logdir=" + logdir, "--epochs=3",
                     "--keep_checkpoints=2")
   assert result.returncode == 0, result.stderr[-3000:]
   return logdir
@@ -53,9 +47,9 @@ def test_keep_checkpoints_keeps_the_best_k_epochs(run_a):
                                                               for suffix in (".index", ".data-00000-of-00001")])
 
 
-def test_a_run_starts_from_the_best_weights_of_another_then_resumes_as_its_own(run_a, data_file, tmp_path):
+def test_a_run_starts_from_the_best_weights_of_another_then_resumes_as_its_own(run_a, contiguous_data_file, tmp_path):
   logdir = str(tmp_path / "b")
-  result = run_main(*RUN_FLAGS, "--design=dev", "--data_path=" + data_file, "--logdir=" + logdir, "--epochs=1",
+  result = run_main(*RUN_FLAGS, "--design=dev", "--data_path=" + contiguous_data_file, "--logdir=" + logdir, "--epochs=1",
                     "--replicas=2", "--init_from=" + run_a)
   assert result.returncode == 0, result.stderr[-3000:]
   started, summary_a = read_summary(logdir), read_summary(run_a)
@@ -67,7 +61,7 @@ def test_a_run_starts_from_the_best_weights_of_another_then_resumes_as_its_own(r
   assert started["replicas"] == 2 and started["history"]["epoch"] == [1]
   assert os.path.exists(os.path.join(logdir, "checkpoints", "best", "ckpt-1.index"))
 
-  resumed = run_main(*RUN_FLAGS, "--design=dev", "--data_path=" + data_file, "--logdir=" + logdir, "--epochs=2",
+  resumed = run_main(*RUN_FLAGS, "--design=dev", "--data_path=" + contiguous_data_file, "--logdir=" + logdir, "--epochs=2",
                      "--replicas=2", "--resume")
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert init["checkpoint"] in result.stderr and init["checkpoint"] not in resumed.stderr  # named at the start only
@@ -76,10 +70,10 @@ def test_a_run_starts_from_the_best_weights_of_another_then_resumes_as_its_own(r
 
 
 @pytest.mark.parametrize("other", ["design", "model"])
-def test_another_network_is_one_error_line_naming_both(run_a, data_file, tmp_path, other):
+def test_another_network_is_one_error_line_naming_both(run_a, contiguous_data_file, tmp_path, other):
   logdir = str(tmp_path / "other")
   if other == "design":
-    flags = (*RUN_FLAGS, "--design=ontra4", "--data_path=" + data_file, "--init_from=" + run_a)
+    flags = (*RUN_FLAGS, "--design=ontra4", "--data_path=" + contiguous_data_file, "--init_from=" + run_a)
     fragments = ("--init_from: ", "dev (15 outputs)", "ontra4 (15 outputs)", "--design")
   else:  # a checkpoint named by its path
     best = os.path.join(run_a, "checkpoints", "best")

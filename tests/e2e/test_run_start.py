@@ -12,7 +12,6 @@ import shutil
 
 import pytest
 
-from tests.support.cellspike_files import write_contiguous_folder
 from tests.support.helpers import assert_one_line_error, run_main
 
 RUN_FLAGS = ("--model=neuron_inverter", "--design=dev", "--backend=cpu", "--batch_size=16", "--precision=32.32",
@@ -21,15 +20,10 @@ NO_TENSORFLOW = "stand-in-tensorflow-imported"  # what the stand-in package says
 
 
 @pytest.fixture(scope="module")
-def data_file(tmp_path_factory):
-  return write_contiguous_folder(str(tmp_path_factory.mktemp("data")))
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, data_file):
+def finished_run(tmp_path_factory, contiguous_data_file):
   """(logdir, the run's CompletedProcess): 2 epochs."""
   logdir = str(tmp_path_factory.mktemp("runs") / "run")
-  result = run_main(*RUN_FLAGS, "--data_path=" + data_file, "--logdir=" + logdir, "--epochs=2")
+  result = run_main(*RUN_FLAGS, "--data_path=" + contiguous_data_file, "--logdir=" + logdir, "--epochs=2")
   assert result.returncode == 0, result.stderr[-3000:]
   return logdir, result
 
@@ -81,7 +75,7 @@ def test_the_first_lines_name_the_run_folder_and_how_to_watch_it(finished_run):
   assert first[2] == "  tail -F " + os.path.join(logdir, "log.txt")
 
 
-def test_history_csv_has_a_row_per_epoch_and_a_resume_appends(finished_run, run, data_file):
+def test_history_csv_has_a_row_per_epoch_and_a_resume_appends(finished_run, run, contiguous_data_file):
   logdir, result = finished_run
   rows = read_history(logdir)
   assert [row["epoch"] for row in rows] == ["1", "2"]
@@ -95,7 +89,7 @@ def test_history_csv_has_a_row_per_epoch_and_a_resume_appends(finished_run, run,
   outputs = [line for line in result.stdout.splitlines() if line.startswith("  outputs: ")]
   assert len(outputs) == 1 and "history.csv" in outputs[0], result.stdout[-2000:]
 
-  resumed = run_main(*RUN_FLAGS, "--data_path=" + data_file, "--logdir=" + run, "--resume", "--epochs=3")
+  resumed = run_main(*RUN_FLAGS, "--data_path=" + contiguous_data_file, "--logdir=" + run, "--resume", "--epochs=3")
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert resumed.stdout.startswith("Run folder: " + run + "\n")
   rows = read_history(run)
@@ -118,7 +112,7 @@ def test_a_resume_drops_the_rows_of_epochs_it_trains_again(tmp_path):
 
 @pytest.mark.parametrize("case", ["finished", "resume_of_nothing", "link_at_history"])
 def test_a_refused_folder_is_refused_before_tensorflow_starts_and_left_as_it_was(
-    case, run, data_file, tmp_path, without_tensorflow):
+    case, run, contiguous_data_file, tmp_path, without_tensorflow):
   flags, logdir = ("--epochs=2",), run
   if case == "finished":
     fragments = ("--logdir=" + run, "already holds a run")
@@ -132,7 +126,7 @@ def test_a_refused_folder_is_refused_before_tensorflow_starts_and_left_as_it_was
     os.symlink(str(victim), os.path.join(run, "history.csv"))
     flags, fragments = ("--resume", "--epochs=3"), (os.path.join(run, "history.csv"), "symbolic link")
   before = snapshot(run)
-  result = run_main(*RUN_FLAGS, "--data_path=" + data_file, "--logdir=" + logdir, *flags, env=without_tensorflow)
+  result = run_main(*RUN_FLAGS, "--data_path=" + contiguous_data_file, "--logdir=" + logdir, *flags, env=without_tensorflow)
   assert_one_line_error(result, *fragments)
   assert NO_TENSORFLOW not in result.stderr and "Run folder" not in result.stdout
   assert snapshot(run) == before

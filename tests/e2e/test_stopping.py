@@ -6,7 +6,6 @@ import os
 import pytest
 import yaml
 
-from tests.support.cellspike_files import write_contiguous_folder
 from tests.support.helpers import assert_names, line_naming, run_main
 
 RUN_FLAGS = ("--model=neuron_inverter", "--design=dev", "--backend=cpu", "--batch_size=16", "--precision=32.32",
@@ -17,37 +16,32 @@ RUN_FLAGS = ("--model=neuron_inverter", "--design=dev", "--backend=cpu", "--batc
 FROZEN = ("--optimizer=adam", "--learning_rate=1e-12", "--batch_norm_statistics=batch")
 
 
-@pytest.fixture(scope="module")
-def data_file(tmp_path_factory):
-  return write_contiguous_folder(str(tmp_path_factory.mktemp("data")))
-
-
 def _summary(logdir):
   with open(os.path.join(logdir, "summary.yaml")) as f:
     return yaml.safe_load(f)
 
 
-def _train(data_file, logdir, *flags):
-  result = run_main(*RUN_FLAGS, "--data_path=" + data_file, "--logdir=" + logdir, *flags)
+def _train(contiguous_data_file, logdir, *flags):
+  result = run_main(*RUN_FLAGS, "--data_path=" + contiguous_data_file, "--logdir=" + logdir, *flags)
   assert result.returncode == 0, result.stderr[-3000:]
   return result, _summary(logdir)
 
 
-def test_early_stopping_ends_training_and_counts_on_across_a_resume(data_file, tmp_path):
+def test_early_stopping_ends_training_and_counts_on_across_a_resume(contiguous_data_file, tmp_path):
   logdir = str(tmp_path / "run")
-  result, summary = _train(data_file, logdir, *FROZEN, "--epochs=6", "--early_stopping_patience=2")
+  result, summary = _train(contiguous_data_file, logdir, *FROZEN, "--epochs=6", "--early_stopping_patience=2")
   assert summary["stopped_early"] == {"after_epoch": 3, "reason": "early_stopping"}
   assert summary["history"]["epoch"] == [1, 2, 3] and summary["best_val_epoch"] == 1
   assert "epoch 3" in line_naming(result.stdout, "stopped early")
   # The resumed run has waited 2 epochs already: one more without improvement stops it.
-  _, resumed = _train(data_file, logdir, *FROZEN, "--epochs=6", "--early_stopping_patience=2", "--resume")
+  _, resumed = _train(contiguous_data_file, logdir, *FROZEN, "--epochs=6", "--early_stopping_patience=2", "--resume")
   assert resumed["stopped_early"] == {"after_epoch": 4, "reason": "early_stopping"}
   assert resumed["history"]["epoch"] == [1, 2, 3, 4]
 
 
-def test_target_loss_stops_at_the_first_validation_that_reaches_it(data_file, tmp_path):
+def test_target_loss_stops_at_the_first_validation_that_reaches_it(contiguous_data_file, tmp_path):
   logdir = str(tmp_path / "run")
-  result, summary = _train(data_file, logdir, "--epochs=3", "--target_loss=100")
+  result, summary = _train(contiguous_data_file, logdir, "--epochs=3", "--target_loss=100")
   assert summary["stopped_early"] == {"after_epoch": 1, "reason": "target_loss"}
   assert summary["target_epoch"] == 1 and summary["history"]["epoch"] == [1]
   assert 0 < summary["time_to_target_training_seconds"] < summary["time_to_target_seconds"]
@@ -58,9 +52,9 @@ def test_target_loss_stops_at_the_first_validation_that_reaches_it(data_file, tm
     assert len(f.read().splitlines()) == 2  # the header and epoch 1
 
 
-def test_a_target_not_reached_trains_every_epoch_and_says_so(data_file, tmp_path):
+def test_a_target_not_reached_trains_every_epoch_and_says_so(contiguous_data_file, tmp_path):
   logdir = str(tmp_path / "run")
-  result, summary = _train(data_file, logdir, "--epochs=2", "--target_loss=1e-9")
+  result, summary = _train(contiguous_data_file, logdir, "--epochs=2", "--target_loss=1e-9")
   assert summary["stopped_early"] is None and summary["time_to_target_seconds"] is None
   assert summary["history"]["epoch"] == [1, 2]
   assert "not reached" in result.stdout
