@@ -19,7 +19,7 @@ from absl import logging
 import model
 from data import mnist_sources
 from errors import UserError
-from model.designs import DESIGNS
+from model.neuron_inverter.designs import DESIGNS
 from run_config import AUTOTUNE_MIN_STEPS, AUTOTUNE_MODES, PROGRESS_MODES, RunConfig, flag_name
 from strategies import pipeline_rules, registry
 from strategies.registry import CHOICES as BACKENDS

@@ -69,7 +69,7 @@ class RunConfig:
   steps_per_epoch: int = 0         # 0: the whole training split each epoch
   eval_steps: int = 0              # 0: the whole evaluation split
   # Neuron-Inverter data and model
-  design: str = "ontra4"           # key of model.designs.DESIGNS
+  design: str = "ontra4"           # key of model.neuron_inverter.designs.DESIGNS
   batch_norm_statistics: str = "auto"  # moving | batch (each batch's own) | auto (strategies/select.py)
   cell_name: Optional[str] = None  # with a folder --data_path: picks the file via the meta yaml
   probe_type: str = "excite_4prB8kHz"

@@ -11,7 +11,7 @@ Adding a model: one module here, one entry in `MODELS` (and, for new data, one l
     tests build every registered model as `build(RunConfig(model=name))`). Inputs arrive in the
     file's dtype (float16 frames for cellSpike: half the bytes per batch) and Keras casts them to the
     first layer's compute dtype. `options` are the backend's model options (e.g. the convolution
-    options of `model/conv_layers.py`): a builder declares, as keyword parameters, the ones it
+    options of `model/neuron_inverter/conv_layers.py`): a builder declares, as keyword parameters, the ones it
     honours, and receives only those (`accepted_options`);
   - `loss()` and `metrics()` for `compile`;
   - optionally `summary_note(net) -> str or None`, a line logged under the model summary (the
@@ -47,7 +47,7 @@ class ModelInfo:
   title: str            # banner: "<title>, running on <BACKEND>"
   description: str
   defaults: dict         # flag values used when the user leaves the flag unset
-  uses_design: bool = False  # --design picks its network (model.designs); part of a checkpoint's identity
+  uses_design: bool = False  # --design picks its network (model.neuron_inverter.designs); part of a checkpoint's identity
   has_batch_norm: bool = False  # --batch_norm_statistics applies; part of a checkpoint's identity
   # Defaults that depend on the run's other flags (its data source): flag values -> {flag: default}.
   source_defaults: Optional[Callable[[dict], dict]] = None
@@ -66,7 +66,7 @@ MODELS = {
         source_defaults=mnist_sources.source_defaults,
     ),
     "neuron_inverter": ModelInfo(
-        module="model.neuron_inverter",
+        module="model.neuron_inverter.network",
         dataset="cellspike",
         task="regression",
         title="Neuron-Inverter",

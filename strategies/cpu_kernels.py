@@ -1,4 +1,4 @@
-"""The model's own C++ CPU kernel (model/kernels/conv_pool1d.cc), compiled for this machine.
+"""The model's own C++ CPU kernel (model/neuron_inverter/kernels/conv_pool1d.cc), compiled for this machine.
 
 The first conv block of the Neuron-Inverter spends its time on memory with TensorFlow's ops (its
 full-resolution output is written and read about five times a step); the kernel keeps that output in
@@ -24,9 +24,9 @@ import tensorflow as tf
 from absl import logging
 
 from host import atomic_files
-from model import conv_pool_op
+from model.neuron_inverter import conv_pool_op
 
-SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model", "kernels",
+SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model", "neuron_inverter", "kernels",
                       "conv_pool1d.cc")
 # The CPU features the compiled code uses: the backend checks them (cpu.fuses_first_block).
 CPU_FEATURES = ("avx2", "fma")

@@ -10,8 +10,8 @@ import tensorflow as tf
 
 import model
 from host import cpuinfo
-from model import conv_layers
-from model.designs import CONV_OPTION_DEFAULTS
+from model.neuron_inverter import conv_layers
+from model.neuron_inverter.designs import CONV_OPTION_DEFAULTS
 from run_config import RunConfig
 from strategies import cpu
 from strategies.backend import Backend
@@ -239,7 +239,7 @@ def test_pooling_forms_send_the_gradient_to_the_first_maximum_on_ties(pooling, p
 
 
 def test_the_plain_list_of_convolution_options_is_what_the_backend_and_the_builder_take():
-  # tools/benchmark_forms.py checks --variant against model.designs.CONV_OPTION_DEFAULTS before
+  # tools/benchmark_forms.py checks --variant against model.neuron_inverter.designs.CONV_OPTION_DEFAULTS before
   # TensorFlow starts, so the list must name every option with the type and default the others use.
   backend = Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",))
   assert backend.model_options() == CONV_OPTION_DEFAULTS

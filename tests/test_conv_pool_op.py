@@ -1,4 +1,4 @@
-"""The compiled first-block op (model/kernels/conv_pool1d.cc): built here with this TensorFlow, it
+"""The compiled first-block op (model/neuron_inverter/kernels/conv_pool1d.cc): built here with this TensorFlow, it
 computes the standard block's outputs and weight gradients, with the same ties, for any thread count;
 the model builder gives it to the first block only; a build that cannot happen is said and survived."""
 
@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import model
-from model import conv_layers, conv_pool_op
+from model.neuron_inverter import conv_layers, conv_pool_op
 from run_config import KERNEL_CACHE, RunConfig
 from strategies import cpu, cpu_kernels
 
@@ -75,7 +75,7 @@ _OTHER_THREADS = """
 import sys
 import numpy as np
 import tensorflow as tf
-from model import conv_pool_op
+from model.neuron_inverter import conv_pool_op
 tf.config.threading.set_intra_op_parallelism_threads(int(sys.argv[4]))
 data = np.load(sys.argv[2])
 with tf.GradientTape() as tape:

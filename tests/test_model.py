@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import model
-import model.designs
+import model.neuron_inverter.designs
 from errors import UserError
 from run_config import RunConfig
 from tests.support.helpers import assert_names
@@ -114,7 +114,7 @@ def test_neuron_inverter_input_is_reshaped_not_transposed():
 def test_neuron_inverter_refuses_frames_too_short_for_its_conv_blocks(design):
   module = model.get_model_module("neuron_inverter")
   config = RunConfig(model="neuron_inverter", design=design)
-  shortest = module.min_time_bins(model.designs.DESIGNS[design])
+  shortest = module.min_time_bins(model.neuron_inverter.designs.DESIGNS[design])
   assert module.build(config, (shortest, 4)).get_layer("flatten").output_shape[1] > 0
   with pytest.raises(UserError) as caught:
     module.build(config, (shortest - 1, 4))

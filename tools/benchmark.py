@@ -40,7 +40,7 @@ from host import atomic_files  # noqa: E402  pylint: disable=wrong-import-positi
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
 from flags import PRECISIONS, register_data_path_checks  # noqa: E402  pylint: disable=wrong-import-position
-from model.designs import DESIGNS  # noqa: E402  pylint: disable=wrong-import-position
+from model.neuron_inverter.designs import DESIGNS  # noqa: E402  pylint: disable=wrong-import-position
 
 flags.DEFINE_list("designs", ["ontra4", "dev"], "Neuron-Inverter designs to measure.")
 flags.DEFINE_integer("batch_size", 192, "Batch size per replica.", lower_bound=1)
@@ -136,7 +136,7 @@ def _model_and_batches(config, design):
   from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
   from training.loop import autotuned, build_and_compile  # pylint: disable=import-outside-toplevel
   import model  # pylint: disable=import-outside-toplevel
-  from model.designs import DESIGNS  # pylint: disable=import-outside-toplevel
+  from model.neuron_inverter.designs import DESIGNS  # pylint: disable=import-outside-toplevel
   # The reference's network, dropout included, as the PyTorch side trains it.
   config = dataclasses.replace(config, design=design, dropout=DESIGNS[design]["dropout"], steps_per_epoch=8,
                                eval_steps=1)

@@ -6,7 +6,7 @@ application's form, with timed windows alternating so that both see the machine 
 
 - `standard`: the reference's layers as stock Keras builds them (Conv1D -> MaxPooling1D -> ReLU) and
   Keras' default Adam (the TF >= 2.11 class): the application without its fused blocks.
-- `application`: what `main.py` trains on this backend: `model.conv_layers.PooledConv1D` blocks with
+- `application`: what `main.py` trains on this backend: `model.neuron_inverter.conv_layers.PooledConv1D` blocks with
   the backend's convolution options, the fused legacy Adam, optimizer slots created before tracing.
 - `variant` (with `--variant=OPTION=VALUE,...`, in place of `standard`): the application with some of
   the backend's model options changed (`Backend.model_options()` names them), to decide an option.
@@ -28,7 +28,7 @@ report_missing_packages()  # before the first third-party import: one line where
 
 from absl import app  # noqa: E402  pylint: disable=wrong-import-position
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-position
-from model.designs import CONV_OPTION_DEFAULTS, DESIGNS  # noqa: E402  pylint: disable=wrong-import-position  (plain data)
+from model.neuron_inverter.designs import CONV_OPTION_DEFAULTS, DESIGNS  # noqa: E402  pylint: disable=wrong-import-position  (plain data)
 
 FLAGS = flags.FLAGS
 
@@ -45,7 +45,7 @@ def define_flags():
 
 def _variant_overrides() -> dict:
   """--variant's OPTION=VALUE pairs, each value parsed as the type of that option's default
-  (model.designs.CONV_OPTION_DEFAULTS: plain data, so a bad pair is refused before TensorFlow starts)."""
+  (model.neuron_inverter.designs.CONV_OPTION_DEFAULTS: plain data, so a bad pair is refused before TensorFlow starts)."""
   overrides = {}
   for pair in FLAGS.variant:
     name, _, text = pair.partition("=")

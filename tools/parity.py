@@ -40,7 +40,7 @@ import h5py  # noqa: E402  pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
 import yaml  # noqa: E402  pylint: disable=wrong-import-position
 
-from model.designs import DESIGNS  # noqa: E402  pylint: disable=wrong-import-position  (plain data)
+from model.neuron_inverter.designs import DESIGNS  # noqa: E402  pylint: disable=wrong-import-position  (plain data)
 
 # main.py's --precision values (flags.PRECISIONS; not imported: flags imports TensorFlow's model code).
 PRECISIONS = ("auto", "32.32", "16.32", "16.16")

@@ -12,7 +12,7 @@ one JSON line: the median samples/s of the timed windows after a warm-up window,
 count (2,988,843 for ontra4, the same as our Keras model).
 
 It needs only torch, numpy and h5py (`make bench-reference` builds `.venv-torch`), and takes nothing
-from this application but the design table (`model/designs.py`, plain data), so TensorFlow is never
+from this application but the design table (`model/neuron_inverter/designs.py`, plain data), so TensorFlow is never
 imported beside PyTorch.
 """
 
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from errors import OneLineArgumentParser, existing_file, report_missing_packages  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages("reference")  # before the first third-party import: one line where one is missing
 
-from model.designs import DESIGNS  # noqa: E402  plain data: no TensorFlow comes with it
+from model.neuron_inverter.designs import DESIGNS  # noqa: E402  plain data: no TensorFlow comes with it
 
 
 def parse_args():

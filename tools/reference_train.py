@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from errors import OneLineArgumentParser, existing_file, report_missing_packages  # noqa: E402  pylint: disable=wrong-import-position
 report_missing_packages("reference")  # before the first third-party import: one line where one is missing
 
-from model.designs import DESIGNS  # noqa: E402  plain data: no TensorFlow comes with it
+from model.neuron_inverter.designs import DESIGNS  # noqa: E402  plain data: no TensorFlow comes with it
 
 
 def parse_args():

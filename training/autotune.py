@@ -115,11 +115,11 @@ def model_code_digest() -> str:
   change with their code."""
   folder = os.path.dirname(os.path.abspath(model.__file__))
   digest = hashlib.sha256()
-  for name in sorted(os.listdir(folder)) + sorted(os.path.join("kernels", name) for name in
-                                                  os.listdir(os.path.join(folder, "kernels"))):
-    if name.endswith((".py", ".cc")):
-      with open(os.path.join(folder, name), "rb") as source:
-        digest.update(name.encode() + b"\0" + source.read())
+  sources = sorted(os.path.relpath(os.path.join(root, name), folder) for root, _, names in os.walk(folder)
+                   for name in names if name.endswith((".py", ".cc")))
+  for name in sources:
+    with open(os.path.join(folder, name), "rb") as source:
+      digest.update(name.encode() + b"\0" + source.read())
   return digest.hexdigest()[:16]
 
 

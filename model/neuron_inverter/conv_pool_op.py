@@ -1,5 +1,5 @@
 """The first conv block as one CPU op: relu(maxpool(conv1d(x, kernel)) + bias) and its gradients,
-from model/kernels/conv_pool1d.cc (compiled for this machine by strategies/cpu_kernels.py).
+from model/neuron_inverter/kernels/conv_pool1d.cc (compiled for this machine by strategies/cpu_kernels.py).
 
 It computes the function of PooledConv1D's other forms, with the same first-maximum rule on ties,
 up to the order of the 16 multiply-adds in each conv value. It gives no gradient for its input, so
@@ -10,7 +10,7 @@ import tensorflow as tf
 
 _LIBRARIES = {}
 
-# What the op's code computes (model/kernels/conv_pool1d.cc): output channels in up to 8 vectors of 8,
+# What the op's code computes (model/neuron_inverter/kernels/conv_pool1d.cc): output channels in up to 8 vectors of 8,
 # a gradient window (width x input channels) of 1 to 4 whole vectors, the winner's position in a byte.
 MAX_FILTERS = 64
 WINDOW_SIZES = (8, 16, 24, 32)

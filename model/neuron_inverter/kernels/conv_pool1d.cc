@@ -1,6 +1,6 @@
 // ConvPool1D: relu(maxpool(conv1d(x, kernel, VALID), pool) + bias) in one pass over the input, and
 // ConvPool1DGrad: its kernel and bias gradients. No input gradient: the op is for the network's first
-// conv block, whose input is the data (model/conv_pool_op.py).
+// conv block, whose input is the data (model/neuron_inverter/conv_pool_op.py).
 //
 // Why a kernel of its own: the first Neuron-Inverter block makes a 1597 x 30 output per sample from 16
 // multiply-adds per value, so with TensorFlow's ops its time goes to memory, not arithmetic (the conv

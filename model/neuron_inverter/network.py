@@ -12,7 +12,7 @@ defaults would (`model.initializers`).
 Pipeline stages: the CNN block and the fully connected head (`STAGE_BOUNDARIES` names the first layer
 of each later stage). Where they run is the backend's business.
 
-Training builds each conv block as one `model.conv_layers.PooledConv1D`: the same function and the same
+Training builds each conv block as one `model.neuron_inverter.conv_layers.PooledConv1D`: the same function and the same
 weights, computed faster, with the backend's convolution options. `standard_layers=True` builds the
 plain Keras form of the reference (Conv1D, MaxPooling1D, ReLU layers), which the tests and
 `tools/benchmark_forms.py` hold the fast blocks against.
@@ -24,8 +24,8 @@ import tensorflow as tf
 
 from errors import UserError
 from model import initializers
-from model.conv_layers import LeadingChannels, PooledConv1D
-from model.designs import DESIGNS
+from model.neuron_inverter.conv_layers import LeadingChannels, PooledConv1D
+from model.neuron_inverter.designs import DESIGNS
 from model.normalization import BatchStatisticsNormalization
 from run_config import RunConfig
 
@@ -80,7 +80,7 @@ def build(config: RunConfig, input_shape=(1600, 4), num_outputs=15, channel_mult
 
   `channel_multiple`, `input_grad_by_forward_conv`, `kernel_grad_by_matmul`, `pooling`,
   `phases_max_in_channels` and `first_block_library` are the backend's convolution options (see
-  `model.conv_layers`: blocks with at most `phases_max_in_channels` real input channels pool by
+  `model.neuron_inverter.conv_layers`: blocks with at most `phases_max_in_channels` real input channels pool by
   phases, the others by `pooling`; the first block, whose input is the data, runs as the compiled op
   at `first_block_library` where one is given);
   `standard_layers` builds the plain Keras layers instead, without options.

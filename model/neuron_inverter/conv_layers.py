@@ -38,7 +38,7 @@ which is faster depends on the processor's kernels:
     `phases_max_in_channels` picks such blocks).
   On ties every form routes the gradient to the first maximum of the window, as MaxPoolGrad does (the
   traces have flat stretches, where the conv values of a window are equal).
-- `library`: the path of the compiled ConvPool1D op (model/conv_pool_op.py), which computes the whole
+- `library`: the path of the compiled ConvPool1D op (model/neuron_inverter/conv_pool_op.py), which computes the whole
   float32 block in one pass and keeps the conv output in registers. It gives no input gradient, so it
   is only for a block whose input is the data (the model builder passes it to the first block only).
 
@@ -48,7 +48,8 @@ Weights keep the names and shapes of a Keras Conv1D (`kernel`, `bias`), so check
 
 import tensorflow as tf
 
-from model import conv_pool_op, initializers
+from model import initializers
+from model.neuron_inverter import conv_pool_op
 
 
 def _input_grad_by_forward_conv(upstream, kernel):

@@ -24,7 +24,7 @@ DESIGNS = {
     },
 }
 
-# The convolution options the model builder takes (model/conv_layers.py), each with the value it has
+# The convolution options the model builder takes (model/neuron_inverter/conv_layers.py), each with the value it has
 # when no backend asks otherwise, so that a tool can check an option's name and type
 # before TensorFlow starts; strategies/backend.py's model_options() gives every one of them.
 CONV_OPTION_DEFAULTS = {
