@@ -60,7 +60,7 @@ class Backend:
   cache_dir: Optional[str] = None          # executable cache in effect (IPU or XLA), for reporting
   precision: precision_lib.Precision = precision_lib.FLOAT32  # resolved --precision, as a value
   # How this hardware's convolutions run fastest (the model computes the same function either way;
-  # see model/conv_layers.py): channel counts padded to a multiple, input gradient as a forward conv,
+  # see model/neuron_inverter/conv_layers.py): channel counts padded to a multiple, input gradient as a forward conv,
   # kernel gradient as a matmul, how windows are pooled, up to how many input channels a block
   # pools by phases, and the compiled op library for the first block ("": TensorFlow's ops).
   conv_channel_multiple: int = 1
