@@ -19,7 +19,6 @@ from absl import logging
 import model
 from data import mnist_sources
 from errors import UserError
-from model.neuron_inverter.designs import DESIGNS
 from run_config import AUTOTUNE_MIN_STEPS, AUTOTUNE_MODES, PROGRESS_MODES, RunConfig, flag_name
 from strategies import pipeline_rules, registry
 from strategies.registry import CHOICES as BACKENDS
@@ -29,7 +28,6 @@ SCHEDULES = ("grouped", "interleaved", "sequential")
 LR_SCHEDULES = ("plateau", "cosine")
 CONNECTIONS = ("always", "on_demand", "pre_compile")
 PRECISIONS = ("auto", "32.32", "16.32", "16.16")
-BATCH_NORM_STATISTICS = ("auto", "moving", "batch")
 
 
 class _Definitions:
@@ -48,20 +46,20 @@ def _default(name: str):
   return RUN_CONFIG_FIELDS[name].default
 
 
-RUN_CONFIG_FIELDS = {field.name: field for field in dataclasses.fields(RunConfig)}
+RUN_CONFIG_FIELDS = {field.name: field for field in dataclasses.fields(RunConfig) if field.name != "model_options"}
+# The models' own options (ModelInfo.options): a flag each, refused with a model that does not declare it.
+MODEL_OPTIONS = model.declared_options()
 # Flags whose unset value (None) means "the model's default" (ModelInfo.defaults).
 MODEL_DEFAULTED = ("batch_size", "epochs", "learning_rate", "optimizer", "dropout", "warmup_epochs",
                    "lr_schedule")
 # Flags that only one dataset's loader reads (data.DATASETS keys): given with a model of another
-# dataset they would be silently ignored, so they are refused, as are NETWORK_FLAGS with a model whose
-# network does not read them.
+# dataset they would be silently ignored, so they are refused, as are MODEL_OPTIONS with a model that
+# does not declare them.
 DATASET_FLAGS = {
     "cellspike": ("cell_name", "probe_type", "data_cache", "in_memory", "read_chunk", "shuffle_buffer",
                   "stage_dir"),
     "mnist": ("mnist_source",),
 }
-# Flags that only some networks read: flag -> the ModelInfo attribute that says a model's does.
-NETWORK_FLAGS = {"design": "uses_design", "batch_norm_statistics": "has_batch_norm"}
 # Paths made absolute: run_config.yaml must work from any working directory (tools/predict.py).
 PATH_FLAGS = ("data_path", "data_cache", "stage_dir", "cache_dir", "init_from")
 # torch.optim.AdamW's default weight decay, the one the reference trains with (poptorch.optim.AdamW).
@@ -115,7 +113,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                     "when stdout is a terminal, else one line per epoch (a Slurm job's output file, a "
                     "pipe to tee).")
   _define_training_flags()
-  _define_neuron_inverter_flags()
+  _define_model_options()
+  _define_data_and_schedule_flags()
   _define_placement_flags()
   _register_integer_bounds()  # first: absl runs validators in order, and the pipeline's rules loop over stages
   _register_value_validators()
@@ -151,13 +150,27 @@ def _define_training_flags() -> None:
                    "below this, and record the time it took (summary.yaml: time_to_target_seconds).")
 
 
-def _define_neuron_inverter_flags() -> None:
-  _on.DEFINE_enum("design", _default("design"), sorted(DESIGNS), "Neuron-Inverter network design.")
-  _on.DEFINE_enum("batch_norm_statistics", _default("batch_norm_statistics"), BATCH_NORM_STATISTICS,
-                  "What the batch normalisation normalises with in evaluation and prediction: moving = "
-                  "Keras' moving statistics (the reference's GPU model), batch = each batch's own, in "
-                  "training too (the reference's IPU model); auto = batch in pipelined IPU training, "
-                  "which cannot update moving statistics, else moving.")
+def _define_model_options() -> None:
+  """One flag per declared model option, of its default's type (an enum where it lists choices)."""
+  for name, option in sorted(MODEL_OPTIONS.items()):
+    users = "|".join(_models_using(name))
+    text = "%s (--model=%s)" % (option.help, users)
+    if option.choices:
+      _on.DEFINE_enum(name, option.default, option.choices, text)
+    elif isinstance(option.default, bool):
+      _on.DEFINE_bool(name, option.default, text)
+    elif isinstance(option.default, int):
+      _on.DEFINE_integer(name, option.default, text, lower_bound=option.lower_bound,
+                         upper_bound=option.upper_bound)
+    elif isinstance(option.default, float):
+      _on.DEFINE_float(name, option.default, text, lower_bound=option.lower_bound,
+                       upper_bound=option.upper_bound)
+    else:
+      _on.DEFINE_string(name, option.default, text)
+
+
+def _define_data_and_schedule_flags() -> None:
+  """The cellSpike data's flags, the learning-rate schedule, and the run modes (--resume, --predict)."""
   _on.DEFINE_string("cell_name", None, "cellSpike cell name (e.g. witness2c) when --data_path is a folder.")
   _on.DEFINE_string("probe_type", _default("probe_type"), "cellSpike probe type: selects "
                       "meta.cellSpike_<probe_type>.yaml.")
@@ -271,7 +284,7 @@ def _register_value_validators() -> None:
 
 def _register_integer_bounds() -> None:
   """INTEGER_FLAG_BOUNDS, else MAX_INTEGER_FLAG, for the integer flags without an upper bound of their own."""
-  for name in RUN_CONFIG_FIELDS:
+  for name in list(RUN_CONFIG_FIELDS) + sorted(MODEL_OPTIONS):
     parser = _on.flag_values[name].parser if name in _on.flag_values else None
     if isinstance(parser, flags.IntegerParser) and parser.upper_bound is None:
       bound = INTEGER_FLAG_BOUNDS.get(name, MAX_INTEGER_FLAG)
@@ -375,6 +388,7 @@ def to_config(values: flags.FlagValues, refuse_unused: bool = True, command_line
   if refuse_unused:
     _refuse_unused(values)
   fields = {name: values[name].value for name in RUN_CONFIG_FIELDS}
+  fields["model_options"] = {name: values[name].value for name in info.options}
   defaults = dict(info.defaults, **(info.source_defaults(fields) if info.source_defaults else {}))
   for name in MODEL_DEFAULTED:
     if fields[name] is None:
@@ -406,9 +420,9 @@ def to_config(values: flags.FlagValues, refuse_unused: bool = True, command_line
 
 
 def _models_using(name: str) -> list:
-  """The models that read flag `name`, one of DATASET_FLAGS' or NETWORK_FLAGS."""
-  if name in NETWORK_FLAGS:
-    return sorted(key for key, info in model.MODELS.items() if getattr(info, NETWORK_FLAGS[name]))
+  """The models that read flag `name`, one of DATASET_FLAGS' or MODEL_OPTIONS."""
+  if name in MODEL_OPTIONS:
+    return sorted(key for key, info in model.MODELS.items() if name in info.options)
   return sorted(key for key, info in model.MODELS.items() if name in DATASET_FLAGS.get(info.dataset, ()))
 
 
@@ -424,7 +438,7 @@ def _typed_flags(command_line):
 
 
 def _refuse_unused(values: flags.FlagValues) -> None:
-  for name in tuple(NETWORK_FLAGS) + tuple(name for names in DATASET_FLAGS.values() for name in names):
+  for name in tuple(sorted(MODEL_OPTIONS)) + tuple(name for names in DATASET_FLAGS.values() for name in names):
     users = _models_using(name)
     if values[name].present and values.model not in users:
       raise UserError("--%s is not used by --model=%s (only by --model=%s): drop it, or pick that model"

@@ -57,6 +57,7 @@ def train_and_evaluate(config, dated_logdir: bool = False, then_exit: bool = Fal
     # Imports TensorFlow; from here the config holds what the backend decided (strategies/select.py settle),
     # and sys.argv the flags as typed, which a resume repeats.
     config, backend = start.start_backend(config)
+    config = model.settle_options(config, backend.hardware)  # the model's "auto" options, for this hardware
     if not alone and backend.is_chief:
       config = _claim_run_folder(config, dated_logdir)
     from analysis.evaluation import check_report_possible, report  # pylint: disable=import-outside-toplevel
@@ -107,7 +108,12 @@ def main(argv):
     train_and_evaluate(config, dated_logdir=FLAGS.logdir is None, then_exit=True)
 
 
-if __name__ == "__main__":
+def run_command_line():
+  """The command line's run: flags defined (one per registered model's option too), parsed, `main`."""
   flags.define_flags()
   absl_flags.adopt_module_key_flags(flags)  # --help lists the application's flags, not only --helpfull
   app.run(main, flags_parser=parse_flags)  # a bad flag: one `error:` line, exit status 2
+
+
+if __name__ == "__main__":
+  run_command_line()

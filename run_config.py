@@ -12,8 +12,8 @@ _CACHE_ROOT = os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "neuron_inverter")
 DEFAULT_DATA_CACHE = _CACHE_ROOT
 DEFAULT_EXECUTABLE_CACHE = os.path.join(_CACHE_ROOT, "executables")
-# The model's C++ CPU kernel, compiled once per TensorFlow (strategies/cpu_kernels.py): a build product
-# like an installed package, kept apart from --cache_dir so that runs with a cache of their own reuse it.
+# The model's C++ CPU kernel, compiled once per TensorFlow (model/neuron_inverter/kernel_build.py): a build
+# product like an installed package, kept apart from --cache_dir so that runs with a cache of their own reuse it.
 KERNEL_CACHE = os.path.join(_CACHE_ROOT, "kernels")
 
 
@@ -68,9 +68,10 @@ class RunConfig:
   seed: int = 42
   steps_per_epoch: int = 0         # 0: the whole training split each epoch
   eval_steps: int = 0              # 0: the whole evaluation split
-  # Neuron-Inverter data and model
-  design: str = "ontra4"           # key of model.neuron_inverter.designs.DESIGNS
-  batch_norm_statistics: str = "auto"  # moving | batch (each batch's own) | auto (strategies/select.py)
+  # The model's own options (ModelInfo.options, model/options.py): name -> value, each a flag; a missing
+  # one has its declared default. Settled for the hardware once the backend exists (model.settle_options).
+  model_options: dict = dataclasses.field(default_factory=dict)
+  # cellSpike data
   cell_name: Optional[str] = None  # with a folder --data_path: picks the file via the meta yaml
   probe_type: str = "excite_4prB8kHz"
   data_cache: str = DEFAULT_DATA_CACHE  # where the built-in generated dataset is made once
@@ -117,4 +118,8 @@ class RunConfig:
   target_loss: Optional[float] = None  # stop at the first validation loss at or below it
 
   def as_dict(self) -> dict:
-    return dataclasses.asdict(self)
+    """Every setting under its flag's name, the model's options beside the others (run_config.yaml,
+    TensorBoard's HParams row and summary.yaml's `params` keep one flat mapping)."""
+    values = dataclasses.asdict(self)
+    values.update(values.pop("model_options"))
+    return values

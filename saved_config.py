@@ -36,7 +36,7 @@ def load_run_config(logdir: str, tool_defaults: dict = None, **overrides) -> Run
   if saved.get("model") is None:
     raise UserError("%s: model is %s; expected the model the run trained (%s)" % (
         source, "missing" if "model" not in saved else "null", "|".join(sorted(model.MODELS))))
-  unknown = [str(key) for key in saved if key not in flags.RUN_CONFIG_FIELDS]
+  unknown = [str(key) for key in saved if key not in flags.RUN_CONFIG_FIELDS and key not in flags.MODEL_OPTIONS]
   if unknown:
     logging.warning("%s: ignoring %s, not settings of this version of the application (a typo, or a run "
                     "of another version)", source, ", ".join(unknown))
@@ -45,12 +45,13 @@ def load_run_config(logdir: str, tool_defaults: dict = None, **overrides) -> Run
   values.update(tool_defaults or {}, **given)
   changed = ["--%s=%s" % (key, value) for key, value in given.items() if saved.get(key) != value]
   # Unset: not in the file (nor reset or given here), or null where the setting is no optional one.
-  defaulted = [name for name, field in flags.RUN_CONFIG_FIELDS.items()
-               if values.get(name) is None and field.default is not None]
+  defaults = {name: field.default for name, field in flags.RUN_CONFIG_FIELDS.items()}
+  defaults.update((name, option.default) for name, option in model.get_model_info(values["model"]).options.items())
+  defaulted = [name for name, default in defaults.items() if values.get(name) is None and default is not None]
   # The command line's own definitions and validators check it (a hand-edited value, a moved file).
   config = flags.config_from_saved(values, source + (" with %s" % " ".join(changed) if changed else ""))
   if defaulted:
     logging.warning("%s: has no value for %s; using the default%s %s", source, ", ".join(defaulted),
                     "s" if len(defaulted) > 1 else "",
-                    ", ".join("%s=%s" % (name, getattr(config, name)) for name in defaulted))
+                    ", ".join("%s=%s" % (name, config.as_dict()[name]) for name in defaulted))
   return config

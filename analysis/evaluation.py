@@ -114,11 +114,18 @@ def compute_metrics(truth: np.ndarray, prediction: np.ndarray, par_names, baseli
 # --- Loading a run -----------------------------------------------------------------------------------
 
 def build_model(config: RunConfig, input_shape, num_outputs, backend: Backend) -> tf.keras.Model:
-  """The run's network for inference on `backend`, built in its strategy's scope, uncompiled."""
+  """The run's network for inference on `backend`, built in its strategy's scope, uncompiled, its
+  layers in their built-in form for the backend's hardware (_layer_form)."""
   with backend.strategy.scope():
     net, boundaries = model_registry.build_network(model_registry.get_model_module(config.model), config,
-                                                   input_shape, num_outputs, backend.model_options())
+                                                   input_shape, num_outputs, _layer_form(config, backend))
     return backend.inference_model(net, boundaries)
+
+
+def _layer_form(config: RunConfig, backend: Backend) -> dict:
+  """The built-in form of the model's layers on `backend`'s hardware (model.layer_forms): every form
+  computes the same function, so inference needs no timing of them."""
+  return model_registry.layer_forms(model_registry.get_model_module(config.model), backend.hardware)[0]
 
 
 def _checkpoint_model_shapes(path: str) -> list:
@@ -260,7 +267,7 @@ def evaluate_run(config: RunConfig, backend: Backend, split: str = "test", max_s
     from analysis import export as export_lib  # pylint: disable=import-outside-toplevel
     files.append(export_lib.export_saved_model(net, config, info.input_shape, info.num_params,
                                                export_dir, par_names=info.par_names,
-                                               model_options=backend.model_options()))
+                                               model_options=_layer_form(config, backend)))
   return Evaluation(results=results, truth=truth, prediction=prediction, files=files)
 
 
@@ -290,7 +297,7 @@ def _what_was_evaluated(config: RunConfig, backend: Backend, split: str, checkpo
   absolute: the report may lie outside the run folder (--outdir), and is read from any folder."""
   return {
       "model": config.model,
-      "design": config.design,
+      **model_registry.option_values(config),
       "logdir": os.path.abspath(config.logdir),
       "checkpoint": os.path.abspath(checkpoint),
       "checkpoint_epoch": state.get("epoch"),

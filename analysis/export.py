@@ -23,6 +23,7 @@ import os
 import tensorflow as tf
 import yaml
 
+import model as model_registry
 from host import atomic_files
 from run_config import RunConfig
 
@@ -38,7 +39,6 @@ def plain_copy(net: tf.keras.Model, config: RunConfig, input_shape, num_outputs,
   precision policy in effect, the one `net` was built under, so it computes exactly as `net` does
   (but for the compiled first-block op, which it leaves out: its sums round in another order).
   """
-  import model as model_registry  # pylint: disable=import-outside-toplevel
   # Without the compiled first-block op: a SavedModel holding it would load only beside its library.
   # TensorFlow's ops compute the same block, to float32 rounding (relative 1e-6).
   options = dict(model_options or {}, first_block_library="")
@@ -80,11 +80,11 @@ def export_saved_model(net: tf.keras.Model, config: RunConfig, input_shape, num_
   info = {"format": "TensorFlow SavedModel", "signature": "serving_default",
           "input": {"name": SIGNATURE_INPUT, "shape": [None] + list(input_shape), "dtype": "float32"},
           "output": {"name": SIGNATURE_OUTPUT, "shape": [None, num_outputs], "dtype": "float32"},
-          "par_names": names, "model": config.model, "design": config.design,
+          "par_names": names, "model": config.model, **model_registry.option_values(config),
           "trained_precision": config.precision,
           "compute_policy": tf.keras.mixed_precision.global_policy().name,
-          "tensorflow_version": tf.__version__, "batch_norm_statistics": config.batch_norm_statistics}
-  if config.batch_norm_statistics == "batch":
+          "tensorflow_version": tf.__version__}
+  if model_registry.batch_dependent(config):
     info["note"] = ("normalises each call's batch with that batch's own statistics (the reference's IPU "
                     "model): pass batches of many samples, as in training, not single frames")
   atomic_files.write_text(os.path.join(export_dir, "export_info.yaml"), yaml.safe_dump(info, sort_keys=False))

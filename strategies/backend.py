@@ -2,7 +2,9 @@
 
 Code outside `strategies/` asks the backend, and nothing else, how to lay out batches, how to prepare
 the model (stage placement, gradient accumulation) and what to pass to `compile()`. This base class is
-the tf.distribute behaviour (CPU and GPU); `strategies/ipu.py` overrides it for IPUs.
+the tf.distribute behaviour (CPU and GPU); `strategies/ipu.py` overrides it for IPUs. Its `Hardware`
+holds the facts of the processor that a model may ask to choose the forms of its layers (model.layer_forms):
+which forms those are is the model's knowledge, not the backend's.
 """
 
 import contextlib
@@ -47,6 +49,22 @@ def without_auto_shard(dataset: tf.data.Dataset) -> tf.data.Dataset:
 
 
 @dataclasses.dataclass(frozen=True)
+class Hardware:
+  """What a model may ask of the hardware it runs on, to pick the fastest form of its layers
+  (model.layer_forms): facts only, no choice of a model's."""
+  device: str                              # the processor the model's ops run on: "cpu", "gpu" or "ipu"
+  precision: precision_lib.Precision       # the resolved --precision (the Backend's)
+  # The host CPU features oneDNN's kernels may use (/proc/cpuinfo's flags, after an ONEDNN_MAX_CPU_ISA
+  # cap: strategies/cpu.py cpu_features); empty off CPUs.
+  cpu_features: frozenset = frozenset()
+  cpu_generation: tuple = ()               # (vendor, family), as host.cpuinfo.generation() gives; () off CPUs
+  signature: str = ""                      # what identifies the machine, as timings cached for it are keyed
+  # Whether training updates batch normalisation's moving statistics (IPU Keras does not in pipelined
+  # training: keras/ipu/extensions/extensions_base.py, graphcore/keras r2.6/sdk-release-3.4).
+  updates_moving_statistics: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class Backend:
   """A resolved backend for one run."""
   kind: str                                # its name in strategies/registry.py BACKENDS
@@ -59,22 +77,9 @@ class Backend:
   jit_compile: bool = False
   cache_dir: Optional[str] = None          # executable cache in effect (IPU or XLA), for reporting
   precision: precision_lib.Precision = precision_lib.FLOAT32  # resolved --precision, as a value
-  # How this hardware's convolutions run fastest (the model computes the same function either way;
-  # see model/neuron_inverter/conv_layers.py): channel counts padded to a multiple, input gradient as a forward conv,
-  # kernel gradient as a matmul, how windows are pooled, up to how many input channels a block
-  # pools by phases, and the compiled op library for the first block ("": TensorFlow's ops).
-  conv_channel_multiple: int = 1
-  conv_input_grad_by_forward_conv: bool = False
-  conv_kernel_grad_by_matmul: bool = False
-  conv_pooling: str = "max_pool"
-  conv_phases_max_in_channels: int = 0
-  conv_first_block_library: str = ""
-  # Other values of the conv_* fields above that may be faster on this machine: each a tuple of
-  # (field, value) pairs, the built-in choice first; training/autotune.py times them. () where the
-  # choice was measured on this kind of hardware.
-  form_alternatives: tuple = ()
-  machine_signature: str = ""              # this machine's hardware, as timings cached for it are keyed
-  forms_chosen_by: str = "built-in"        # built-in, or measured/cached by training/autotune.py
+  # What the model may ask of this hardware (model.layer_forms); None: a Hardware of device `kind` at
+  # `precision` with no more known of it (see __post_init__).
+  hardware: Optional[Hardware] = None
 
   rank = 0                                 # this process among all processes (workers, instances)
   world_size = 1                           # processes training together
@@ -87,6 +92,13 @@ class Backend:
   # ops; IPU profiles come from Poplar's POPLAR_ENGINE_OPTIONS instead.
   profiles_with_tensorflow = True
 
+  def __post_init__(self):
+    if self.hardware is None:
+      object.__setattr__(self, "hardware", Hardware(device=self.kind, precision=self.precision))
+    elif self.hardware.precision != self.precision:
+      raise ValueError("Backend precision %s but Hardware precision %s"
+                       % (self.precision, self.hardware.precision))
+
   @property
   def is_chief(self) -> bool:
     """Whether this process writes the run's outputs (always, except non-chief workers)."""
@@ -98,14 +110,6 @@ class Backend:
     if self.is_chief:
       return logdir
     return tempfile.mkdtemp(prefix="process%d-" % self.rank)
-
-  def with_forms(self, forms, chosen_by: str = "built-in") -> "Backend":
-    """This backend with the conv_* fields of `forms` ((field, value) pairs) in place of its own."""
-    return dataclasses.replace(self, forms_chosen_by=chosen_by, **dict(forms))
-
-  def forms_record(self) -> dict:
-    """The convolution forms trained with and how they were chosen, as summaries record them."""
-    return {"conv_forms": self.model_options(), "conv_forms_chosen_by": self.forms_chosen_by}
 
   def alone(self) -> Optional["Backend"]:
     """A backend for this process to run inference on by itself (the others may have exited); None
@@ -149,21 +153,17 @@ class Backend:
     accumulating train step walks through its G micro-batches)."""
     return steps
 
-  def layout(self, micro_batch: int) -> BatchLayout:
+  def layout(self, micro_batch: int, batch_dependent: bool = False) -> BatchLayout:
+    """How batches of `micro_batch` rows per replica reach the replicas; `batch_dependent`: the network's
+    outputs for a sample depend on its batch (model.batch_dependent), for hardware whose evaluation
+    batch would otherwise differ from the training one. Here evaluation splits the global batch."""
+    del batch_dependent
     # tf.distribute splits each global batch between replicas; a replica's G micro-batches arrive
     # together and the accumulating train step walks through them. It splits a short last batch
     # too, so evaluation reads every sample; Keras weights each replica's mean by its rows.
     return BatchLayout(replicas=self.replicas, replica_rows=micro_batch * self.gradient_accumulation,
                        eval_replica_rows=micro_batch if self.gradient_accumulation > 1 else None,
                        eval_keeps_tail=True)
-
-  def model_options(self) -> dict:
-    """Hardware options for model builders (each takes those it declares: model.accepted_options)."""
-    return {"channel_multiple": self.conv_channel_multiple,
-            "input_grad_by_forward_conv": self.conv_input_grad_by_forward_conv,
-            "kernel_grad_by_matmul": self.conv_kernel_grad_by_matmul,
-            "pooling": self.conv_pooling, "phases_max_in_channels": self.conv_phases_max_in_channels,
-            "first_block_library": self.conv_first_block_library}
 
   def prepare_model(self, model: tf.keras.Model, stage_boundaries=()) -> tf.keras.Model:
     """Called inside the strategy scope, before compile()."""

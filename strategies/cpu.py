@@ -14,10 +14,10 @@ from absl import logging
 
 from errors import UserError
 from host import cpuinfo
-from run_config import KERNEL_CACHE, RunConfig
-from strategies import cpu_kernels, device_pipelines, multiworker, ordered_reduction
+from run_config import RunConfig
+from strategies import device_pipelines, multiworker, ordered_reduction
 from strategies import precision as precision_lib
-from strategies.backend import Backend, options_from_config
+from strategies.backend import Backend, Hardware, options_from_config
 import tf_workarounds
 
 # Keras policies per --precision: this CPU family computes 16-bit in bfloat16 (AVX-512 BF16 / AMX) and
@@ -50,10 +50,22 @@ def _isa_cap(environ=None) -> str:
 def _cpu_flags(proc_flags=None, environ=None) -> set:
   """The CPU features oneDNN's kernels may use: /proc/cpuinfo's, minus what a `ONEDNN_MAX_CPU_ISA` cap
   hides. A capped run (e.g. AVX2 on an AVX-512 machine, to see what an older CPU would run) then
-  makes the choices of the CPU it imitates: float32 for `auto`, and that CPU's convolution options."""
+  makes the choices of the CPU it imitates: float32 for `auto`, and the forms a model picks for that CPU
+  (its Hardware's `cpu_features`)."""
   flags = set(cpuinfo.first_processor().get("flags", "").split() if proc_flags is None else proc_flags)
   hidden = _ISA_CAP_HIDES.get(_isa_cap(environ).upper(), ())
   return {flag for flag in flags if not flag.startswith(hidden)} if hidden else flags
+
+
+def cpu_features() -> frozenset:
+  """The CPU features oneDNN's kernels may use on this machine (`_cpu_flags`: after any ISA cap)."""
+  return frozenset(_cpu_flags())
+
+
+def hardware(precision) -> Hardware:
+  """This CPU as a model may ask of it (strategies/backend.py `Hardware`) at `precision` (a Precision)."""
+  return Hardware(device="cpu", precision=precision, cpu_features=cpu_features(),
+                  cpu_generation=cpuinfo.generation(), signature=machine_signature())
 
 
 def has_bfloat16_units() -> bool:
@@ -116,93 +128,6 @@ def check_precision(precision) -> None:
   logging.warning("--precision=%s: this CPU has no bfloat16 units (AMX or AVX-512 BF16), so TensorFlow "
                   "emulates bfloat16 and trains slower than --precision=32.32 (what --precision=auto "
                   "picks here)", precision)
-
-
-# Where float32 pooled by elementwise maxima, and by phases in the first block, was measured faster
-# than MaxPool: AMD's family 23 (Zen 1 and 2), 1.2x per step on TensorFlow's Eigen kernels
-# (environment.cpu_variables switches oneDNN's on there, so --autotune times both forms). On family 25
-# (Zen 3 and 4) MaxPool was as fast or faster (docs/performance.md, "Convolution forms and --autotune").
-_MAXIMA_POOLING_CPUS = (("AuthenticAMD", 23),)
-# The two pooling forms as Backend fields: elementwise maxima go with phases in the first block (the
-# 4-probe input), MaxPool with none.
-_MAXIMA_FORMS = {"conv_pooling": "maximum", "conv_phases_max_in_channels": 8}
-_MAXPOOL_FORMS = {"conv_pooling": "max_pool", "conv_phases_max_in_channels": 0}
-
-
-def conv_options(precision, cpu_flags=None, generation=None) -> dict:
-  """Backend fields for oneDNN's convolutions on this CPU, each chosen by a measurement
-  (docs/performance.md, "Convolution forms and --autotune"; `cpu_flags` and `generation` default to
-  this machine's; `precision` a Precision or its name).
-
-  - In bfloat16 on AVX-512 CPUs (Intel's and AMD's) oneDNN's backward-data convolution ran 3-4x slower
-    than its forward one at the Neuron-Inverter's shapes, so the input gradient is a forward conv
-    there. In float32 the backward-data kernel was the faster one (the whole step, 1.04-1.07x).
-  - With AVX2 code, oneDNN's backward-filter kernel ran 1.1-1.7x slower than one im2col matmul; with
-    AVX-512 it was the faster one.
-  - AMX bfloat16 kernels take their fast path only for channel counts that are multiples of 32
-    (float32 gained nothing from padding).
-  - Pooling: MaxPool, except in float32 on the CPUs of _MAXIMA_POOLING_CPUS, where MaxPoolGrad is
-    slow (memory-bound) and elementwise maxima, by phases in the first block, were faster.
-  """
-  flags = _cpu_flags() if cpu_flags is None else set(cpu_flags)
-  generation = cpuinfo.generation() if generation is None else tuple(generation)
-  sixteen_bit = precision_lib.parse(precision).sixteen_bit
-  maxima = not sixteen_bit and generation in _MAXIMA_POOLING_CPUS
-  return {"conv_channel_multiple": 32 if sixteen_bit else 1,
-          "conv_input_grad_by_forward_conv": sixteen_bit and "avx512f" in flags,
-          "conv_kernel_grad_by_matmul": "avx512f" not in flags,
-          **(_MAXIMA_FORMS if maxima else _MAXPOOL_FORMS)}
-
-
-def fuses_first_block(precision, cpu_flags) -> bool:
-  """Whether the first conv block runs as the compiled ConvPool1D op (strategies/cpu_kernels.py): in
-  float32 (the op's only type) on CPUs with the features its code uses. On an AVX2-only CPU a
-  replica's step of the default job (batch 48, one thread) took 1.10x less time with it
-  (tools/benchmark_forms.py; docs/performance.md, "The first conv block's C++ kernel"). Measured on
-  one CPU kind alone, so --autotune times the step without it too (conv_alternatives)."""
-  return not precision_lib.parse(precision).sixteen_bit and set(cpu_kernels.CPU_FEATURES) <= set(cpu_flags)
-
-
-def _takes_first_block_library(model_name: str) -> bool:
-  """Whether the run's model builder takes the compiled first-block op (the Neuron-Inverter's does), so
-  that other models' runs (MNIST) do not compile it."""
-  import model  # pylint: disable=import-outside-toplevel  (the registry; the builder is imported to build anyway)
-  builder = model.get_model_module(model_name).build
-  return "first_block_library" in model.accepted_options(builder, first_block_library="")
-
-
-# The choices above whose measurements came from some CPUs and not others: on a CPU that computes in
-# float32 the run may time the other forms of these for a few steps and keep the fastest
-# (training/autotune.py; docs/performance.md, "Convolution forms and --autotune"). Everywhere: the
-# kernel gradient as a matmul, decided on one CPU under an AVX2 cap only. With AVX2 code: MaxPool
-# against maxima, decided on one CPU kind at 1 x 192 only (with AVX-512 MaxPool won on both CPUs that
-# had it). With AVX-512: the input gradient's form,
-# which went one way in bfloat16 and the other in float32 on the CPUs that measured it. And the compiled
-# first block (fuses_first_block), measured on one AVX2 CPU only: where the backend chose it, the
-# built-in forms on TensorFlow's ops are timed too, one more form rather than twice as many.
-def conv_alternatives(precision, chosen: dict, cpu_flags=None) -> tuple:
-  """The convolution options worth timing on this machine, as Backend field overrides, the built-in
-  `chosen` (conv_options' fields, and conv_first_block_library where the op was built) first; () where
-  the choice was measured on the CPUs it applies to (16-bit: Intel's with AMX and AMD's with AVX-512
-  BF16 both chose these forms)."""
-  if precision_lib.parse(precision).sixteen_bit:
-    return ()
-  flags = _cpu_flags() if cpu_flags is None else set(cpu_flags)
-  if "avx512f" in flags:
-    uncertain = _both_ways("conv_input_grad_by_forward_conv", chosen)
-  else:
-    uncertain = (_MAXPOOL_FORMS, _MAXIMA_FORMS) if chosen["conv_pooling"] == "max_pool" else (
-        _MAXIMA_FORMS, _MAXPOOL_FORMS)
-  forms = tuple(tuple(sorted(dict(outer, **inner).items()))
-                for outer in uncertain for inner in _both_ways("conv_kernel_grad_by_matmul", chosen))
-  if chosen.get("conv_first_block_library"):
-    forms += (tuple(sorted(dict(forms[0], conv_first_block_library="").items())),)
-  return forms
-
-
-def _both_ways(field: str, chosen: dict) -> tuple:
-  """The two settings of a boolean option, `chosen`'s first."""
-  return {field: chosen[field]}, {field: not chosen[field]}
 
 
 def machine_signature() -> str:
@@ -296,17 +221,11 @@ def create(config: RunConfig) -> Backend:
   except RuntimeError:
     pass
   device_pipelines.apply()
-  flags = _cpu_flags()  # read once: the choice and its alternatives see the same CPU (and ISA cap)
   precision = precision_lib.resolve(config.precision, has_16bit_units)
-  chosen = conv_options(precision, flags)
-  if fuses_first_block(precision, flags) and _takes_first_block_library(config.model):
-    chosen["conv_first_block_library"] = cpu_kernels.conv_pool_library(KERNEL_CACHE)
-  fields = dict(options_from_config(config), precision=precision, **chosen,
-                form_alternatives=conv_alternatives(precision, chosen, flags),
-                machine_signature=machine_signature())
+  fields = dict(options_from_config(config), precision=precision, hardware=hardware(precision))
   source = multiworker.cluster_source()
   if source:
-    return multiworker.create(config, "cpu", source, **fields)
+    return multiworker.create(config, "cpu", "CPU", source, **fields)
   if config.replicas == 1:
     # The default strategy, not OneDeviceStrategy: Keras' fit ran the same ontra4 step 1.35x slower
     # under OneDeviceStrategy (and under a one-device MirroredStrategy), every kernel stretched alike

@@ -107,10 +107,11 @@ def ipu_variables(config: RunConfig) -> None:
     _add_flag("TF_POPLAR_FLAGS", "--synthetic_data_initializer=random", "--synthetic_data_initializer=")
   # Under poprun, --executable-cache-path arrives as POPDIST_EXECUTABLE_CACHE_PATH, which TensorFlow
   # uses when --executable_cache_path is absent: let poprun's choice win.
-  if config.cache_dir and not os.environ.get("POPDIST_EXECUTABLE_CACHE_PATH"):
+  variable, prefix, launcher_variable = registry.EXECUTABLE_CACHES["ipu"]
+  if config.cache_dir and not os.environ.get(launcher_variable):
     path = _make_dir(config.cache_dir, "--cache_dir")
     # Underscores: Poplar aborts the process on an unknown flag such as --executable-cache-path.
-    _add_flag("TF_POPLAR_FLAGS", "--executable_cache_path=" + path, "--executable_cache_path=")
+    _add_flag(variable, prefix + path, prefix)
   if config.profile_dir:
     path = _make_dir(config.profile_dir, "--profile_dir")
     # PopVision Graph Analyser (autoReport) and System Analyser (PVTI). Engine options are part of
@@ -157,14 +158,14 @@ def cpu_variables(config: RunConfig) -> None:
 
 
 def _xla_cache_variables(config: RunConfig) -> None:
-  if not (config.jit_compile and config.cache_dir and config.backend != "ipu"):
-    return
+  if not (config.jit_compile and config.cache_dir) or config.backend in registry.EXECUTABLE_CACHES:
+    return  # a backend whose compiler keeps a cache of its own (IPUs: Poplar's)
   version = installed_tensorflow_version()
   if version is None or version < XLA_PERSISTENT_CACHE_SINCE:
     return
   path = _make_dir(os.path.join(config.cache_dir, "xla"), "--cache_dir")
-  _add_flag("TF_XLA_FLAGS", "--tf_xla_persistent_cache_directory=" + path,
-            "--tf_xla_persistent_cache_directory=")
+  variable, prefix, _ = registry.XLA_CACHE
+  _add_flag(variable, prefix + path, prefix)
 
 
 # Packages that Keras imports when it starts if they are installed (only mlxtend's dependencies install
@@ -299,9 +300,8 @@ def imports_kept_from_the_collector():
 
 def executable_cache_dir(kind: str):
   """The executable cache folder in effect for a backend kind, read back from the environment."""
-  variable, prefix = (("TF_POPLAR_FLAGS", "--executable_cache_path=") if kind == "ipu" else
-                      ("TF_XLA_FLAGS", "--tf_xla_persistent_cache_directory="))
+  variable, prefix, launcher_variable = registry.EXECUTABLE_CACHES.get(kind, registry.XLA_CACHE)
   for item in os.environ.get(variable, "").split():
     if item.startswith(prefix):
       return item[len(prefix):]
-  return os.environ.get("POPDIST_EXECUTABLE_CACHE_PATH") if kind == "ipu" else None
+  return os.environ.get(launcher_variable) if launcher_variable else None

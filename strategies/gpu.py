@@ -6,7 +6,7 @@ from errors import UserError
 from run_config import RunConfig
 from strategies import device_pipelines, environment, multiworker
 from strategies import precision as precision_lib
-from strategies.backend import Backend, options_from_config
+from strategies.backend import Backend, Hardware, options_from_config
 import tf_workarounds
 
 POLICIES = {"32.32": "float32", "16.32": "mixed_float16", "16.16": "float16"}
@@ -41,7 +41,7 @@ def create(config: RunConfig) -> Backend:
   device_pipelines.apply()
   source = multiworker.cluster_source()
   if source:
-    return multiworker.create(config, "gpu", source, **_fields(config))
+    return multiworker.create(config, "gpu", "GPU", source, **_fields(config))
   replicas = config.replicas
   gpus = visible_gpus()
   if len(gpus) < replicas:
@@ -61,5 +61,6 @@ def create(config: RunConfig) -> Backend:
 
 
 def _fields(config: RunConfig) -> dict:
-  """The Backend fields from `config`, with its precision as a value."""
-  return dict(options_from_config(config), precision=precision_lib.resolve(config.precision, has_16bit_units))
+  """The Backend fields from `config`, with its precision as a value and the GPU as its Hardware."""
+  precision = precision_lib.resolve(config.precision, has_16bit_units)
+  return dict(options_from_config(config), precision=precision, hardware=Hardware(device="gpu", precision=precision))

@@ -48,7 +48,7 @@ from errors import UserError
 from run_config import RunConfig
 from strategies import environment
 from strategies import precision as precision_lib
-from strategies.backend import Backend
+from strategies.backend import Backend, Hardware
 from strategies.pipeline_rules import ipu_count_problem, pipeline_overlap, pipeline_problem, stage_devices
 
 INSTALL_HINT = ("Graphcore's TensorFlow is not installed: enable the Poplar SDK (source "
@@ -422,9 +422,6 @@ class IPUBackend(Backend):
   local_replicas: int = 0                 # under poprun: this instance's replicas (0: all)
   rank: int = 0                           # under poprun: popdist.getInstanceIndex()
   world_size: int = 1                     # under poprun: popdist.getNumInstances()
-  # --batch_norm_statistics=batch normalises each batch by its own statistics, in evaluation too, so
-  # the evaluation batch stays the micro-batch instead of one that divides each replica's shard.
-  eval_batch_fixed: bool = False
 
   def optimizer_steps(self, steps: int) -> int:
     # IPU Keras: "a step refers to the forward and backward passes on a micro batch" [keras.rst], and
@@ -436,14 +433,16 @@ class IPUBackend(Backend):
     # extensions_base.py `_fit_delegate` gives callbacks the steps per replica), not an optimizer step.
     return micro_batch * self.replicas
 
-  def layout(self, micro_batch: int) -> BatchLayout:
+  def layout(self, micro_batch: int, batch_dependent: bool = False) -> BatchLayout:
     # Each replica takes whole micro-batches from the infeed in turn; G micro-batches per optimizer step.
-    # Under poprun each instance feeds its local replicas from its own shards [4.2].
+    # Under poprun each instance feeds its local replicas from its own shards [4.2]. A network whose
+    # outputs depend on the batch (batch statistics in evaluation) evaluates in micro-batches too,
+    # instead of batches that divide each replica's shard.
     local = self.local_replicas or self.replicas
     return BatchLayout(replicas=local, replica_rows=micro_batch, element_per_replica=True,
                        steps_multiple=self.gradient_accumulation,
                        eval_steps_multiple=self.eval_depth_multiple,
-                       eval_divides_shards=not self.eval_batch_fixed,
+                       eval_divides_shards=not batch_dependent,
                        first_shard=self.rank * local, num_shards=self.replicas)
 
   @property
@@ -590,14 +589,16 @@ def create(config: RunConfig) -> IPUBackend:
                "" if config.ipus_per_replica == 1 else "s", config.ipu_connection,
                ", poprun instance %d of %d" % (popdist.getInstanceIndex(), popdist.getNumInstances())
                if popdist else "")
+  precision = precision_lib.resolve(config.precision, has_16bit_units)
   return IPUBackend(
       kind="ipu", strategy=strategy, devices=("/device:IPU:0",), replicas=replicas,
       gradient_accumulation=config.gradient_accumulation, pipeline_stages=config.pipeline_stages,
       pipeline_schedule=config.pipeline_schedule, ipus_per_replica=config.ipus_per_replica,
       steps_per_execution=config.steps_per_execution,  # 0: derived for each compile (compile_kwargs)
-      sums_replica_gradients=popdist is None, precision=precision_lib.resolve(config.precision, has_16bit_units),
+      sums_replica_gradients=popdist is None, precision=precision,
+      hardware=Hardware(device="ipu", precision=precision,
+                        updates_moving_statistics=config.pipeline_stages == 1),
       cache_dir=environment.executable_cache_dir("ipu"),
       local_replicas=popdist.getNumLocalReplicas() if popdist else 0,
       rank=popdist.getInstanceIndex() if popdist else 0,
-      world_size=popdist.getNumInstances() if popdist else 1,
-      eval_batch_fixed=config.batch_norm_statistics == "batch")
+      world_size=popdist.getNumInstances() if popdist else 1)

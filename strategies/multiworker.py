@@ -65,11 +65,11 @@ def cluster_source():
   return None
 
 
-def _resolver(source: str, kind: str):
+def _resolver(source: str, device_type: str):
   if source == "tf_config":
     return tf.distribute.cluster_resolver.TFConfigClusterResolver()
   # One task per GPU (or per node on CPU), as `srun --ntasks-per-node=<GPUs> --gpus-per-task=1` starts.
-  return slurm_cluster.resolver(kind)
+  return slurm_cluster.resolver(device_type)
 
 
 def _rank(resolver) -> int:
@@ -93,7 +93,8 @@ class MultiWorkerBackend(Backend):
   world_size: int = 1
   local_replicas: int = 1
 
-  def layout(self, micro_batch: int) -> BatchLayout:
+  def layout(self, micro_batch: int, batch_dependent: bool = False) -> BatchLayout:
+    del batch_dependent  # evaluation splits each worker's batch between its replicas, as in training
     # distribute_datasets_from_function hands the worker's elements to its local replicas in turn;
     # a replica's G micro-batches arrive together for the accumulating train step. Evaluation ends
     # with a short batch on every replica of every worker (equal shards), as on one machine.
@@ -125,13 +126,13 @@ def _agreement(strategy):
   return agree
 
 
-def create(config: RunConfig, kind: str, source: str, **fields) -> MultiWorkerBackend:
-  """A multi-worker backend over the cluster described by `source`; local devices of `kind`; `fields`
-  are the calling backend's `Backend` fields (options and hardware choices), its replicas replaced by
-  the cluster's."""
-  resolver = _resolver(source, kind)
+def create(config: RunConfig, kind: str, device_type: str, source: str, **fields) -> MultiWorkerBackend:
+  """A multi-worker backend of backend `kind` over the cluster described by `source`, on local devices of
+  TensorFlow's `device_type` ("CPU" or "GPU"); `fields` are the calling backend's `Backend` fields
+  (options, precision and its `Hardware`), its replicas replaced by the cluster's."""
+  resolver = _resolver(source, device_type)
   options = tf.distribute.experimental.CommunicationOptions(
-      implementation=tf.distribute.experimental.CommunicationImplementation.NCCL if kind == "gpu"
+      implementation=tf.distribute.experimental.CommunicationImplementation.NCCL if device_type == "GPU"
       else tf.distribute.experimental.CommunicationImplementation.RING)
   strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
                                                        communication_options=options)
@@ -147,5 +148,5 @@ def create(config: RunConfig, kind: str, source: str, **fields) -> MultiWorkerBa
                world, " (chief)" if rank == 0 else "", total // world, "" if total == world else "s", total)
   fields = dict(fields, replicas=total)
   return MultiWorkerBackend(kind=kind, strategy=strategy, devices=tuple(
-      d.name for d in tf.config.list_logical_devices("GPU" if kind == "gpu" else "CPU")[:total // world]),
+      d.name for d in tf.config.list_logical_devices(device_type)[:total // world]),
                             rank=rank, world_size=world, local_replicas=total // world, **fields)

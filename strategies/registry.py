@@ -40,6 +40,14 @@ START_UP = {
     "cpu": "cpu_variables",
 }
 
+# Where a backend's own compiler caches executables: the environment variable and flag its START_UP
+# function sets from --cache_dir, and a launcher's variable that wins over it (poprun's). The others use
+# TensorFlow's XLA persistent cache (XLA_CACHE), with --jit_compile.
+EXECUTABLE_CACHES = {
+    "ipu": ("TF_POPLAR_FLAGS", "--executable_cache_path=", "POPDIST_EXECUTABLE_CACHE_PATH"),
+}
+XLA_CACHE = ("TF_XLA_FLAGS", "--tf_xla_persistent_cache_directory=", None)
+
 # Flag rules a backend imposes, checked when the flags are parsed (before TensorFlow loads): backend
 # name -> a TensorFlow-free function(values) -> problem text or None, where `values` maps the flags
 # of FLAG_RULE_FLAGS to their parsed values.

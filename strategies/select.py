@@ -1,11 +1,11 @@
 """`settle(config)`: the one function that turns a run config into a `Backend`, and the config into one
 that holds what the backend decided.
 
-A plain dispatcher over `strategies/registry.py`: `resolve` settles `--backend=auto`,
-`--precision=auto` (from what the chosen backend's module says of its hardware) and
-`--batch_norm_statistics=auto`, before anything is built; then that module creates the backend, its
-Keras policy for the precision is set, and `config_with_decisions` writes the backend's choices back
-into the config (`select_backend` is the same for callers that want the backend alone).
+A plain dispatcher over `strategies/registry.py`: `resolve` settles `--backend=auto` and
+`--precision=auto` (from what the chosen backend's module says of its hardware) before anything is built;
+then that module creates the backend, its Keras policy for the precision is set, and
+`config_with_decisions` writes the backend's choices back into the config (`select_backend` is the same
+for callers that want the backend alone).
 """
 
 import dataclasses
@@ -48,23 +48,12 @@ def resolve_precision(requested: str, kind: str) -> str:
   return precision_lib.resolve(requested, lambda: backend_module(kind).has_16bit_units()).name
 
 
-def resolve_batch_norm_statistics(requested: str, kind: str, pipeline_stages: int) -> str:
-  """--batch_norm_statistics=auto: Keras' moving statistics, except in pipelined IPU training, where IPU
-  Keras does not update them (keras/ipu/extensions/extensions_base.py warns so, graphcore/keras
-  r2.6/sdk-release-3.4): there each batch's own, as the reference's IPU model normalises."""
-  if requested != "auto":
-    return requested
-  return "batch" if kind == "ipu" and pipeline_stages > 1 else "moving"
-
-
 def resolve(config: RunConfig) -> RunConfig:
-  """`config` with its backend, precision and batch-norm statistics settled: never "auto" from here on
-  (run_config.yaml and summary.yaml record these)."""
+  """`config` with its backend and precision settled: never "auto" from here on (run_config.yaml and
+  summary.yaml record these). The model's own "auto" options are the model's to settle, for the backend's
+  `Hardware` (model.settle_options)."""
   kind = resolve_kind(config.backend)
-  return dataclasses.replace(
-      config, backend=kind, precision=resolve_precision(config.precision, kind),
-      batch_norm_statistics=resolve_batch_norm_statistics(config.batch_norm_statistics, kind,
-                                                          config.pipeline_stages))
+  return dataclasses.replace(config, backend=kind, precision=resolve_precision(config.precision, kind))
 
 
 def keras_version() -> str:

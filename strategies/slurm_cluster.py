@@ -92,8 +92,9 @@ def _bind_gpus(tasks_here: int) -> int:
   return share
 
 
-def resolver(kind: str):
-  """A SimpleClusterResolver for this job step's workers; local devices of `kind` ("cpu" or "gpu")."""
+def resolver(device_type: str):
+  """A SimpleClusterResolver for this job step's workers; local devices of TensorFlow's `device_type`
+  ("CPU" or "GPU")."""
   rank, base = int_variable("SLURM_PROCID"), port_base(int_variable("SLURM_JOB_ID"))
   nodelist = _variable("SLURM_STEP_NODELIST")
   counts = tasks_per_node(_variable("SLURM_STEP_TASKS_PER_NODE"))
@@ -104,7 +105,7 @@ def resolver(kind: str):
   if not 0 <= rank < len(workers):
     raise UserError("SLURM_PROCID=%d is outside the step's %d tasks" % (rank, len(workers)))
   tasks_here = next(count for i, count in enumerate(counts) if sum(counts[:i + 1]) > rank)
-  accelerators = {"GPU": _bind_gpus(tasks_here)} if kind == "gpu" else {}
+  accelerators = {"GPU": _bind_gpus(tasks_here)} if device_type == "GPU" else {}
   return tf.distribute.cluster_resolver.SimpleClusterResolver(
       tf.train.ClusterSpec({"worker": workers}), task_type="worker", task_id=rank,
       num_accelerators=accelerators, rpc_layer="grpc")

@@ -127,7 +127,7 @@ def test_a_mid_epoch_resume_needs_the_same_batch_layout(tmp_path, monkeypatch):
   from run_config import RunConfig  # pylint: disable=import-outside-toplevel
   from strategies.backend import Backend  # pylint: disable=import-outside-toplevel
   from training import loop  # pylint: disable=import-outside-toplevel
-  config = RunConfig(model="neuron_inverter", design="dev", optimizer="adam", learning_rate=1e-3,
+  config = RunConfig(model="neuron_inverter", model_options={"design": "dev"}, optimizer="adam", learning_rate=1e-3,
                      batch_size=4, epochs=3, logdir=str(tmp_path), resume=True)
   net = tf.keras.Sequential([tf.keras.layers.Dense(2, input_shape=(3,))])
   net.compile(optimizer="adam", loss="mse")
@@ -157,7 +157,7 @@ def test_a_resume_keeps_the_batch_norm_statistics_its_checkpoint_was_written_wit
   from run_config import RunConfig  # pylint: disable=import-outside-toplevel
   from training import loop  # pylint: disable=import-outside-toplevel
   config = RunConfig(model="neuron_inverter", optimizer="adam", learning_rate=1e-3,
-                     batch_norm_statistics="batch", logdir=str(tmp_path), resume=True)
+                     model_options={"batch_norm_statistics": "batch"}, logdir=str(tmp_path), resume=True)
   identity = loop._identity(config)  # pylint: disable=protected-access
   checkpoints_lib.check_identity("ckpt", dict(identity), identity)
   with pytest.raises(UserError, match="ckpt .*=batch.*=moving"):  # the checkpoint's, then this run's
@@ -450,13 +450,15 @@ def test_init_from_refuses_what_holds_no_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("identity, outputs, inputs, names", [
-    ({"model": "toy", "design": "big"}, 2, 3, ("toy small (2 outputs)", "toy big (2 outputs)", "--design")),
-    ({"model": "other", "design": None}, 2, 3, ("toy small (2 outputs)", "other (2 outputs)", "--model")),
+    ({"model": "toy", "design": "big"}, 2, 3, ("toy (design=small, 2 outputs)", "toy (design=big, 2 outputs)",
+                                               "--design")),
+    ({"model": "other", "design": None}, 2, 3, ("toy (design=small, 2 outputs)", "other (2 outputs)", "--model")),
     ({"model": "toy", "design": "small", "batch_norm_statistics": "batch"}, 2, 3,
-     ("(batch_norm_statistics=moving,", "(batch_norm_statistics=batch,",
-      "--batch_norm_statistics")),
-    ({"model": "toy", "design": "small"}, 5, 3, ("toy small (5 outputs)", "4x2 and 2 there", "4x5 and 5 here")),
-    ({"model": "toy", "design": "small"}, 2, 7, ("toy small (2 outputs)", "3x4 and 4 there", "7x4 and 4 here"))])
+     ("toy (design=small, 2 outputs)", "(design=small, batch_norm_statistics=batch,", "--batch_norm_statistics")),
+    ({"model": "toy", "design": "small"}, 5, 3, ("toy (design=small, 5 outputs)", "4x2 and 2 there",
+                                                 "4x5 and 5 here")),
+    ({"model": "toy", "design": "small"}, 2, 7, ("toy (design=small, 2 outputs)", "3x4 and 4 there",
+                                                 "7x4 and 4 here"))])
 def test_init_from_another_network_is_an_error_naming_both(tmp_path, identity, outputs, inputs, names):
   """The optimizer and learning rate may differ (the run's own); the network may not."""
   _toy_run(tmp_path / "a", {"model": "toy", "design": "small", "optimizer": "adam", "learning_rate": 1e-3})

@@ -1,5 +1,6 @@
 """The fast Neuron-Inverter conv blocks compute the same function, gradients and weights as the standard
-Keras layers, with every combination of the backend's convolution options."""
+Keras layers, with every combination of the convolution options (which cpu_forms.py chooses from:
+tests/test_cpu_forms.py)."""
 
 import inspect
 import itertools
@@ -9,12 +10,10 @@ import pytest
 import tensorflow as tf
 
 import model
-from host import cpuinfo
 from model.neuron_inverter import conv_layers
 from model.neuron_inverter.designs import CONV_OPTION_DEFAULTS
 from run_config import RunConfig
 from strategies import cpu
-from strategies.backend import Backend
 from training.loop import set_seeds
 
 OPTIONS = [{"channel_multiple": multiple, "input_grad_by_forward_conv": by_forward}
@@ -39,7 +38,7 @@ def _pair(design, **options):
   draws of the weights two conv outputs of a pool window come within rounding of each other, and the
   forms, which round differently, then route that window's gradient to different positions (both are
   valid gradients of the max; a draw that does this fails the comparison, seen once in a CI run)."""
-  config = RunConfig(model="neuron_inverter", design=design)
+  config = RunConfig(model="neuron_inverter", model_options={"design": design})
   set_seeds(0)
   standard = _builder()(config, standard_layers=True)
   fast = _builder()(config, **options)
@@ -143,7 +142,7 @@ def test_the_kernel_gradient_is_a_matmul_only_where_the_im2col_is_wide_enough(in
 
 
 def test_padded_channels_are_zero_and_dropped_before_the_head():
-  config = RunConfig(model="neuron_inverter", design="ontra4")
+  config = RunConfig(model="neuron_inverter", model_options={"design": "ontra4"})
   net = _builder()(config, channel_multiple=32)
   x, _ = _batch()
   widths = [net.get_layer("conv%d" % i).output_shape[-1] for i in (1, 2, 3)]
@@ -160,55 +159,23 @@ def test_padding_is_only_for_channel_counts_near_a_multiple():
   assert [conv_layers.padded_channels(n, 32) for n in (30, 90, 180, 4, 16, 32, 100)] == [
       32, 96, 192, 4, 16, 32, 100]
   assert conv_layers.padded_channels(30, 1) == 30
-  net = _builder()(RunConfig(model="neuron_inverter", design="dev"), channel_multiple=32)
+  net = _builder()(RunConfig(model="neuron_inverter", model_options={"design": "dev"}), channel_multiple=32)
   assert [net.get_layer("conv%d" % i).output_shape[-1] for i in (1, 2, 3)] == [4, 16, 32]
 
 
 def test_checkpoint_of_the_standard_layers_restores_into_the_fast_blocks(tmp_path):
   standard, _ = _pair("dev")
   path = tf.train.Checkpoint(model=standard).write(str(tmp_path / "ckpt"))
-  fast = _builder()(RunConfig(model="neuron_inverter", design="dev"), channel_multiple=32)
+  fast = _builder()(RunConfig(model="neuron_inverter", model_options={"design": "dev"}), channel_multiple=32)
   tf.train.Checkpoint(model=fast).read(path).assert_existing_objects_matched()
   for expected, got in zip(standard.get_weights(), fast.get_weights()):
     np.testing.assert_array_equal(got, expected)
 
 
-def test_backend_passes_only_the_options_a_builder_declares():
-  backend = Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",), conv_channel_multiple=32,
-                    conv_input_grad_by_forward_conv=True)
-  options = backend.model_options()
-  assert model.accepted_options(_builder(), **options) == {
-      "channel_multiple": 32, "input_grad_by_forward_conv": True, "kernel_grad_by_matmul": False,
-      "pooling": "max_pool", "phases_max_in_channels": 0, "first_block_library": ""}
+def test_a_builder_receives_only_the_options_it_declares():
+  options = dict(CONV_OPTION_DEFAULTS, channel_multiple=32, input_grad_by_forward_conv=True)
+  assert model.accepted_options(_builder(), **options) == options
   assert model.accepted_options(model.get_model_module("mnist").build, **options) == {}
-
-
-def test_cpu_pads_channels_only_for_16_bit_precision():
-  assert cpu.conv_options("32.32")["conv_channel_multiple"] == 1
-  assert cpu.conv_options("16.32")["conv_channel_multiple"] == 32
-
-
-def test_cpu_options_follow_the_measurements_per_cpu():
-  avx2, amx = {"avx2", "fma"}, {"avx2", "avx512f", "amx_bf16"}
-  zen1, zen4, xeon = ("AuthenticAMD", 23), ("AuthenticAMD", 25), ("GenuineIntel", 6)
-  assert not cpu.conv_options("32.32", avx2, zen1)["conv_input_grad_by_forward_conv"]
-  assert cpu.conv_options("16.32", amx, xeon)["conv_input_grad_by_forward_conv"]
-  assert not cpu.conv_options("32.32", amx, xeon)["conv_input_grad_by_forward_conv"]
-  assert cpu.conv_options("32.32", avx2, zen1)["conv_kernel_grad_by_matmul"]
-  assert not cpu.conv_options("32.32", amx, xeon)["conv_kernel_grad_by_matmul"]
-  assert cpu.conv_options("32.32", avx2, zen1)["conv_pooling"] == "maximum"
-  assert cpu.conv_options("32.32", avx2, zen1)["conv_phases_max_in_channels"] >= 4  # the 4-probe block
-  assert cpu.conv_options("16.32", amx, zen1)["conv_pooling"] == "max_pool"
-  for other in (zen4, xeon):
-    assert cpu.conv_options("32.32", avx2, other)["conv_pooling"] == "max_pool"
-    assert cpu.conv_options("32.32", avx2, other)["conv_phases_max_in_channels"] == 0
-
-
-def test_cpu_generation_is_read_from_this_machine():
-  vendor, family = cpuinfo.generation()
-  with open("/proc/cpuinfo") as proc:
-    text = proc.read()
-  assert vendor and vendor in text and "cpu family\t: %d" % family in text
 
 
 @pytest.mark.parametrize("pooling,phases", [("maximum", 0), ("max_pool", 1000), ("maximum", 1000)])
@@ -238,12 +205,12 @@ def test_pooling_forms_send_the_gradient_to_the_first_maximum_on_ties(pooling, p
     np.testing.assert_array_equal(got, expected)
 
 
-def test_the_plain_list_of_convolution_options_is_what_the_backend_and_the_builder_take():
+def test_the_plain_list_of_convolution_options_is_what_the_builder_takes():
   # tools/benchmark_forms.py checks --variant against model.neuron_inverter.designs.CONV_OPTION_DEFAULTS before
-  # TensorFlow starts, so the list must name every option with the type and default the others use.
-  backend = Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",))
-  assert backend.model_options() == CONV_OPTION_DEFAULTS
-  assert {name: type(value) for name, value in backend.model_options().items()} == {
-      name: type(value) for name, value in CONV_OPTION_DEFAULTS.items()}  # 0 == False, but not for --variant
+  # TensorFlow starts, so the list must name every option with the builder's default and its type
+  # (0 == False, but not for --variant; every form of cpu_forms.py keeps the types: tests/test_cpu_forms.py).
   builder = inspect.signature(model.get_model_module("neuron_inverter").build).parameters
-  assert {name: builder[name].default for name in CONV_OPTION_DEFAULTS} == CONV_OPTION_DEFAULTS
+  defaults = {name: builder[name].default for name in CONV_OPTION_DEFAULTS}
+  assert defaults == CONV_OPTION_DEFAULTS
+  assert {name: type(value) for name, value in defaults.items()} == {
+      name: type(value) for name, value in CONV_OPTION_DEFAULTS.items()}

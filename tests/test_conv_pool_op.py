@@ -11,16 +11,18 @@ import pytest
 import tensorflow as tf
 
 import model
-from model.neuron_inverter import conv_layers, conv_pool_op
+from model.neuron_inverter import conv_layers, conv_pool_op, cpu_forms, kernel_build
+from model.neuron_inverter.designs import CONV_OPTION_DEFAULTS
 from run_config import KERNEL_CACHE, RunConfig
-from strategies import cpu, cpu_kernels
+from strategies import precision as precision_lib
+from strategies.backend import Hardware
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def library():
-  path = cpu_kernels.conv_pool_library(KERNEL_CACHE)  # where runs keep it: built once per TensorFlow
+  path = kernel_build.conv_pool_library(KERNEL_CACHE)  # where runs keep it: built once per TensorFlow
   assert path and os.path.exists(path)
   return path
 
@@ -112,7 +114,7 @@ def test_results_do_not_depend_on_the_thread_count(library, tmp_path):
 
 def test_the_model_builder_gives_the_op_to_the_first_block_only(library):
   build = model.get_model_module("neuron_inverter").build
-  config = RunConfig(model="neuron_inverter", design="ontra4")
+  config = RunConfig(model="neuron_inverter", model_options={"design": "ontra4"})
   standard = build(config, standard_layers=True)
   fused = build(config, first_block_library=library, pooling="maximum", phases_max_in_channels=8)
   fused.set_weights(standard.get_weights())
@@ -150,33 +152,40 @@ def test_the_op_refuses_shapes_it_does_not_compute(library):
     ops.conv_pool1d(tf.zeros((1, 5, 4)), tf.zeros((4, 4, 8)), tf.zeros(8), pool=4)
 
 
-def test_the_backend_asks_for_the_op_in_float32_with_avx2_and_fma_only():
-  assert cpu.fuses_first_block("32.32", {"avx2", "fma", "sse4_2"})
-  assert not cpu.fuses_first_block("16.32", {"avx2", "fma", "amx_bf16"})
-  assert not cpu.fuses_first_block("32.32", {"sse4_2", "avx"})
+def _cpu(precision, features):
+  return Hardware("cpu", precision_lib.parse(precision), frozenset(features), ("AuthenticAMD", 25))
+
+
+def test_the_model_asks_for_the_op_in_float32_with_avx2_and_fma_only():
+  assert cpu_forms.fuses_first_block(_cpu("32.32", {"avx2", "fma", "sse4_2"}))
+  assert not cpu_forms.fuses_first_block(_cpu("16.32", {"avx2", "fma", "amx_bf16"}))
+  assert not cpu_forms.fuses_first_block(_cpu("32.32", {"sse4_2", "avx"}))
 
 
 def test_only_a_model_that_takes_the_op_has_it_compiled(library, monkeypatch):
   built = []
-  monkeypatch.setattr(cpu_kernels, "conv_pool_library", lambda cache: built.append(cache) or library)
-  monkeypatch.setattr(cpu, "_cpu_flags", lambda: {"avx", "avx2", "fma"})
-  mnist = cpu.create(RunConfig(model="mnist", backend="cpu", precision="32.32"))
-  assert mnist.conv_first_block_library == "" and not built
-  inverter = cpu.create(RunConfig(model="neuron_inverter", backend="cpu", precision="32.32"))
-  assert inverter.conv_first_block_library == library and built == [KERNEL_CACHE]
+  monkeypatch.setattr(kernel_build, "conv_pool_library", lambda cache: built.append(cache) or library)
+  hardware = _cpu("32.32", {"avx", "avx2", "fma"})
+  assert model.layer_forms(model.get_model_module("mnist"), hardware) == ({},) and not built
+  forms = model.layer_forms(model.get_model_module("neuron_inverter"), hardware)
+  assert forms[0]["first_block_library"] == library and built == [KERNEL_CACHE]
+  # Off CPUs the builder's defaults, without the op.
+  assert model.layer_forms(model.get_model_module("neuron_inverter"),
+                           Hardware("gpu", precision_lib.FLOAT32)) == (CONV_OPTION_DEFAULTS,)
+  assert built == [KERNEL_CACHE]
 
 
 def test_without_a_compiler_the_run_says_so_and_uses_tensorflows_ops(monkeypatch, tmp_path, caplog):
   monkeypatch.setenv("PATH", str(tmp_path))
   monkeypatch.delenv("CXX", raising=False)
-  assert cpu_kernels.conv_pool_library(str(tmp_path / "kernels")) == ""
+  assert kernel_build.conv_pool_library(str(tmp_path / "kernels")) == ""
   assert "No C++ compiler" in caplog.text and "TensorFlow's ops" in caplog.text
 
 
 def test_a_failed_build_is_reported_with_the_compilers_error(monkeypatch, tmp_path, caplog):
   broken = tmp_path / "broken.cc"
   broken.write_text("int main() { return undefined_name; }\n")
-  monkeypatch.setattr(cpu_kernels, "SOURCE", str(broken))
-  assert cpu_kernels.conv_pool_library(str(tmp_path / "kernels")) == ""
+  monkeypatch.setattr(kernel_build, "SOURCE", str(broken))
+  assert kernel_build.conv_pool_library(str(tmp_path / "kernels")) == ""
   assert "Could not build or load" in caplog.text and "undefined_name" in caplog.text
   assert not [name for _, _, names in os.walk(tmp_path / "kernels") for name in names if name.endswith(".so")]

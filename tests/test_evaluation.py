@@ -82,8 +82,8 @@ def test_export_computes_as_the_application_at_its_precision(tmp_path, precision
   import model  # pylint: disable=import-outside-toplevel
   if precision != "32.32" and not cpu.bfloat16_kernels_available():
     precision = "32.32"  # TF 2.6 has no CPU bfloat16 kernels: the float32 case is the one it can run
-  config = RunConfig(model="neuron_inverter", design="dev", precision=precision,
-                     batch_norm_statistics=statistics)
+  config = RunConfig(model="neuron_inverter", model_options={"design": "dev", "batch_norm_statistics": statistics},
+                     precision=precision)
   try:
     select.set_precision(precision, "cpu")
     net = model.get_model_module("neuron_inverter").build(config, (1600, 4), 15)

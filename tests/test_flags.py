@@ -11,6 +11,7 @@ from absl import flags as absl_flags
 from absl.testing import flagsaver
 
 import flags
+import model
 from errors import UserError
 from run_config import RunConfig
 from tests.support.helpers import REPO_ROOT, assert_names, assert_one_line_error, line_naming, run_main
@@ -54,6 +55,8 @@ def test_explicit_flags_win_and_config_is_frozen():
 def test_every_config_field_is_a_flag_with_the_same_default():
   """One flag, one edit: RunConfig's fields are the flags, and its defaults are theirs."""
   for field in dataclasses.fields(RunConfig):
+    if field.name == "model_options":
+      continue  # the models' own options: test_every_declared_model_option_is_a_flag_with_its_default
     assert field.name in FLAGS, "RunConfig.%s has no flag" % field.name
     default = FLAGS[field.name].default
     if field.name in flags.MODEL_DEFAULTED + flags.DERIVED:
@@ -225,12 +228,21 @@ def test_paths_are_stored_absolute(tmp_path, monkeypatch):
 
 def test_the_shipped_reference_flagfile_gives_the_references_schedule():
   config = _config("--flagfile=" + os.path.join(REPO_ROOT, "configs", "neuron_inverter_reference.flags"))
-  assert (config.model, config.design, config.batch_size, config.epochs) == ("neuron_inverter", "ontra4", 192, 161)
+  assert (config.model, config.model_options["design"], config.batch_size, config.epochs) == (
+      "neuron_inverter", "ontra4", 192, 161)
   assert (config.warmup_epochs, config.lr_schedule, config.lr_factor, config.lr_patience) == (6, "plateau", 0.11, 8)
   assert config.dropout == 0.05
   default = _config("--model=neuron_inverter")
   assert (default.batch_size, default.epochs, default.warmup_epochs, default.lr_schedule) == (48, 3, 0, "cosine")
   assert (default.dropout, _config("--model=mnist").dropout) == (0.0, 0.5)
+
+
+def test_every_declared_model_option_is_a_flag_with_its_default():
+  """A model's options (ModelInfo.options) are flags of their names, defaults and choices."""
+  for name, option in model.declared_options().items():
+    assert FLAGS[name].default == option.default, name
+    if option.choices:
+      assert tuple(FLAGS[name].parser.enum_values) == option.choices, name
 
 
 def test_every_integer_flag_has_an_upper_bound_that_tensorflow_takes():

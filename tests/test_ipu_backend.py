@@ -21,7 +21,8 @@ from tests.support.helpers import REPO_ROOT, assert_names
 
 
 def _config(**kwargs):
-  base = dict(model="neuron_inverter", backend="ipu", design="dev", seed=7)
+  options = dict({"design": "dev"}, **kwargs.pop("model_options", {}))
+  base = dict(model="neuron_inverter", backend="ipu", model_options=options, seed=7)
   base.update(kwargs)
   return RunConfig(**base)
 
@@ -46,6 +47,16 @@ def test_device_configuration(monkeypatch):
   (_, (seed,), kwargs), = _calls("reset_ipu_seed")
   assert seed == 7 and kwargs["experimental_identical_replicas"]
   assert _calls("IPUStrategy") and backend.replicas == 2 and backend.kind == "ipu"
+
+
+def test_the_ipu_is_the_hardware_and_its_conv_blocks_keep_the_builders_defaults(monkeypatch):
+  """The measured CPU forms (model/neuron_inverter/cpu_forms.py) do not apply to IPUs."""
+  from model.neuron_inverter.designs import CONV_OPTION_DEFAULTS  # pylint: disable=import-outside-toplevel
+  fake_ipu.install(monkeypatch)
+  backend = ipu_backend.create(_config(precision="16.16"))
+  assert backend.hardware.device == "ipu" and backend.hardware.precision == backend.precision
+  assert not backend.hardware.cpu_features
+  assert model.layer_forms(model.get_model_module("neuron_inverter"), backend.hardware) == (CONV_OPTION_DEFAULTS,)
 
 
 def test_pre_compile_sets_the_required_version(monkeypatch):
@@ -162,8 +173,8 @@ def test_evaluation_covers_the_built_in_splits_in_batches_that_divide_the_shards
   32, every sample. Batch statistics depend on the batch size, so that setting keeps the micro-batch
   and leaves 128 rows out (32 a replica), as before."""
   fake_ipu.install(monkeypatch)
-  backend = ipu_backend.create(_config(replicas=4, batch_norm_statistics=statistics))
-  evaluation = eval_layout(backend.layout(48), 2048)
+  config = _config(replicas=4, model_options={"batch_norm_statistics": statistics})
+  evaluation = eval_layout(ipu_backend.create(config).layout(48, model.batch_dependent(config)), 2048)
   assert evaluation.replica_rows == eval_rows and not evaluation.keeps_tail
   rows = tf.range(2048, dtype=tf.float32)[:, None].numpy()
   split = split_from_arrays(Arrays(rows, rows), evaluation, lambda x, y: (x, y), False, 0, 0, "val")
@@ -242,7 +253,7 @@ def test_the_stand_in_refuses_stage_assignments_that_ipu_keras_refuses(monkeypat
   """functional_extensions.py `_get_pipelined_post_order`: the post-order's length and order, a stage
   for every layer, and no input from a later stage."""
   fake_ipu.install(monkeypatch)
-  net = fake_ipu.inject_keras_extensions(model.get_model_module("neuron_inverter").build(_config(design="dev")))
+  net = fake_ipu.inject_keras_extensions(model.get_model_module("neuron_inverter").build(_config(model_options={"design": "dev"})))
   def assigned(stages):
     assignments = net.get_pipeline_stage_assignment()
     for assignment, stage in zip(assignments, stages):
@@ -285,7 +296,7 @@ def test_a_pipelined_batch_norm_is_warned_about_and_replicas_are_not(monkeypatch
   caplog.set_level("WARNING")
   for stages, statistics, warned in ((1, "moving", False), (2, "batch", False), (2, "moving", True)):
     config = _config(ipus_per_replica=stages, pipeline_stages=stages, gradient_accumulation=8,
-                     batch_norm_statistics=statistics)
+                     model_options={"batch_norm_statistics": statistics})
     backend = ipu_backend.create(config)
     backend.prepare_model(fake_ipu.inject_keras_extensions(module.build(config)), module.STAGE_BOUNDARIES)
     assert ("moving statistics of" in caplog.text and "(batch_norm)" in caplog.text) == warned
@@ -794,17 +805,19 @@ def test_a_pipelined_run_normalises_by_batch_statistics_and_its_predictions_do_t
   from training import checkpoints, loop  # pylint: disable=import-outside-toplevel
   fake_ipu.install(monkeypatch)
   caplog.set_level(python_logging.INFO, logger="absl")  # other tests may leave absl's logger at WARNING
-  config = select.resolve(_config(ipus_per_replica=2, pipeline_stages=2, gradient_accumulation=4, batch_size=4,
-                                  epochs=1, steps_per_epoch=8, eval_steps=4, synthetic_data=True,
-                                  optimizer="adam", learning_rate=1e-3, lr_schedule="cosine",
-                                  logdir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache")))
-  assert config.batch_norm_statistics == "batch"
-  loop.run(config, select.select_backend(config))
+  config, backend = select.settle(_config(ipus_per_replica=2, pipeline_stages=2, gradient_accumulation=4,
+                                          batch_size=4, epochs=1, steps_per_epoch=8, eval_steps=4,
+                                          synthetic_data=True, optimizer="adam", learning_rate=1e-3,
+                                          lr_schedule="cosine", logdir=str(tmp_path / "run"),
+                                          cache_dir=str(tmp_path / "cache")))
+  config = model.settle_options(config, backend.hardware)  # as main.py does
+  assert config.model_options["batch_norm_statistics"] == "batch"
+  loop.run(config, backend)
   assert "batch's own statistics" in caplog.text and "moving statistics of" not in caplog.text
   path = checkpoints.best_or_last(config.logdir)
   assert not [name for name, _ in tf.train.list_variables(path) if "moving_" in name]
   saved = saved_config.load_run_config(config.logdir)
-  assert (saved.pipeline_stages, saved.batch_norm_statistics) == (1, "batch")
+  assert (saved.pipeline_stages, saved.model_options["batch_norm_statistics"]) == (1, "batch")
   net = evaluation.build_model(saved, (1600, 4), 15, Backend("cpu", tf.distribute.get_strategy(), ("/cpu:0",)))
   evaluation.restore_weights(net, path, (1600, 4), 15)
   assert type(net.get_layer("batch_norm")).__name__ == "BatchStatisticsNormalization"

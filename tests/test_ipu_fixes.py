@@ -34,7 +34,8 @@ CROSS_REPLICA_OPS = "tensorflow.python.ipu.ops.cross_replica_ops"
 
 
 def _config(**kwargs):
-  base = dict(model="neuron_inverter", backend="ipu", design="dev", seed=7)
+  options = dict({"design": "dev"}, **kwargs.pop("model_options", {}))
+  base = dict(model="neuron_inverter", backend="ipu", model_options=options, seed=7)
   base.update(kwargs)
   return RunConfig(**base)
 

@@ -37,7 +37,7 @@ def test_mnist_network_matches_the_keras_check():
 
 @pytest.mark.parametrize("design, trainable", [("ontra4", 2988843), ("dev", 431683)])
 def test_neuron_inverter_parameter_counts_match_the_reference(design, trainable):
-  net = model.get_model_module("neuron_inverter").build(RunConfig(model="neuron_inverter", design=design))
+  net = model.get_model_module("neuron_inverter").build(RunConfig(model="neuron_inverter", model_options={"design": design}))
   assert sum(int(np.prod(w.shape)) for w in net.trainable_weights) == trainable
   assert net.output_shape == (None, 15)
 
@@ -50,7 +50,7 @@ def test_neuron_inverter_batch_norm_keeps_moving_statistics_or_none(statistics, 
   """The reference's GPU model keeps moving statistics; its IPU model (track_running_stats=False) none.
   The trainable weights are the same either way."""
   net = model.get_model_module("neuron_inverter").build(
-      RunConfig(model="neuron_inverter", batch_norm_statistics=statistics))
+      RunConfig(model="neuron_inverter", model_options={"batch_norm_statistics": statistics}))
   layer = net.get_layer("batch_norm")
   assert type(layer).__name__ == layer_type
   assert [w.name.split("/")[-1].split(":")[0] for w in layer.weights] == saved
@@ -95,14 +95,14 @@ def test_batch_statistics_are_float32_under_mixed_precision():
 
 @pytest.mark.parametrize("name, rate", [("neuron_inverter", 0.05), ("mnist", 0.3)])
 def test_dropout_layers_take_the_configured_rate(name, rate):
-  net = model.get_model_module(name).build(RunConfig(model=name, design="dev", dropout=rate))
+  net = model.get_model_module(name).build(RunConfig(model=name, model_options={"design": "dev"}, dropout=rate))
   rates = [layer.rate for layer in net.layers if isinstance(layer, tf.keras.layers.Dropout)]
   assert rates and set(rates) == {rate}
 
 
 def test_neuron_inverter_input_is_reshaped_not_transposed():
   """Conv "channel" c at position j must be the flat element c*1600 + j of the (1600, 4) sample."""
-  net = model.get_model_module("neuron_inverter").build(RunConfig(model="neuron_inverter", design="dev"))
+  net = model.get_model_module("neuron_inverter").build(RunConfig(model="neuron_inverter", model_options={"design": "dev"}))
   to_conv = tf.keras.Model(net.input, net.get_layer("channels_last").output)
   sample = np.arange(1600 * 4, dtype=np.float32).reshape(1, 1600, 4)
   seen = to_conv(sample).numpy()[0]          # (positions 1600, channels 4), channels last
@@ -113,7 +113,7 @@ def test_neuron_inverter_input_is_reshaped_not_transposed():
 @pytest.mark.parametrize("design", ["ontra4", "dev"])
 def test_neuron_inverter_refuses_frames_too_short_for_its_conv_blocks(design):
   module = model.get_model_module("neuron_inverter")
-  config = RunConfig(model="neuron_inverter", design=design)
+  config = RunConfig(model="neuron_inverter", model_options={"design": design})
   shortest = module.min_time_bins(model.neuron_inverter.designs.DESIGNS[design])
   assert module.build(config, (shortest, 4)).get_layer("flatten").output_shape[1] > 0
   with pytest.raises(UserError) as caught:
@@ -125,7 +125,7 @@ def test_neuron_inverter_refuses_frames_too_short_for_its_conv_blocks(design):
 def test_neuron_inverter_starts_from_pytorchs_default_initialisation(standard_layers):
   """Every kernel and bias is U(+-1/sqrt(fan_in)), as the reference's PyTorch layers start."""
   tf.random.set_seed(3)
-  net = model.get_model_module("neuron_inverter").build(RunConfig(model="neuron_inverter", design="ontra4"),
+  net = model.get_model_module("neuron_inverter").build(RunConfig(model="neuron_inverter", model_options={"design": "ontra4"}),
                                                       standard_layers=standard_layers)
   checked = 0
   for layer in net.layers:

@@ -201,7 +201,7 @@ def test_on_ipus_the_clip_sees_the_gradient_averaged_over_the_replicas(monkeypat
   for name, module in fake_ipu.build_addons().items():
     monkeypatch.setitem(sys.modules, name, module)
   monkeypatch.setattr(sys.modules["ipu_tensorflow_addons.keras.optimizers"], "SGDIpuOptimizer", _SGDIpuOptimizer)
-  backend = ipu_backend.create(RunConfig(model="neuron_inverter", backend="ipu", design="dev", seed=7, replicas=2,
+  backend = ipu_backend.create(RunConfig(model="neuron_inverter", backend="ipu", model_options={"design": "dev"}, seed=7, replicas=2,
                                          precision="16.16"))
   ipu_sgd = optimizers.make_optimizer("sgd", 0.5, backend.optimizer_factories(), weight_decay=0.2, clip_norm=1.0,
                                       **backend.optimizer_kwargs())

@@ -15,8 +15,10 @@ from data.splits import eval_layout
 from errors import UserError
 from host import cpuinfo
 from run_config import RunConfig
+import model
 from strategies import cpu, environment, gpu, ipu, multiworker, select
 from strategies import precision as precision_lib
+from strategies.backend import Hardware
 from tests.support.helpers import REPO_ROOT, assert_names
 
 
@@ -314,10 +316,36 @@ def test_a_onednn_isa_cap_hides_the_features_it_caps():
   assert cpu._cpu_flags(spr, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}) == zen4 - {"avx512_bf16"}
   assert cpu._cpu_flags(spr, {"ONEDNN_MAX_CPU_ISA": "ALL"}) == spr
   assert cpu._cpu_flags(spr, {}) == spr
-  # What the capped CPU would choose: float32 for auto, and the AVX2 convolution options.
-  zen4_generation = ("AuthenticAMD", 25)
-  assert cpu.conv_options("32.32", cpu._cpu_flags(spr, {"ONEDNN_MAX_CPU_ISA": "AVX2"}), zen4_generation) == \
-      cpu.conv_options("32.32", {"fma", "avx2"}, zen4_generation)
+  # What the capped CPU shows a model (its Hardware's cpu_features): an AVX2 CPU's, whose forms it then picks.
+  assert cpu._cpu_flags(spr, {"ONEDNN_MAX_CPU_ISA": "AVX2"}) == {"fma", "avx2"}
+
+
+def test_the_cpus_hardware_is_this_machine_as_onednn_sees_it(monkeypatch):
+  monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+  hardware = cpu.hardware(precision_lib.FLOAT32)
+  assert hardware == Hardware("cpu", precision_lib.FLOAT32, cpu.cpu_features(), cpuinfo.generation(),
+                              cpu.machine_signature())
+  assert hardware.cpu_features == frozenset(cpu._cpu_flags()) and not any(
+      feature.startswith(("avx512", "amx")) for feature in hardware.cpu_features)
+
+
+def test_cpu_generation_is_read_from_this_machine():
+  vendor, family = cpuinfo.generation()
+  with open("/proc/cpuinfo") as proc:
+    text = proc.read()
+  assert vendor and vendor in text and "cpu family\t: %d" % family in text
+
+
+def test_every_backend_describes_its_hardware_at_its_precision():
+  backend = cpu.create(RunConfig(model="mnist", backend="cpu", precision="32.32"))
+  assert backend.hardware == cpu.hardware(backend.precision)
+  fields = gpu._fields(RunConfig(model="mnist", backend="gpu", precision="16.32"))  # pylint: disable=protected-access
+  assert fields["hardware"] == Hardware("gpu", precision_lib.MIXED) and fields["precision"] == precision_lib.MIXED
+  # A backend made without one has the processor of its kind, at its precision; never another precision.
+  bare = ipu.IPUBackend("ipu", tf.distribute.get_strategy(), ("/device:IPU:0",), precision=precision_lib.HALF)
+  assert bare.hardware == Hardware("ipu", precision_lib.HALF)
+  with pytest.raises(ValueError):
+    dataclasses.replace(backend, precision=precision_lib.MIXED)
 
 
 def test_auto_precision_stays_float32_where_tensorflow_lacks_cpu_bfloat16_kernels(monkeypatch):
@@ -386,7 +414,7 @@ def test_mixed_precision_model_keeps_float32_outputs():
   import model  # pylint: disable=import-outside-toplevel
   try:
     select.set_precision("16.32", "cpu")
-    net = model.get_model_module("neuron_inverter").build(RunConfig(model="neuron_inverter", design="dev"))
+    net = model.get_model_module("neuron_inverter").build(RunConfig(model="neuron_inverter", model_options={"design": "dev"}))
     assert net.get_layer("conv1").compute_dtype == "bfloat16"
     assert net.get_layer("conv1").dtype == "float32"            # weights stay float32
     assert net.output.dtype == tf.float32
@@ -438,28 +466,32 @@ def test_resolve_settles_auto_before_the_backend_is_built():
   assert select.resolve(config) == config
 
 
-@pytest.mark.parametrize("kind, stages, requested, settled", [
-    ("ipu", 2, "auto", "batch"), ("ipu", 1, "auto", "moving"), ("cpu", 2, "auto", "moving"),
-    ("ipu", 2, "moving", "moving"), ("cpu", 1, "batch", "batch")])
+@pytest.mark.parametrize("updates_moving_statistics, requested, settled", [
+    (False, "auto", "batch"), (True, "auto", "moving"), (False, "moving", "moving"), (True, "batch", "batch")])
 def test_batch_norm_statistics_are_each_batchs_own_only_where_moving_ones_cannot_be_kept(
-    kind, stages, requested, settled):
-  """keras/ipu/extensions/extensions_base.py: pipelined IPU training does not update moving statistics."""
-  assert select.resolve_batch_norm_statistics(requested, kind, stages) == settled
-  config = select.resolve(RunConfig(model="neuron_inverter", backend="cpu", pipeline_stages=stages,
-                                    batch_norm_statistics=requested))
-  assert config.batch_norm_statistics == (requested if requested != "auto" else "moving")
+    updates_moving_statistics, requested, settled):
+  """The model settles its own "auto" option from a fact of the hardware (Hardware.updates_moving_statistics,
+  False in pipelined IPU training: keras/ipu/extensions/extensions_base.py); select.resolve leaves it."""
+  config = select.resolve(RunConfig(model="neuron_inverter", backend="cpu",
+                                    model_options={"batch_norm_statistics": requested}))
+  assert config.model_options == {"batch_norm_statistics": requested}
+  hardware = Hardware(device="cpu", precision=precision_lib.FLOAT32,
+                      updates_moving_statistics=updates_moving_statistics)
+  settled_config = model.settle_options(config, hardware)
+  assert settled_config.model_options == {"design": "ontra4", "batch_norm_statistics": settled}
 
 
 def test_a_worker_alone_keeps_the_runs_precision_and_hardware_choices():
   """--predict after a multi-worker run evaluates in one process at the precision it trained with."""
   from strategies.multiworker import MultiWorkerBackend  # pylint: disable=import-outside-toplevel
   worker = MultiWorkerBackend("cpu", tf.distribute.get_strategy(), ("/cpu:0", "/cpu:1"), replicas=4,
-                              precision=precision_lib.MIXED, conv_channel_multiple=32, conv_pooling="maximum",
-                              gradient_accumulation=2, rank=0, world_size=2, local_replicas=2)
+                              precision=precision_lib.MIXED, gradient_accumulation=2, rank=0, world_size=2,
+                              local_replicas=2, hardware=Hardware("cpu", precision_lib.MIXED, frozenset({"avx2"}),
+                                                                  ("AuthenticAMD", 25), "a cpu"))
   alone = worker.alone()
   assert type(alone).__name__ == "Backend" and alone.world_size == 1 and alone.replicas == 1
   assert alone.devices == ("/cpu:0",) and alone.gradient_accumulation == 1
-  assert alone.precision == precision_lib.MIXED and alone.model_options() == worker.model_options()
+  assert alone.precision == precision_lib.MIXED and alone.hardware == worker.hardware
 
 
 def test_the_config_holds_what_the_backend_decided(tmp_path):
@@ -579,7 +611,7 @@ def test_slurm_variables_that_are_not_numbers_are_one_user_error(monkeypatch, va
     monkeypatch.setenv(key, value)
   with pytest.raises(UserError) as caught:
     source = multiworker.cluster_source()
-    multiworker.slurm_cluster.resolver("cpu") if source == "slurm" else None
+    multiworker.slurm_cluster.resolver("CPU") if source == "slurm" else None
   assert_names(caught.value, name + "=", "whole number")
 
 

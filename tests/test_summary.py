@@ -162,7 +162,7 @@ def _saved_run(tmp_path, drop=(), **edits):
   """A run folder whose run_config.yaml is a real one, with the keys `drop` removed and `edits` set."""
   logdir = str(tmp_path / "run")
   os.makedirs(logdir)
-  path = write_run_config(logdir, RunConfig(model="neuron_inverter", design="dev", logdir=logdir))
+  path = write_run_config(logdir, RunConfig(model="neuron_inverter", model_options={"design": "dev"}, logdir=logdir))
   with open(path) as f:
     saved = yaml.safe_load(f)
   saved.update(edits)
@@ -199,14 +199,14 @@ def test_unknown_and_missing_keys_of_a_run_config_are_named_in_warnings(tmp_path
   logdir, path = _saved_run(tmp_path, drop=["design"], desgin="dev", seed=None)
   caplog.set_level("WARNING", logger="absl")
   config = load_run_config(logdir)
-  assert config.design == "ontra4" and config.seed == 42
+  assert config.model_options["design"] == "ontra4" and config.seed == 42
   ignored, defaulted = [record.getMessage() for record in caplog.records]
   assert ignored.startswith("%s: " % path) and defaulted.startswith("%s: " % path)
   assert_names(ignored, "ignoring desgin", "typo")
   assert_names(defaulted, "seed, design", "seed=42, design=ontra4")
   caplog.clear()
   logdir, _ = _saved_run(tmp_path / "intact")
-  assert load_run_config(logdir).design == "dev" and not caplog.records  # a run's own file: no warning
+  assert load_run_config(logdir).model_options["design"] == "dev" and not caplog.records  # a run's own file: no warning
 
 
 def test_an_override_that_the_run_config_refuses_names_the_override(tmp_path):

@@ -63,7 +63,7 @@ flags.DEFINE_integer("compile_pairs", 3, "Cold/warm-cache start-up pairs per des
 flags.DEFINE_list("skip", [], "Parts to skip: train, reference, inference, input, compile, peak.")
 flags.DEFINE_enum("autotune", "on", ["on", "off"], "on: train with the convolution forms main.py's "
                   "--autotune chooses on this machine (timed once, kept in --cache_dir); off: the "
-                  "backend's built-in forms.")
+                  "model's built-in forms for this hardware.")
 flags.DEFINE_string("cache_dir", None, "Where the autotune results are kept (default: main.py's "
                     "--cache_dir default, so the benchmark and the application share them).")
 flags.DEFINE_integer("matmul_size", 2048, "Side of the square matmul behind the peak GFLOP/s.",
@@ -130,22 +130,23 @@ def flops_per_sample(net) -> int:
 
 def _model_and_batches(config, design):
   """A compiled model, a cached, repeating dataset of real batches (the input is not measured here),
-  and the convolution forms the model was built with."""
+  and the form of its layers it was built with and how it was chosen (as summary.yaml records them)."""
   import dataclasses  # pylint: disable=import-outside-toplevel
   from data import cellspike  # pylint: disable=import-outside-toplevel
   from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
-  from training.loop import autotuned, build_and_compile  # pylint: disable=import-outside-toplevel
+  from training.loop import build_and_compile, chosen_form  # pylint: disable=import-outside-toplevel
+  from training.summary import forms_record  # pylint: disable=import-outside-toplevel
   import model  # pylint: disable=import-outside-toplevel
   from model.neuron_inverter.designs import DESIGNS  # pylint: disable=import-outside-toplevel
   # The reference's network, dropout included, as the PyTorch side trains it.
-  config = dataclasses.replace(config, design=design, dropout=DESIGNS[design]["dropout"], steps_per_epoch=8,
-                               eval_steps=1)
+  config = dataclasses.replace(config, model_options=dict(config.model_options, design=design),
+                               dropout=DESIGNS[design]["dropout"], steps_per_epoch=8, eval_steps=1)
   backend = select_backend(config)
   splits = cellspike.load(config, backend.layout(config.batch_size))
   module = model.get_model_module("neuron_inverter")
-  backend = autotuned(config, backend, module, splits, FLAGS.window_steps * (FLAGS.windows + 1))
-  net = build_and_compile(config, backend, module, splits)
-  return net, splits.train.dataset.cache().repeat(), backend.forms_record()
+  form, chosen_by = chosen_form(config, backend, module, splits, FLAGS.window_steps * (FLAGS.windows + 1))
+  net = build_and_compile(config, backend, module, splits, form=form)
+  return net, splits.train.dataset.cache().repeat(), forms_record(form, chosen_by)
 
 
 def _step_rows() -> int:
@@ -433,13 +434,13 @@ def _print_table(results) -> None:
           _fmt(compile_s.get("warm_over_cold"), "%.2f"), _fmt(peak_mb or None, "%.0f")))
   for precision, designs in results["precisions"].items():
     for design, row in designs.items():
-      if "conv_forms" in row.get("train", {}):
+      if "layer_forms" in row.get("train", {}):
         # How the first round came by them: the later rounds read what it measured, and the row's
         # median round may be any of them.
         first = row.get("train_rounds", [row["train"]])[0]
         print("%s %s convolution forms (%s): %s" % (
-            precision, design, first["conv_forms_chosen_by"],
-            ", ".join("%s=%s" % item for item in sorted(row["train"]["conv_forms"].items()))))
+            precision, design, first["layer_forms_chosen_by"],
+            ", ".join("%s=%s" % item for item in sorted(row["train"]["layer_forms"].items()))))
   if "input" in results:
     fastest = max((row["train"]["samples_per_sec"] for designs in results["precisions"].values()
                    for design, row in designs.items() if design == "ontra4" and "train" in row), default=0)

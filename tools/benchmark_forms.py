@@ -6,10 +6,12 @@ application's form, with timed windows alternating so that both see the machine 
 
 - `standard`: the reference's layers as stock Keras builds them (Conv1D -> MaxPooling1D -> ReLU) and
   Keras' default Adam (the TF >= 2.11 class): the application without its fused blocks.
-- `application`: what `main.py` trains on this backend: `model.neuron_inverter.conv_layers.PooledConv1D` blocks with
-  the backend's convolution options, the fused legacy Adam, optimizer slots created before tracing.
+- `application`: what `main.py` trains on this backend: `model.neuron_inverter.conv_layers.PooledConv1D` blocks in
+  the built-in form for this CPU (model/neuron_inverter/cpu_forms.py), the fused legacy Adam, optimizer
+  slots created before tracing.
 - `variant` (with `--variant=OPTION=VALUE,...`, in place of `standard`): the application with some of
-  the backend's model options changed (`Backend.model_options()` names them), to decide an option.
+  the options of that form changed (`model.neuron_inverter.designs.CONV_OPTION_DEFAULTS` names them), to
+  decide an option.
 
 Both train on the same random batch (the input is not measured). Prints the median and 10th
 percentile of the step time of each and their ratio. Nothing in the test suite asserts a speed.
@@ -69,11 +71,11 @@ def _forms(config, variant):
   from training import optimizers  # pylint: disable=import-outside-toplevel
   backend = select_backend(config)
   module = model.get_model_module("neuron_inverter")
-  options = backend.model_options()
+  options = model.layer_forms(module, backend.hardware)[0]
   print("application options: %s" % options, flush=True)
 
-  def application(model_options):
-    network, _ = model.build_network(module, config, (1600, 4), 15, model_options)
+  def application(form):
+    network, _ = model.build_network(module, config, (1600, 4), 15, form)
     network.compile(optimizers.make_optimizer("adam", config.learning_rate), module.loss())
     optimizers.create_slots(network.optimizer, network.trainable_variables)
     return network
@@ -96,8 +98,9 @@ def main(argv):
   del argv
   from run_config import RunConfig  # pylint: disable=import-outside-toplevel
   from strategies import environment, start  # pylint: disable=import-outside-toplevel
-  config = RunConfig(model="neuron_inverter", design=FLAGS.design, backend="cpu", precision=FLAGS.precision,
-                     batch_size=FLAGS.batch_size, dropout=DESIGNS[FLAGS.design]["dropout"])
+  config = RunConfig(model="neuron_inverter", model_options={"design": FLAGS.design}, backend="cpu",
+                     precision=FLAGS.precision, batch_size=FLAGS.batch_size,
+                     dropout=DESIGNS[FLAGS.design]["dropout"])
   variant = _variant_overrides()  # a bad --variant is its error line before TensorFlow starts
   environment.prepare(config)
   start.import_tensorflow(config)

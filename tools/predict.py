@@ -86,6 +86,7 @@ def main(argv):
     import model  # pylint: disable=import-outside-toplevel
     data.check_named_files(model.get_model_info(config.model).dataset, config)  # as main.py: at once
     config, backend = start.start_backend(config)  # imports TensorFlow
+    config = model.settle_options(config, backend.hardware)  # a run's own file has them settled already
     from analysis import evaluation  # pylint: disable=import-outside-toplevel
     result = evaluation.evaluate_run(config, backend, split=FLAGS.split,
                                      max_samples=FLAGS.max_samples, outdir=FLAGS.outdir,

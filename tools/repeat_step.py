@@ -3,8 +3,8 @@
     python tools/repeat_step.py [--repeats=8000] [--replicas=4] [--batch_size=48]
 
 Runs the Neuron-Inverter step's forward pass, backward pass and sum over the replicas again and again,
-on the same weights and the same batch, as `main.py` places them on this CPU (the backend's replicas,
-threads and convolution forms, the first block's C++ kernel where it is built), and names every
+on the same weights and the same batch, as `main.py` places them on this CPU (the backend's replicas and
+threads, the model's convolution forms for it, the first block's C++ kernel where it is built), and names every
 gradient whose bits differ from the first repeat's (the replicas' sum, and each replica's own): how
 many of its elements, and by how much. Nothing is updated, so every repeat computes the same function
 of the same numbers; dropout is off.
@@ -63,6 +63,13 @@ def differing(names, first, now) -> list:
   return found
 
 
+def _layer_form(backend, config) -> dict:
+  """The built-in form of the model's layers on this backend's hardware (model.layer_forms), as main.py
+  trains with --autotune=off."""
+  import model  # pylint: disable=import-outside-toplevel
+  return model.layer_forms(model.get_model_module(config.model), backend.hardware)[0]
+
+
 def _step(backend, config):
   """The step as a tf.function of no arguments, returning the replica-summed gradients, then each
   replica's own, and their names."""
@@ -71,7 +78,7 @@ def _step(backend, config):
   module = model.get_model_module(config.model)
   tf.random.set_seed(config.seed)
   with backend.strategy.scope():
-    network, _ = model.build_network(module, config, (1600, 4), 15, backend.model_options())
+    network, _ = model.build_network(module, config, (1600, 4), 15, _layer_form(backend, config))
   rng = np.random.default_rng(config.seed)
   rows = config.batch_size * config.replicas
   batch = (rng.standard_normal((rows, 1600, 4), dtype=np.float32),
@@ -120,11 +127,11 @@ def main(argv):
   from strategies import environment, start  # pylint: disable=import-outside-toplevel
   from training import logs  # pylint: disable=import-outside-toplevel
   logs.setup()  # as main.py: the application's INFO lines, not the libraries' (one per reduced gradient)
-  config = RunConfig(model="neuron_inverter", design=FLAGS.design, backend="cpu", precision="32.32",
-                     replicas=FLAGS.replicas, batch_size=FLAGS.batch_size, dropout=0.0, autotune="off")
+  config = RunConfig(model="neuron_inverter", model_options={"design": FLAGS.design}, backend="cpu",
+                     precision="32.32", replicas=FLAGS.replicas, batch_size=FLAGS.batch_size, dropout=0.0, autotune="off")
   environment.prepare(config)
   config, backend = start.start_backend(config)
-  print("forms: %s" % backend.model_options(), flush=True)
+  print("forms: %s" % _layer_form(backend, config), flush=True)
   step, names = _step(backend, config)
   first = [grad.numpy() for grad in step()]
   cases, started = 0, time.perf_counter()

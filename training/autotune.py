@@ -1,7 +1,8 @@
-"""`--autotune`: time the backend's alternative forms of the convolutions and train with the fastest.
+"""`--autotune`: time the model's alternative forms of its layers and train with the fastest.
 
-Some of the hardware choices in strategies/ were measured on some CPUs and not on others (the backend
-lists them: `Backend.form_alternatives`). Every form computes the same function with the same weights,
+Some of a model's choices of the forms of its layers for the hardware were measured on some CPUs and
+not on others (the model lists the forms worth timing: `model.layer_forms`, e.g.
+model/neuron_inverter/cpu_forms.py). Every form computes the same function with the same weights,
 so which one is fastest can be measured on the machine itself, as cuDNN's autotuner times a GPU's
 convolution algorithms:
 - each form builds and compiles the run's model and trains it on the run's first training batch, over
@@ -52,11 +53,12 @@ FOLDER = "autotune"
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-  """The forms a run trains with and how they were chosen."""
-  forms: tuple                      # (field, value) pairs, as in Backend.form_alternatives
+  """The form a run trains with and how it was chosen."""
+  forms: tuple                      # the chosen form as timed and cached: (option, value) pairs (labels)
+  options: dict                     # the chosen form whole: the model builder's keyword options
   source: str                       # "measured" (this run timed them) or "cached" (an earlier run did)
-  seconds_per_step: dict            # describe(forms) -> median seconds per step, for each form timed
-  builtin: tuple                    # the backend's own choice (form_alternatives[0])
+  seconds_per_step: dict            # describe(label) -> median seconds per step, for each form timed
+  builtin: tuple                    # the model's own choice (the first alternative) as timed and cached
   path: Optional[str] = None        # the cache file
 
   @property
@@ -66,34 +68,49 @@ class Choice:
 
 
 def describe(forms) -> str:
-  """"pooling=maximum, kernel_grad_by_matmul=True, ..." for (field, value) pairs of conv_* fields,
-  the pooling first and the compiled first block last (an empty value, TensorFlow's ops, as "none")."""
-  ordered = sorted(forms, key=lambda pair: (pair[0] != "conv_pooling", pair[0] == "conv_first_block_library",
-                                            pair[0]))
-  return ", ".join("%s=%s" % (field[len("conv_"):] if field.startswith("conv_") else field,
-                              "none" if value == "" else value)
-                   for field, value in ordered)
+  """"pooling=maximum, kernel_grad_by_matmul=True, ..." for (option, value) pairs (`labels`), the pooling
+  first and the compiled first block last (an empty value, TensorFlow's ops, as "none")."""
+  ordered = sorted(forms, key=lambda pair: (pair[0] != "pooling", pair[0] == "first_block_library", pair[0]))
+  return ", ".join("%s=%s" % (name, "none" if value == "" else value) for name, value in ordered)
 
 
-def _distinct(backend: Backend, accepted: Callable[[dict], dict]) -> tuple:
-  """The alternatives that give the model different options (a model that ignores the convolution
-  options has nothing to time)."""
-  seen, distinct = set(), []
-  for forms in backend.form_alternatives:
-    options = tuple(sorted(accepted(backend.with_forms(forms).model_options()).items()))
-    if options not in seen:
-      seen.add(options)
-      distinct.append(forms)
+def labels(alternatives) -> tuple:
+  """Each of the `alternatives` (option dicts, the built-in first) as it is timed, described and
+  cached: its options in which the alternatives differ, as sorted (option, value) pairs. The options
+  they share (the compiled op's path among them) say nothing of the choice; an option that one form
+  alone changes from the built-in is named in that form only (it reads as the built-in but that),
+  unless no other option names the built-in."""
+  builtin = alternatives[0]
+  changed = {name: sum(forms.get(name) != builtin.get(name) for forms in alternatives)
+             for name in {name for forms in alternatives for name in forms}}
+  varying = {name for name, count in changed.items() if count}
+  everywhere = {name for name in varying if changed[name] > 1} or varying
+  return tuple(tuple(sorted((name, value) for name, value in forms.items()
+                            if name in everywhere or (name in varying and value != builtin.get(name))))
+               for forms in alternatives)
+
+
+def _names(alternatives) -> list:
+  """describe() of each alternative's label, in order."""
+  return [describe(label) for label in labels(alternatives)]
+
+
+def _distinct(forms) -> tuple:
+  """`forms` without repeats, in order."""
+  distinct = []
+  for options in forms:
+    if options not in distinct:
+      distinct.append(dict(options))
   return tuple(distinct)
 
 
-def alternatives_for(config: RunConfig, backend: Backend, accepted: Callable[[dict], dict]) -> tuple:
-  """The forms this run may choose between, or () for the built-in choice: --autotune=off, one
-  process of several (each would time, and choose, on its own), or a model the options do not change
-  (`accepted` keeps the options its builder takes)."""
+def alternatives_for(config: RunConfig, backend: Backend, forms) -> tuple:
+  """The forms this run may choose between (`forms`: model.layer_forms' option dicts, the built-in
+  first), or () for the built-in choice: --autotune=off, one process of several (each would time, and
+  choose, on its own), or a model with one form on this hardware."""
   if config.autotune == "off":
     return ()
-  alternatives = _distinct(backend, accepted) if backend.world_size == 1 else ()
+  alternatives = _distinct(forms) if backend.world_size == 1 else ()
   if len(alternatives) > 1:
     return alternatives
   if config.autotune == "on":
@@ -127,11 +144,11 @@ def cache_key(config: RunConfig, backend: Backend, batch_shape: dict, alternativ
   """What the timings depend on: the machine, TensorFlow, the network's code and the batches it trains
   on (`batch_shape`: e.g. {"global_batch": 192, "input_shape": [1600, 4], "outputs": 15}), and how
   the choice was timed (TIMING)."""
-  return {"machine": backend.machine_signature, "tensorflow": tf.__version__, "model_code": model_code_digest(),
+  return {"machine": backend.hardware.signature, "tensorflow": tf.__version__, "model_code": model_code_digest(),
           "backend": backend.kind, "precision": backend.precision.name, "jit_compile": backend.jit_compile,
-          "model": config.model, "design": config.design, "batch": dict(batch_shape),
+          "model": config.model, "model_options": model.option_values(config), "batch": dict(batch_shape),
           "replicas": backend.replicas, "gradient_accumulation": backend.gradient_accumulation,
-          "alternatives": [dict(forms) for forms in alternatives], "timing": TIMING}
+          "alternatives": [dict(label) for label in labels(alternatives)], "timing": TIMING}
 
 
 def cache_path(cache_dir: str, key: dict) -> str:
@@ -151,12 +168,19 @@ def read_cached(path: str, key: dict, alternatives) -> Optional[Choice]:
       raise ValueError("it was written for another machine, TensorFlow or model")
     forms = tuple(sorted(stored["chosen"].items()))
     timings = {str(name): float(seconds) for name, seconds in stored["seconds_per_step"].items()}
-    if forms not in alternatives or describe(alternatives[0]) not in timings or describe(forms) not in timings:
+    timed = labels(alternatives)
+    if forms not in timed or describe(timed[0]) not in timings or describe(forms) not in timings:
       raise ValueError("its choice is not one of this backend's forms")
   except (OSError, yaml.YAMLError, ValueError, KeyError, TypeError, AttributeError) as error:
     logging.warning("Ignoring the autotune cache %s (%s); timing the forms again", path, error)
     return None
-  return Choice(forms, "cached", timings, alternatives[0], path)
+  return _choice(alternatives, timed.index(forms), "cached", timings, path)
+
+
+def _choice(alternatives, index: int, source: str, seconds: dict, path: Optional[str]) -> Choice:
+  """The Choice of `alternatives[index]`."""
+  timed = labels(alternatives)
+  return Choice(timed[index], alternatives[index], source, seconds, timed[0], path)
 
 
 def _write(path: str, key: dict, choice: Choice) -> None:
@@ -198,17 +222,20 @@ def _window_medians(steps: list) -> list:
           for start in range(0, len(steps), WINDOW_STEPS)]
 
 
-def choose(alternatives, durations: dict) -> tuple:
-  """The forms to train with, given each one's step `durations` (measure()): the one with the shortest
+def choose(alternatives, durations: dict) -> dict:
+  """The form to train with, given each one's step `durations` (measure()): the one with the shortest
   median step if that is more than TOLERANCE below the built-in alternatives[0]'s and each of its
   windows was faster than the built-in's window of the same round; else the built-in."""
-  seconds = medians(durations)
-  fastest = min(alternatives, key=lambda forms: seconds[describe(forms)])
-  builtin = alternatives[0]
-  if seconds[describe(builtin)] <= seconds[describe(fastest)] * (1 + TOLERANCE):
-    return builtin
-  rounds = zip(_window_medians(durations[describe(fastest)]), _window_medians(durations[describe(builtin)]))
-  return fastest if all(challenger < incumbent for challenger, incumbent in rounds) else builtin
+  return alternatives[_chosen_index(alternatives, durations)]
+
+
+def _chosen_index(alternatives, durations: dict) -> int:
+  names, seconds = _names(alternatives), medians(durations)
+  fastest = min(range(len(names)), key=lambda index: seconds[names[index]])
+  if seconds[names[0]] <= seconds[names[fastest]] * (1 + TOLERANCE):
+    return 0
+  rounds = zip(_window_medians(durations[names[fastest]]), _window_medians(durations[names[0]]))
+  return fastest if all(challenger < incumbent for challenger, incumbent in rounds) else 0
 
 
 class _SharedVariables:
@@ -250,15 +277,15 @@ class _SharedVariables:
     self._next = 0
 
 
-def measure(backend: Backend, alternatives, build: Callable[[Backend], tf.keras.Model], batch) -> dict:
-  """The seconds of each timed training step of each alternative (describe() -> list, ROUNDS windows
-  of WINDOW_STEPS in round order), each training on `batch` (one element of the run's training
-  dataset) over and over."""
+def measure(backend: Backend, alternatives, build: Callable[[dict], tf.keras.Model], batch) -> dict:
+  """The seconds of each timed training step of each alternative (describe() of its label -> list,
+  ROUNDS windows of WINDOW_STEPS in round order), each built by `build(options)` and training on
+  `batch` (one element of the run's training dataset) over and over."""
   dataset = tf.data.Dataset.from_tensors(batch).repeat()
   shared, models = _SharedVariables(), []
   with backend.strategy.scope(), tf.variable_creator_scope(shared.creator):
-    for forms in alternatives:
-      models.append(build(backend.with_forms(forms)))
+    for options in alternatives:
+      models.append(build(options))
       shared.replay()  # the next build gets these variables
   timers = [_StepTimer() for _ in alternatives]
 
@@ -274,14 +301,15 @@ def measure(backend: Backend, alternatives, build: Callable[[Backend], tf.keras.
     order = range(len(alternatives))
     for index in (order if round_index % 2 == 0 else reversed(order)):
       train(index, WINDOW_STEPS)
-  return {describe(forms): list(timer.durations) for forms, timer in zip(alternatives, timers)}
+  return {name: list(timer.durations) for name, timer in zip(_names(alternatives), timers)}
 
 
-def tune(config: RunConfig, backend: Backend, alternatives, build: Callable[[Backend], tf.keras.Model],
+def tune(config: RunConfig, backend: Backend, alternatives, build: Callable[[dict], tf.keras.Model],
          batch_shape: dict, first_batch: Callable[[], object], total_steps: int) -> Optional[Choice]:
-  """The forms to train with, reported in the log: from the cache of an earlier run on this machine,
+  """The form to train with among `alternatives` (alternatives_for; `build(options)` builds and
+  compiles the model of one), reported in the log: from the cache of an earlier run on this machine,
   else timed now on `first_batch()` (one element of the run's training dataset) if a run of
-  `total_steps` training steps may spend the timing (`may_time`), else None (the built-in forms)."""
+  `total_steps` training steps may spend the timing (`may_time`), else None (the built-in form)."""
   key = cache_key(config, backend, batch_shape, alternatives)
   path = cache_path(config.cache_dir, key) if config.cache_dir else None
   choice = read_cached(path, key, alternatives) if path else None
@@ -289,7 +317,7 @@ def tune(config: RunConfig, backend: Backend, alternatives, build: Callable[[Bac
     choice = _measured(backend, alternatives, build, first_batch, key, path)
   if choice is None:
     logging.info("--autotune=auto: %d training steps, fewer than %d: the built-in convolution forms "
-                 "(%s)", total_steps, AUTOTUNE_MIN_STEPS, describe(alternatives[0]))
+                 "(%s)", total_steps, AUTOTUNE_MIN_STEPS, _names(alternatives)[0])
   else:
     print(report(choice), flush=True)
   return choice
@@ -308,11 +336,10 @@ def _measured(backend, alternatives, build, first_batch, key, path) -> Choice:
   # cycle collector frees: collected now, before the run builds its own model.
   gc.collect()
   seconds = medians(durations)
-  for forms in alternatives:
-    print("  %s: %.3f s per step%s" % (describe(forms), seconds[describe(forms)],
-                                       " (built-in)" if forms == alternatives[0] else ""), flush=True)
+  for index, name in enumerate(_names(alternatives)):
+    print("  %s: %.3f s per step%s" % (name, seconds[name], " (built-in)" if index == 0 else ""), flush=True)
   print("  timed in %.0f s" % (time.perf_counter() - started), flush=True)
-  choice = Choice(choose(alternatives, durations), "measured", seconds, alternatives[0], path)
+  choice = _choice(alternatives, _chosen_index(alternatives, durations), "measured", seconds, path)
   if path:
     _write(path, key, choice)
   return choice

@@ -42,6 +42,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+import model
 from errors import UserError
 from training import optimizers
 from training.checkpoint_names import BEST, INDEX_FILE, LAST
@@ -416,13 +417,17 @@ class CheckpointCallback(tf.keras.callbacks.Callback):
     return self.last_saved
 
 
-# What a checkpoint written before its identity held a key was made with.
-_IDENTITY_BEFORE_RECORDED = {"batch_norm_statistics": "moving"}
+def _saved_identity(state: dict, keys, model_name) -> dict:
+  """The values of `keys` that checkpoint `state` of model `model_name` was written with; a model option
+  its run did not record yet has the value such runs used (model.options `Option.before_recorded`)."""
+  before = model.before_recorded(model_name)
+  return {key: state.get(key, before.get(key)) for key in keys}
 
 
 def check_identity(path: str, state: dict, identity: dict) -> None:
+  saved_identity = _saved_identity(state, identity, identity.get("model"))
   for key, value in identity.items():
-    saved = state.get(key, _IDENTITY_BEFORE_RECORDED.get(key))
+    saved = saved_identity[key]
     if saved != value:
       raise UserError("--resume: %s was written with %s=%s, this run has %s=%s"
                       % (path, key, saved, key, value))
@@ -661,25 +666,29 @@ def _built_outputs(net: tf.keras.Model):
     return None
 
 
-def _network_named(model_name, design, outputs, batch_norm=None) -> str:
-  """E.g. `neuron_inverter dev (15 outputs)`."""
-  details = ["batch_norm_statistics=%s" % batch_norm] if batch_norm else []
+def _network_named(model_name, options: dict, outputs) -> str:
+  """E.g. `neuron_inverter (design=dev, batch_norm_statistics=moving, 15 outputs)`."""
+  details = ["%s=%s" % (key, value) for key, value in options.items()]
   details += ["%d outputs" % outputs] if outputs is not None else []
-  text = " ".join(str(part) for part in (model_name, design) if part)
-  return text + (" (%s)" % ", ".join(details) if details else "")
+  return str(model_name) + (" (%s)" % ", ".join(details) if details else "")
 
 
 def _check_same_network(path: str, state: dict, stored: dict, net: tf.keras.Model, identity: dict) -> None:
   """A UserError naming both networks unless checkpoint `path` holds one like `net` (its `identity`)."""
-  saved = {key: state.get(key, _IDENTITY_BEFORE_RECORDED.get(key)) for key in identity}
+  saved = _saved_identity(state, identity, identity.get("model"))
+  network_keys = [key for key in identity if key not in _TRAINING_KEYS + ("model",)]
   differ = [key for key in identity if key not in _TRAINING_KEYS and saved[key] != identity[key]]
   if "model" in differ:
-    differ = ["model"]  # the design and the rest follow from it
-  batch_norm = "batch_norm_statistics" in differ
-  there = _network_named(state.get("model"), saved.get("design"), _stored_outputs(stored),
-                         batch_norm and saved.get("batch_norm_statistics"))
-  here = _network_named(identity.get("model"), identity.get("design"), _built_outputs(net),
-                        batch_norm and identity.get("batch_norm_statistics"))
+    differ = ["model"]  # its options follow from it
+  # The checkpoint's own model's options, which are this run's unless the models differ.
+  there_keys = network_keys
+  if "model" in differ:
+    there_keys = model.identity_option_names(state.get("model")) or network_keys
+  there_options = _saved_identity(state, there_keys, state.get("model"))
+  there = _network_named(state.get("model"), {key: value for key, value in there_options.items()
+                                              if value is not None}, _stored_outputs(stored))
+  here = _network_named(identity.get("model"), {key: identity[key] for key in network_keys
+                                                if identity[key] is not None}, _built_outputs(net))
   prefix = "--init_from: %s holds the weights of %s; this run builds %s" % (path, there, here)
   if differ:
     raise UserError("%s: start from a run with the same %s" % (prefix, " and ".join("--" + key for key in differ)))

@@ -29,11 +29,7 @@ def run_hparams(config: RunConfig, global_batch_size: int) -> dict:
   values = {name: getattr(config, name) for name in _SETTINGS}
   values["global_batch_size"] = global_batch_size
   values["data"] = config.data_path or "built-in"
-  info = model.get_model_info(config.model)
-  if info.uses_design:
-    values["design"] = config.design
-  if info.has_batch_norm:
-    values["batch_norm_statistics"] = config.batch_norm_statistics
+  values.update(model.option_values(config))  # the model's own options (ModelInfo.options)
   return values
 
 

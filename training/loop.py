@@ -59,16 +59,18 @@ def prepare_logdir(logdir: str) -> None:
 
 
 def build_and_compile(config: RunConfig, backend: Backend, model_module, splits,
-                      checkpoint_format=None) -> tf.keras.Model:
+                      checkpoint_format=None, form: dict = None) -> tf.keras.Model:
   """Creates the model and its optimizer state inside the strategy scope, as tf.distribute requires.
-  A resumed run passes the optimizer family of its checkpoint as `checkpoint_format`.
+  A resumed run passes the optimizer family of its checkpoint as `checkpoint_format`; `form` is the
+  form of the model's layers (one of model.layer_forms; None: the built-in one for the backend's hardware).
 
   The backend prepares the model between building and compiling: pipeline stages and on-device
   gradient accumulation on IPUs, the accumulating train step on CPU/GPU.
   """
+  if form is None:
+    form = model.layer_forms(model_module, backend.hardware)[0]
   with backend.strategy.scope():
-    net, boundaries = model.build_network(model_module, config, splits.input_shape, splits.num_outputs,
-                                          backend.model_options())
+    net, boundaries = model.build_network(model_module, config, splits.input_shape, splits.num_outputs, form)
     net = backend.prepare_model(net, boundaries)
     optimizer = make_optimizer(config.optimizer, _learning_rate(config, backend, splits.train.steps),
                                backend.optimizer_factories(), checkpoint_format, weight_decay=config.weight_decay,
@@ -86,19 +88,20 @@ def _learning_rate(config: RunConfig, backend: Backend, steps_per_epoch: int):
   return optimizer_rate(config, backend.optimizer_steps(steps_per_epoch))
 
 
-def autotuned(config: RunConfig, backend: Backend, module, splits, total_steps: int) -> Backend:
-  """The backend with the convolution forms --autotune chose for this machine (training/autotune.py),
-  for a run of `total_steps` training steps on `splits`."""
-  alternatives = autotune.alternatives_for(
-      config, backend, lambda options: model.accepted_options(module.build, **options))
+def chosen_form(config: RunConfig, backend: Backend, module, splits, total_steps: int) -> tuple:
+  """(form, chosen_by): the form of the model's layers to train with (model.layer_forms for the
+  backend's hardware) and how it was chosen: "built-in", or "measured" or "cached" by --autotune
+  (training/autotune.py), for a run of `total_steps` training steps on `splits`."""
+  forms = model.layer_forms(module, backend.hardware)
+  alternatives = autotune.alternatives_for(config, backend, forms)
   if not alternatives:
-    return backend
+    return forms[0], "built-in"
   batch_shape = {"global_batch": backend.effective_batch(config.batch_size),
                  "input_shape": list(splits.input_shape), "outputs": splits.num_outputs}
   choice = autotune.tune(config, backend, alternatives,
-                         lambda variant: build_and_compile(config, variant, module, splits), batch_shape,
-                         lambda: next(iter(splits.train.dataset.take(1))), total_steps)
-  return backend if choice is None else backend.with_forms(choice.forms, choice.source)
+                         lambda options: build_and_compile(config, backend, module, splits, form=options),
+                         batch_shape, lambda: next(iter(splits.train.dataset.take(1))), total_steps)
+  return (forms[0], "built-in") if choice is None else (choice.options, choice.source)
 
 
 def write_test_scalars(logdir: str, results: dict, step: int) -> None:
@@ -111,20 +114,22 @@ def write_test_scalars(logdir: str, results: dict, step: int) -> None:
 
 
 def _identity(config: RunConfig) -> dict:
-  """What a checkpoint must match to be resumed by this run (weights, optimizer slots, schedule)."""
-  info = model.get_model_info(config.model)
-  identity = {"model": config.model, "design": config.design if info.uses_design else None,
-              "optimizer": config.optimizer, "learning_rate": config.learning_rate}
-  if info.has_batch_norm:  # the weights differ: moving statistics or none
-    identity["batch_norm_statistics"] = config.batch_norm_statistics
-  return identity
+  """What a checkpoint must match to be resumed by this run (weights, optimizer slots, schedule): the
+  model, its options that shape the weights (model.identity_options), the optimizer and its rate."""
+  return {"model": config.model, **model.identity_options(config), "optimizer": config.optimizer,
+          "learning_rate": config.learning_rate}
 
 
 def _batch_layout(config: RunConfig, backend: Backend) -> dict:
   """What one step of an epoch consumes: a mid-epoch resume skips steps, which must mean the same. A
   step is one optimizer update on CPU/GPU, one micro-batch per replica on IPUs (rows_per_step)."""
   return {"global_batch": backend.effective_batch(config.batch_size), "replicas": backend.replicas,
-          "rows_per_step": backend.layout(config.batch_size).step_rows}
+          "rows_per_step": _layout(config, backend).step_rows}
+
+
+def _layout(config: RunConfig, backend: Backend):
+  """The backend's batch layout for this run's micro-batch and network (model.batch_dependent)."""
+  return backend.layout(config.batch_size, model.batch_dependent(config))
 
 
 def _describe_layout(layout: dict) -> str:
@@ -471,17 +476,17 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
                  config.logdir, _epochs(resume_state["epoch"]))
     return summary_lib.read_summary(outdir)
   global_batch_size = backend.effective_batch(config.batch_size)
-  splits = data.load(info.dataset, config, backend.layout(config.batch_size), resume_state["epoch"])
+  splits = data.load(info.dataset, config, _layout(config, backend), resume_state["epoch"])
   if config.resume:  # after the data's own checks, whose errors say more of a file than that it differs
     check_same_data(config)
     _check_resumed_step(config, resume_state, splits.train.steps)
   module = model.get_model_module(config.model)
-  backend = autotuned(config, backend, module, splits,
-                      splits.train.steps * max(config.epochs - resume_state["epoch"], 0))
+  form, form_chosen_by = chosen_form(config, backend, module, splits,
+                                     splits.train.steps * max(config.epochs - resume_state["epoch"], 0))
   set_seeds(config.seed)  # the initial weights do not depend on whether the forms were timed
-  net = build_and_compile(config, backend, module, splits, resume_state.get("optimizer_format"))
+  net = build_and_compile(config, backend, module, splits, resume_state.get("optimizer_format"), form)
   _print_model(net, module)
-  _log_training_setup(config, backend, info, global_batch_size, splits.train.steps)
+  _log_training_setup(config, backend, global_batch_size, splits.train.steps)
 
   # --- Checkpoints, resume, callbacks -----------------------------------------------------------------
   schedule, checkpointing = _make_checkpointing(config, backend, net, outdir)
@@ -529,7 +534,7 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
     flag.phase = "finishing_before_report" if config.predict else "finishing"
     summary = summary_lib.build_summary(
         config, backend, info, splits, history, test_results, test_epoch, throughput, checkpointing,
-        global_batch_size=global_batch_size,
+        global_batch_size=global_batch_size, layer_forms=(form, form_chosen_by),
         first_epoch=resume_state["epoch"] + 1 if history else None,
         wall_seconds=time.perf_counter() - started, fit_seconds=fit_seconds,
         weights_sha256=checkpoints_lib.weights_digest(net), tensorflow_version=tf.__version__,
@@ -557,21 +562,17 @@ def _print_model(net, module) -> None:
   # its default 65 characters, "batch_norm (BatchNormalization)" wrapped (or, on Keras 2.6, was cut).
   net.summary(line_length=80)
   note = module.summary_note(net) if hasattr(module, "summary_note") else None
-  if note:
-    logging.info(note)
+  for line in (note or "").splitlines():
+    logging.info(line)
 
 
-def _log_training_setup(config: RunConfig, backend: Backend, info, global_batch_size: int,
+def _log_training_setup(config: RunConfig, backend: Backend, global_batch_size: int,
                         steps_per_epoch: int) -> None:
   """The batch layout, and the settings a user may not expect, before the first step."""
   logging.info("Global batch %d = %d per replica x %d gradient accumulation x %d replica%s; "
                "%d optimizer steps per epoch", global_batch_size, config.batch_size,
                backend.gradient_accumulation, backend.replicas, "" if backend.replicas == 1 else "s",
                backend.optimizer_steps(steps_per_epoch))
-  if info.has_batch_norm and config.batch_norm_statistics == "batch":
-    logging.info("Batch normalisation by each batch's own statistics, in evaluation and prediction too "
-                 "(--batch_norm_statistics=batch, the reference's IPU model; auto chooses it for pipelined "
-                 "IPU training, which cannot update moving statistics)")
   problem = warmup_problem(config.warmup_epochs, config.epochs, config.lr_schedule)
   if problem:
     logging.warning(problem)

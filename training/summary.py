@@ -31,14 +31,15 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
                   throughput, checkpointing, *, global_batch_size: int, first_epoch: int,
                   wall_seconds: float, fit_seconds: float, weights_sha256: str,
                   tensorflow_version: str, keras_policy: str = None, total_seconds: float = None,
-                  stops: dict = None, init_from: dict = None) -> dict:
+                  stops: dict = None, init_from: dict = None, layer_forms: tuple = ({}, "built-in")) -> dict:
   """The summary of a finished run, from its parts: what summary.yaml holds (REQUIRED_KEYS and more).
   `history` is this invocation's epochs; a resume that only tested (its run stopped after the last
   epoch) has none, and the last losses and rate are then the last epoch's from the checkpoint.
   summary.yaml's `history` is the whole run's, every epoch since the first across resumes (its `epoch`
   list, 1-based); `first_epoch` says where this invocation began. `stops`: how training ended early
   (`stopped_early`, `time_to_target_seconds` and its kin, training/stopping.py), `init_from`: where the
-  starting weights came from."""
+  starting weights came from, `layer_forms`: (form, chosen_by), the form of the model's layers trained
+  with (forms_record)."""
   full_history = _full_history(checkpointing.epoch_logs)
   last = history if history.get("loss") else full_history
   rate = throughput.samples_per_sec_per_replica
@@ -51,7 +52,7 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
       "gradient_accumulation": backend.gradient_accumulation,
       "precision": backend.precision.name,
       "keras_policy": keras_policy,  # the Keras mixed-precision policy that --precision became here
-      **backend.forms_record(),
+      **forms_record(*layer_forms),
       "epochs": config.epochs,
       "first_epoch": first_epoch,
       "steps_per_epoch": splits.train.steps,
@@ -79,14 +80,14 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
       "final_lr": _last(last, "lr"),
       "data_source": splits.source,
       "devices": list(backend.devices),
-      "machine": backend.machine_signature or None,  # the CPU behind the figures above (CPU backend)
+      "machine": backend.hardware.signature or None,  # the CPU behind the figures above (CPU backend)
       "rank": backend.rank,
       "world_size": backend.world_size,
       "weights_sha256": weights_sha256,
       "tensorflow_version": tensorflow_version,
       "init_from": init_from,
       **(stops or {}),
-      "params": config.as_dict(),
+      "params": recorded_settings(config),
       "history": full_history,
   }
   summary.update(splits.summary_extras)
@@ -94,6 +95,12 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
     summary["train_accuracy"] = _last(history, "accuracy")
     summary["test_accuracy"] = float(test_results["accuracy"]) if "accuracy" in test_results else None
   return summary
+
+
+def forms_record(form: dict, chosen_by: str) -> dict:
+  """The form of the model's layers a run trained with (model.layer_forms: the builder's options) and how
+  it was chosen ("built-in", or "measured" or "cached" by --autotune), as summaries record them."""
+  return {"layer_forms": dict(form), "layer_forms_chosen_by": chosen_by}
 
 
 def _last(history: dict, key: str):
@@ -371,7 +378,13 @@ def write_run_config(logdir: str, config) -> str:
   summary.yaml records the same under `params`, but only when training ends: this file lets
   `tools/predict.py` evaluate a run that is still going or was cut short, without repeating its flags.
   """
-  return write_yaml(os.path.join(logdir, RUN_CONFIG_FILE), config.as_dict())
+  return write_yaml(os.path.join(logdir, RUN_CONFIG_FILE), recorded_settings(config))
+
+
+def recorded_settings(config) -> dict:
+  """Every setting of `config` under its flag's name, each of its model's options included (a config made
+  directly, not from the flags, may leave some to their defaults)."""
+  return dict(config.as_dict(), **model.option_values(config))
 
 
 def read_run_config(logdir: str) -> dict:

@@ -7,8 +7,8 @@ monotonic), so the result is the same bit for bit, while the bias add, its gradi
 step in bfloat16, because oneDNN does not fuse a bias into a Conv1D (Keras runs it as a Conv2D between
 an ExpandDims and a Squeeze).
 
-Further options change how the same function is computed; the backend chooses them, because
-which is faster depends on the processor's kernels:
+Further options change how the same function is computed; cpu_forms.py chooses them for the hardware,
+because which is faster depends on the processor's kernels:
 - `channel_multiple`: the kernel is zero-padded so that the block's output channel count is a multiple
   of it (and its input count matches the padded block before it; the network's 4 input probes are not
   widened). Only where that adds at most a quarter more channels: padding the small `dev` design's 4
@@ -191,7 +191,7 @@ class PooledConv1D(tf.keras.layers.Layer):
     self._kernel_grad_by_matmul = (self.kernel_grad_by_matmul
                                    and self.kernel_size * incoming >= MATMUL_MIN_COLUMNS)
     self._output_padding = self.output_channels - self.filters
-    # The op computes float32 only, without padding channels, and only some sizes (the backend asks for
+    # The op computes float32 only, without padding channels, and only some sizes (cpu_forms.py asks for
     # it in float32 only).
     self._by_library = bool(self.library) and self.compute_dtype == "float32" and not (
         self._input_padding or self._output_padding) and conv_pool_op.computes(

@@ -1,5 +1,5 @@
 """The first conv block as one CPU op: relu(maxpool(conv1d(x, kernel)) + bias) and its gradients,
-from model/neuron_inverter/kernels/conv_pool1d.cc (compiled for this machine by strategies/cpu_kernels.py).
+from model/neuron_inverter/kernels/conv_pool1d.cc (compiled for this machine by kernel_build.py).
 
 It computes the function of PooledConv1D's other forms, with the same first-maximum rule on ties,
 up to the order of the 16 multiply-adds in each conv value. It gives no gradient for its input, so

@@ -25,8 +25,8 @@ DESIGNS = {
 }
 
 # The convolution options the model builder takes (model/neuron_inverter/conv_layers.py), each with the value it has
-# when no backend asks otherwise, so that a tool can check an option's name and type
-# before TensorFlow starts; strategies/backend.py's model_options() gives every one of them.
+# where no measured form applies (GPUs, IPUs), so that a tool can check an option's name and type before
+# TensorFlow starts; every form of cpu_forms.py gives each of them.
 CONV_OPTION_DEFAULTS = {
     "channel_multiple": 1,
     "input_grad_by_forward_conv": False,

@@ -12,10 +12,11 @@ defaults would (`model.initializers`).
 Pipeline stages: the CNN block and the fully connected head (`STAGE_BOUNDARIES` names the first layer
 of each later stage). Where they run is the backend's business.
 
-Training builds each conv block as one `model.neuron_inverter.conv_layers.PooledConv1D`: the same function and the same
-weights, computed faster, with the backend's convolution options. `standard_layers=True` builds the
+Training builds each conv block as one `conv_layers.PooledConv1D`: the same function and the same weights,
+computed faster, in the form `cpu_forms.forms` picks for the hardware. `standard_layers=True` builds the
 plain Keras form of the reference (Conv1D, MaxPooling1D, ReLU layers), which the tests and
-`tools/benchmark_forms.py` hold the fast blocks against.
+`tools/benchmark_forms.py` hold the fast blocks against. The model's own options (`design`,
+`batch_norm_statistics`) are declared in `options.py`.
 """
 
 from typing import Optional
@@ -25,7 +26,10 @@ import tensorflow as tf
 from errors import UserError
 from model import initializers
 from model.neuron_inverter.conv_layers import LeadingChannels, PooledConv1D
+from model.neuron_inverter.cpu_forms import forms  # noqa: F401  pylint: disable=unused-import  (model.layer_forms)
+from model import options as options_lib
 from model.neuron_inverter.designs import DESIGNS
+from model.neuron_inverter.options import OPTIONS
 from model.normalization import BatchStatisticsNormalization
 from run_config import RunConfig
 
@@ -59,7 +63,7 @@ def _conv_blocks(x, design, standard_layers, pooling, phases_max_in_channels, fi
 def _batch_norm(statistics: str) -> tf.keras.layers.Layer:
   """The reference's BatchNorm1d on the flattened features: moving statistics for evaluation (its GPU
   model; PyTorch's momentum 0.1 is Keras' 0.9, eps 1e-5), or each batch's own (its IPU model). Every run
-  has "auto" settled by strategies.select.resolve; a config made directly (tests) builds Keras' layer."""
+  has "auto" settled (model.settle_options); a config made directly (tests) builds Keras' layer."""
   if statistics == "batch":
     return BatchStatisticsNormalization(epsilon=1e-5, name="batch_norm")
   return tf.keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name="batch_norm")
@@ -76,21 +80,22 @@ def min_time_bins(design: dict) -> int:
 def build(config: RunConfig, input_shape=(1600, 4), num_outputs=15, channel_multiple=1,
           input_grad_by_forward_conv=False, kernel_grad_by_matmul=False, pooling="max_pool",
           phases_max_in_channels=0, first_block_library="", standard_layers=False) -> tf.keras.Model:
-  """Builds the (uncompiled) model of design `config.design` for samples of `input_shape`.
+  """Builds the (uncompiled) model of the `design` option (options.py) for samples of `input_shape`.
 
   `channel_multiple`, `input_grad_by_forward_conv`, `kernel_grad_by_matmul`, `pooling`,
-  `phases_max_in_channels` and `first_block_library` are the backend's convolution options (see
-  `model.neuron_inverter.conv_layers`: blocks with at most `phases_max_in_channels` real input channels pool by
-  phases, the others by `pooling`; the first block, whose input is the data, runs as the compiled op
-  at `first_block_library` where one is given);
+  `phases_max_in_channels` and `first_block_library` are the form of the conv blocks (cpu_forms.py; see
+  conv_layers.py: blocks with at most `phases_max_in_channels` real input channels pool by phases, the
+  others by `pooling`; the first block, whose input is the data, runs as the compiled op at
+  `first_block_library` where one is given);
   `standard_layers` builds the plain Keras layers instead, without options.
   """
-  design = DESIGNS[config.design]
+  values = options_lib.values(OPTIONS, config.model_options)
+  design = DESIGNS[values["design"]]
   layers = tf.keras.layers
   time_bins, probes = input_shape
   if time_bins < min_time_bins(design):
     raise UserError("--design=%s needs frames of at least %d time bins; the data has %d time bins"
-                    % (config.design, min_time_bins(design), time_bins))
+                    % (values["design"], min_time_bins(design), time_bins))
   inputs = layers.Input(shape=input_shape, name="frames")
   x = layers.Reshape((probes, time_bins), name="reference_reshape")(inputs)  # reshape, not transpose
   x = layers.Permute((2, 1), name="channels_last")(x)
@@ -98,7 +103,7 @@ def build(config: RunConfig, input_shape=(1600, 4), num_outputs=15, channel_mult
                    channel_multiple=channel_multiple, input_grad_by_forward_conv=input_grad_by_forward_conv,
                    kernel_grad_by_matmul=kernel_grad_by_matmul)
   x = layers.Flatten(name="flatten")(x)
-  x = _batch_norm(config.batch_norm_statistics)(x)
+  x = _batch_norm(values["batch_norm_statistics"])(x)
   for i, dim in enumerate(design["fc_dims"], start=1):
     x = layers.Dense(dim, activation="relu", name="fc%d" % i, kernel_initializer=initializers.kernel(),
                      bias_initializer=initializers.bias(int(x.shape[-1])))(x)
@@ -107,20 +112,26 @@ def build(config: RunConfig, input_shape=(1600, 4), num_outputs=15, channel_mult
   outputs = layers.Dense(num_outputs, dtype="float32", name="conductances",
                          kernel_initializer=initializers.kernel(),
                          bias_initializer=initializers.bias(int(x.shape[-1])))(x)
-  return tf.keras.Model(inputs, outputs, name="neuron_inverter_" + config.design)
+  return tf.keras.Model(inputs, outputs, name="neuron_inverter_" + values["design"])
 
 
 def summary_note(net: tf.keras.Model) -> Optional[str]:
-  """A line for under the model summary when the conv blocks carry padding channels, so that their
-  widths there (32 / 96 / 192 for ontra4's 30 / 90 / 180 filters) are not read as another network."""
+  """Lines for under the model summary: where the conv blocks carry padding channels, so that their
+  widths there (32 / 96 / 192 for ontra4's 30 / 90 / 180 filters) are not read as another network; and
+  where the batch normalisation uses each batch's own statistics, which a user may not expect."""
+  notes = []
   blocks = [layer for layer in net.layers if isinstance(layer, PooledConv1D)]
-  if all(block.output_channels == block.filters for block in blocks):
-    return None
-  return ("%s: %s channels = the design's %s filters + zero padding to multiples of %d (fastest for "
-          "this backend's kernels); conv_channels drops the padding, and the parameter count is the design's"
-          % (", ".join(block.name for block in blocks),
-             " / ".join(str(block.output_channels) for block in blocks),
-             " / ".join(str(block.filters) for block in blocks), blocks[0].channel_multiple))
+  if any(block.output_channels != block.filters for block in blocks):
+    notes.append("%s: %s channels = the design's %s filters + zero padding to multiples of %d (fastest for "
+                 "this backend's kernels); conv_channels drops the padding, and the parameter count is the "
+                 "design's" % (", ".join(block.name for block in blocks),
+                               " / ".join(str(block.output_channels) for block in blocks),
+                               " / ".join(str(block.filters) for block in blocks), blocks[0].channel_multiple))
+  if any(isinstance(layer, BatchStatisticsNormalization) for layer in net.layers):
+    notes.append("Batch normalisation by each batch's own statistics, in evaluation and prediction too "
+                 "(--batch_norm_statistics=batch, the reference's IPU model; auto chooses it for pipelined "
+                 "IPU training, which cannot update moving statistics)")
+  return "\n".join(notes) or None
 
 
 def loss():

@@ -131,13 +131,13 @@ def test_benchmark_trains_with_the_forms_the_autotune_chose_and_times_them_once(
                           text=True, timeout=300, env=shell_environment())
   assert_no_start_up_lines(result.stderr)   # the tool's own TensorFlow, as main.py's
   row = json.load(open(out))["precisions"]["32.32"]["dev"]
-  assert [run["conv_forms_chosen_by"] for run in row["train_rounds"]] == ["measured", "cached"]
+  assert [run["layer_forms_chosen_by"] for run in row["train_rounds"]] == ["measured", "cached"]
   # The table says how the run came by its forms, whichever round is the row's median.
   assert "32.32 dev convolution" in line_naming(result.stdout, "forms (measured)")
   assert line_naming(result.stdout, "32.32 dev by round").endswith(" ours %s / %s samples/s" % tuple(
       "{:,.0f}".format(run["samples_per_sec"]) for run in row["train_rounds"]))
   assert len(os.listdir(cache / "autotune")) == 1
-  assert row["train_rounds"][0]["conv_forms"] == row["train_rounds"][1]["conv_forms"]
+  assert row["train_rounds"][0]["layer_forms"] == row["train_rounds"][1]["layer_forms"]
 
 
 def test_benchmark_refuses_jit_compile_over_several_replicas_before_measuring():

@@ -74,13 +74,14 @@ def test_another_network_is_one_error_line_naming_both(run_a, contiguous_data_fi
   logdir = str(tmp_path / "other")
   if other == "design":
     flags = (*RUN_FLAGS, "--design=ontra4", "--data_path=" + contiguous_data_file, "--init_from=" + run_a)
-    fragments = ("--init_from: ", "dev (15 outputs)", "ontra4 (15 outputs)", "--design")
+    fragments = ("--init_from: ", "(design=dev,", "(design=ontra4,", "--design")
   else:  # a checkpoint named by its path
     best = os.path.join(run_a, "checkpoints", "best")
     with open(os.path.join(best, "checkpoint")) as f:
       name = f.readline().split('"')[1]
     flags = ("--model=mnist", "--backend=cpu", "--steps_per_epoch=1", "--init_from=" + os.path.join(best, name))
-    fragments = ("--init_from: " + os.path.join(best, name), "neuron_inverter dev", "mnist (10 outputs)", "--model")
+    fragments = ("--init_from: " + os.path.join(best, name), "neuron_inverter (design=dev,", "mnist (10 outputs)",
+                 "--model")
   result = run_main(*flags, "--epochs=1", "--logdir=" + logdir)
   assert result.returncode == 1
   assert_one_line_error(result, *fragments)

@@ -166,7 +166,7 @@ def test_autotune_times_the_forms_once_then_reads_them_and_leaves_the_initial_we
     runs[name].summary = _summary(logdir)
   timed, cached, off = runs["timed"], runs["cached"], runs["off"]
   # A fifth form where this machine compiled the first block's op: the built-in forms without it.
-  compiled = bool(off.summary["conv_forms"].get("first_block_library"))
+  compiled = bool(off.summary["layer_forms"].get("first_block_library"))
   assert_names(line_naming(timed.stdout, "Autotune: timing"), "%d forms" % (4 + compiled), "this CPU")
   assert timed.stdout.count(" s per step") == 4 + compiled and "(built-in)" in timed.stdout
   assert ("first_block_library=none: " in timed.stdout) == compiled
@@ -178,9 +178,9 @@ def test_autotune_times_the_forms_once_then_reads_them_and_leaves_the_initial_we
   assert "Autotune" not in off.stdout
   stored = os.listdir(os.path.join(cache, "autotune"))
   assert len(stored) == 1 and "timings in %s" % os.path.join(cache, "autotune", stored[0]) in timed.stdout
-  assert [run.summary["conv_forms_chosen_by"] for run in (timed, cached, off)] == ["measured", "cached",
+  assert [run.summary["layer_forms_chosen_by"] for run in (timed, cached, off)] == ["measured", "cached",
                                                                                    "built-in"]
-  assert timed.summary["conv_forms"] == cached.summary["conv_forms"]
+  assert timed.summary["layer_forms"] == cached.summary["layer_forms"]
   assert timed.summary["machine"] == cpu.machine_signature()  # the CPU its step times were measured on
   # Every form computes the same function: from the same initial weights the losses agree to rounding.
   for key in ("train_loss", "val_loss"):

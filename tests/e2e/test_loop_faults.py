@@ -333,7 +333,7 @@ def test_nan_loss_keeps_the_last_good_checkpoint(tmp_path, data_file, monkeypatc
   from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
   from training import loop  # pylint: disable=import-outside-toplevel
   logdir = str(tmp_path / "run")
-  config = RunConfig(model="neuron_inverter", design="dev", backend="cpu", batch_size=8,
+  config = RunConfig(model="neuron_inverter", model_options={"design": "dev"}, backend="cpu", batch_size=8,
                      learning_rate=1e-3, optimizer="adam", data_path=data_file, logdir=logdir, epochs=3,
                      warmup_epochs=1, steps_per_epoch=8, eval_steps=2)
   with_first_callback(monkeypatch, _PoisonAtEpoch(1))

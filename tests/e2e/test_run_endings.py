@@ -48,7 +48,7 @@ def signal_handlers():
 
 def _config(data_file, logdir, **changes):
   return dataclasses.replace(
-      RunConfig(model="neuron_inverter", design="dev", backend="cpu", batch_size=8, learning_rate=1e-3,
+      RunConfig(model="neuron_inverter", model_options={"design": "dev"}, backend="cpu", batch_size=8, learning_rate=1e-3,
                 optimizer="adam", data_path=data_file, logdir=logdir, epochs=2, warmup_epochs=1,
                 steps_per_epoch=8, eval_steps=2, dropout=0.0, seed=5),
       **changes)

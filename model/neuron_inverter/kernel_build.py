@@ -1,9 +1,9 @@
-"""The model's own C++ CPU kernel (model/neuron_inverter/kernels/conv_pool1d.cc), compiled for this machine.
+"""The build of the Neuron-Inverter's C++ CPU kernel (kernels/conv_pool1d.cc beside this file) for this machine.
 
 The first conv block of the Neuron-Inverter spends its time on memory with TensorFlow's ops (its
 full-resolution output is written and read about five times a step); the kernel keeps that output in
 registers. It is compiled against the TensorFlow that runs it (headers and flags from tf.sysconfig)
-with AVX2 and FMA code, so the backend uses it only on CPUs that have both.
+with AVX2 and FMA code, so the model's forms (cpu_forms.py) use it only on CPUs that have both.
 
 The library goes to <KERNEL_CACHE>/<digest>/ (run_config.KERNEL_CACHE), the digest covering the
 source, TensorFlow and the compiler command, so later runs load it (the build takes 6-13 s,
@@ -26,9 +26,8 @@ from absl import logging
 from host import atomic_files
 from model.neuron_inverter import conv_pool_op
 
-SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model", "neuron_inverter", "kernels",
-                      "conv_pool1d.cc")
-# The CPU features the compiled code uses: the backend checks them (cpu.fuses_first_block).
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels", "conv_pool1d.cc")
+# The CPU features the compiled code uses (_CODE_FLAGS): cpu_forms.fuses_first_block checks them.
 CPU_FEATURES = ("avx2", "fma")
 _CODE_FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-Wno-deprecated-declarations")
 BUILD_SECONDS = 300  # a build that takes longer is stuck
