@@ -35,16 +35,15 @@ def plain_copy(net: tf.keras.Model, config: RunConfig, input_shape, num_outputs,
                model_options=None) -> tf.keras.Model:
   """The same network rebuilt outside any strategy (and any IPU layer swap), with `net`'s weights.
 
-  It is built with the `model_options` `net` was built with (the backend's) and under the global
-  precision policy in effect, the one `net` was built under, so it computes exactly as `net` does
-  (but for the compiled first-block op, which it leaves out: its sums round in another order).
+  It is built with the form `net` was built with (`model_options`, model.layer_forms) but for the model
+  module's `SAVED_MODEL_FORM` (options a SavedModel needs: the Neuron-Inverter leaves its compiled op out,
+  which would load only beside its library), under the global precision policy in effect, the one `net`
+  was built under, so it computes as `net` does.
   """
-  # Without the compiled first-block op: a SavedModel holding it would load only beside its library.
-  # TensorFlow's ops compute the same block, to float32 rounding (relative 1e-6).
-  options = dict(model_options or {}, first_block_library="")
+  module = model_registry.get_model_module(config.model)
+  options = dict(model_options or {}, **getattr(module, "SAVED_MODEL_FORM", {}))
   with tf.distribute.get_strategy().scope():  # the default strategy: plain, single-device variables
-    plain, _ = model_registry.build_network(model_registry.get_model_module(config.model), config,
-                                            input_shape, num_outputs, options)
+    plain, _ = model_registry.build_network(module, config, input_shape, num_outputs, options)
   plain.set_weights(net.get_weights())
   return plain
 

@@ -19,10 +19,12 @@ Adding a model: one module here, one entry in `MODELS` (and, for new data, one l
     on the machine (`--autotune`, training/autotune.py); without it `({},)` (`layer_forms`). The
     Neuron-Inverter's are `model/neuron_inverter/cpu_forms.py`'s;
   - `loss()` and `metrics()` for `compile`;
-  - optionally `summary_note(net) -> str or None`, a line logged under the model summary (the
-    Neuron-Inverter's explains padded layer widths);
+  - optionally `summary_note(net) -> str or None`, lines logged under the model summary (the
+    Neuron-Inverter's explain padded layer widths and batch statistics);
   - optionally `STAGE_BOUNDARIES`, the names of the first layers of pipeline stages 2, 3, ... (IPU
-    pipelining and sharding split the model there; without it the model runs as one stage).
+    pipelining and sharding split the model there; without it the model runs as one stage);
+  - optionally `SAVED_MODEL_FORM`, form options that an exported SavedModel is built with
+    (analysis/export.py), where a form of training's would not load elsewhere.
 - The output layer is built with `dtype="float32"`, so that under mixed precision the loss is computed
   at full precision.
 - The `ModelInfo` entry names the module, its dataset (a key of `data.DATASETS`: a loader module with

@@ -34,6 +34,10 @@ from model.normalization import BatchStatisticsNormalization
 from run_config import RunConfig
 
 STAGE_BOUNDARIES = ("flatten",)
+# The form options of an exported SavedModel (analysis/export.py): without the compiled first-block op, whose
+# library would have to travel with it; TensorFlow's ops compute the same block, to float32 rounding
+# (relative 1e-6).
+SAVED_MODEL_FORM = {"first_block_library": ""}
 
 
 def _standard_conv_block(x, index, filters, kernel, pool):
