@@ -72,7 +72,7 @@ def train_and_evaluate(config, dated_logdir: bool = False, then_exit: bool = Fal
       print(intro + summary_lib.interrupted_report(sys.argv, config.logdir, config.epochs, backend.world_size),
             flush=True)
   try:
-    summary = run(config, backend, process_started=STARTED)
+    summary = run(config, backend, process_started=STARTED, command_line=sys.argv)
   except TrainingInterrupted:
     print_how_to_continue()
     raise

@@ -162,7 +162,8 @@ def _saved_run(tmp_path, drop=(), **edits):
   """A run folder whose run_config.yaml is a real one, with the keys `drop` removed and `edits` set."""
   logdir = str(tmp_path / "run")
   os.makedirs(logdir)
-  path = write_run_config(logdir, RunConfig(model="neuron_inverter", model_options={"design": "dev"}, logdir=logdir))
+  path = write_run_config(logdir, RunConfig(model="neuron_inverter", model_options={"design": "dev"}, logdir=logdir),
+                          command_line=["main.py", "--model=neuron_inverter", "--design=dev"])
   with open(path) as f:
     saved = yaml.safe_load(f)
   saved.update(edits)
@@ -192,6 +193,17 @@ def test_a_run_config_without_its_model_is_refused(tmp_path, edit, said):
   with pytest.raises(UserError, match="^%s: model is %s" % (path, said)) as caught:
     load_run_config(logdir)
   assert_names(caught.value, "mnist|neuron_inverter")
+
+
+def test_a_run_config_records_the_settled_options_and_the_command_as_typed(tmp_path, caplog):
+  """Every option of the model, defaults included, and the arguments as typed, which is no setting."""
+  logdir, path = _saved_run(tmp_path)
+  with open(path) as f:
+    saved = yaml.safe_load(f)
+  assert saved["command_line"] == ["main.py", "--model=neuron_inverter", "--design=dev"]
+  assert (saved["design"], saved["batch_norm_statistics"]) == ("dev", "auto")
+  caplog.set_level("WARNING", logger="absl")
+  assert load_run_config(logdir).model_options["design"] == "dev" and not caplog.records
 
 
 def test_unknown_and_missing_keys_of_a_run_config_are_named_in_warnings(tmp_path, caplog):

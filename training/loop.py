@@ -397,10 +397,11 @@ def end_interrupted_fit(callbacks) -> None:
         logging.warning("Could not close the TensorBoard writers: %s", error)
 
 
-def run(config: RunConfig, backend: Backend, process_started: float = None) -> dict:
+def run(config: RunConfig, backend: Backend, process_started: float = None, command_line=None) -> dict:
   """Trains and tests `config.model` on `backend`; returns the summary also written to summary.yaml.
   `process_started`: the process's start on time.monotonic()'s clock (main.py), for the total time and
-  the time to a --target_loss; default: now."""
+  the time to a --target_loss; default: now. `command_line`: the arguments as typed (main.py's sys.argv),
+  recorded in run_config.yaml beside the settled settings."""
   started = time.perf_counter()
   process_started = time.monotonic() if process_started is None else process_started
   info = model.get_model_info(config.model)
@@ -423,7 +424,7 @@ def run(config: RunConfig, backend: Backend, process_started: float = None) -> d
     watched = pinned_files.watched_in_run(before_sudden_exit=lambda: run_folder.release(config.logdir))
     with logged, watched:
       try:
-        summary = _train_and_test(config, backend, info, outdir, started, process_started)
+        summary = _train_and_test(config, backend, info, outdir, started, process_started, command_line)
       except tf.errors.UnavailableError as error:
         if backend.world_size == 1:
           raise
@@ -464,7 +465,7 @@ def _lost_process(error, processes: int, logdir: str) -> str:
 
 
 def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, started: float,
-                    process_started: float) -> dict:
+                    process_started: float, command_line=None) -> dict:
   set_seeds(config.seed)
   print("%s, running on %s" % (info.title, backend.label), flush=True)
 
@@ -508,7 +509,7 @@ def _train_and_test(config: RunConfig, backend: Backend, info, outdir: str, star
   # --compile_only trains nothing: no run to continue or evaluate, and so no run marker in the folder
   # (run_folder.RUN_MARKERS), which would refuse the training run that the compilation prepares.
   if not config.compile_only:
-    write_run_config(outdir, config)  # with the backend's decisions (strategies.select.settle)
+    write_run_config(outdir, config, command_line)  # with the backend's decisions (strategies.select.settle)
     write_hparams(outdir, config, global_batch_size)
 
   with flag:

@@ -370,15 +370,22 @@ def tool_command(tool: str, logdir: str) -> str:
 
 
 RUN_CONFIG_FILE = "run_config.yaml"
+# run_config.yaml's one key that is no setting: the command that started the run (or its last --resume),
+# its arguments as typed, flag files unexpanded.
+COMMAND_LINE_KEY = "command_line"
 
 
-def write_run_config(logdir: str, config) -> str:
-  """Writes `<logdir>/run_config.yaml` (the whole RunConfig) at the start of a run; returns its path.
+def write_run_config(logdir: str, config, command_line=None) -> str:
+  """Writes `<logdir>/run_config.yaml` (the whole RunConfig, as settled, and `command_line`, the arguments
+  as typed, where given) at the start of a run; returns its path.
 
-  summary.yaml records the same under `params`, but only when training ends: this file lets
+  summary.yaml records the settings under `params`, but only when training ends: this file lets
   `tools/predict.py` evaluate a run that is still going or was cut short, without repeating its flags.
   """
-  return write_yaml(os.path.join(logdir, RUN_CONFIG_FILE), recorded_settings(config))
+  content = recorded_settings(config)
+  if command_line:
+    content[COMMAND_LINE_KEY] = [str(argument) for argument in command_line]
+  return write_yaml(os.path.join(logdir, RUN_CONFIG_FILE), content)
 
 
 def recorded_settings(config) -> dict:
@@ -415,7 +422,8 @@ def saved_run_config(logdir: str):
     if isinstance(content, dict):
       content = content.get(key) if key else content
     if isinstance(content, dict):
-      return (path if key is None else "%s (%s)" % (path, key)), content
+      settings = {name: value for name, value in content.items() if name != COMMAND_LINE_KEY}
+      return (path if key is None else "%s (%s)" % (path, key)), settings
   return None
 
 

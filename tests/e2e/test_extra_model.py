@@ -30,7 +30,8 @@ def test_a_model_from_one_file_trains_with_its_own_option_and_keeps_it(tmp_path)
   logdir = str(tmp_path / "run")
   result = _run(*RUN_FLAGS, "--hidden_units=24", "--logdir=" + logdir)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert _yaml(os.path.join(logdir, "run_config.yaml"))["hidden_units"] == 24
+  run_config = _yaml(os.path.join(logdir, "run_config.yaml"))
+  assert run_config["hidden_units"] == 24 and "--hidden_units=24" in run_config["command_line"]
   summary = _yaml(os.path.join(logdir, "summary.yaml"))
   assert summary["params"]["hidden_units"] == 24 and summary["params"]["model"] == "dense_mnist"
   # Another value of the option builds other weights: the run's checkpoint refuses it by name.
