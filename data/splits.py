@@ -115,6 +115,11 @@ class Splits:
   num_outputs: int           # classes or regression targets
   summary_extras: dict = dataclasses.field(default_factory=dict)  # dataset entries for summary.yaml
 
+  @property
+  def evaluation_steps(self) -> list:
+    """The steps of the validation and test splits there are (what a compiled step count must fit)."""
+    return [split.steps for split in (self.validation, self.test) if split]
+
 
 def without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
   """`dataset` with tf.data's autotuning off: our pipelines set their parallelism themselves.

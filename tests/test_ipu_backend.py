@@ -812,7 +812,10 @@ def test_a_pipelined_run_normalises_by_batch_statistics_and_its_predictions_do_t
                                           cache_dir=str(tmp_path / "cache")))
   config = model.settle_options(config, backend.hardware)  # as main.py does
   assert config.model_options["batch_norm_statistics"] == "batch"
-  loop.run(config, backend)
+  summary = loop.run(config, backend)
+  # --steps_per_execution=0 stays the setting; the summary has what training compiled with: whole
+  # optimizer steps (4 micro-batches each) of the 8-step epoch.
+  assert summary["params"]["steps_per_execution"] == 0 and summary["steps_per_execution"] in (4, 8)
   assert "batch's own statistics" in caplog.text and "moving statistics of" not in caplog.text
   path = checkpoints.best_or_last(config.logdir)
   assert not [name for name, _ in tf.train.list_variables(path) if "moving_" in name]

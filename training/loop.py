@@ -75,9 +75,8 @@ def build_and_compile(config: RunConfig, backend: Backend, model_module, splits,
     optimizer = make_optimizer(config.optimizer, _learning_rate(config, backend, splits.train.steps),
                                backend.optimizer_factories(), checkpoint_format, weight_decay=config.weight_decay,
                                clip_norm=config.clip_norm, **backend.optimizer_kwargs())
-    eval_steps = [split.steps for split in (splits.validation, splits.test) if split]
     net.compile(optimizer=optimizer, loss=model_module.loss(), metrics=model_module.metrics(),
-                **backend.compile_kwargs(splits.train.steps, eval_steps))
+                **backend.compile_kwargs(splits.train.steps, splits.evaluation_steps))
     create_slots(net.optimizer, net.trainable_variables)
   return net
 

@@ -80,6 +80,9 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
       "final_lr": _last(last, "lr"),
       "data_source": splits.source,
       "devices": list(backend.devices),
+      # Training's steps per device execution as compiled (IPUs derive theirs from the splits' steps
+      # for a --steps_per_execution of 0, which params keeps).
+      "steps_per_execution": backend.compile_kwargs(splits.train.steps, splits.evaluation_steps)["steps_per_execution"],
       "machine": backend.hardware.signature or None,  # the CPU behind the figures above (CPU backend)
       "rank": backend.rank,
       "world_size": backend.world_size,
