@@ -17,7 +17,7 @@ from errors import UserError
 from run_config import RunConfig
 from strategies import ipu as ipu_backend
 from tests.support import fake_ipu
-from tests.support.helpers import REPO_ROOT, assert_names
+from tests.support.helpers import REPO_ROOT, assert_names, train_in_process
 
 
 def _config(**kwargs):
@@ -835,11 +835,9 @@ def test_compile_only_also_compiles_the_test_evaluation(monkeypatch, tmp_path):
   from training import loop  # pylint: disable=import-outside-toplevel
   fake_ipu.install(monkeypatch)
   data_path = write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 64, "val": 16, "test": 24})
-  config = select.resolve(_config(ipus_per_replica=2, pipeline_stages=2, gradient_accumulation=4, batch_size=2,
-                                  epochs=1, data_path=data_path, optimizer="adam", learning_rate=1e-3,
-                                  compile_only=True, logdir=str(tmp_path / "run"),
-                                  cache_dir=str(tmp_path / "cache")))
-  loop.run(config, select.select_backend(config))
+  train_in_process(_config(ipus_per_replica=2, pipeline_stages=2, gradient_accumulation=4, batch_size=2,
+                           epochs=1, data_path=data_path, optimizer="adam", learning_rate=1e-3, compile_only=True,
+                           logdir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache")))
   assert [options["steps_per_execution"] for _, _, options in _calls("evaluate")] == [8, 12]
 
 

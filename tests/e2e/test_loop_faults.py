@@ -29,7 +29,7 @@ from errors import UserError
 from run_config import RunConfig
 from tests.support.cellspike_files import write_cellspike
 from tests.support.helpers import (REPO_ROOT, WITH_DEFAULT_SIGHUP, WITH_DEFAULT_SIGINT, assert_names,
-                                   can_mount_tmpfs, line_naming)
+                                   can_mount_tmpfs, line_naming, train_in_process)
 from tests.support.training_parts import free_ports, readable_state, with_first_callback
 from training.checkpoints import read_index
 
@@ -330,15 +330,13 @@ class _PoisonAtEpoch(tf.keras.callbacks.Callback):
 
 
 def test_nan_loss_keeps_the_last_good_checkpoint(tmp_path, data_file, monkeypatch):
-  from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
-  from training import loop  # pylint: disable=import-outside-toplevel
   logdir = str(tmp_path / "run")
   config = RunConfig(model="neuron_inverter", model_options={"design": "dev"}, backend="cpu", batch_size=8,
                      learning_rate=1e-3, optimizer="adam", data_path=data_file, logdir=logdir, epochs=3,
                      warmup_epochs=1, steps_per_epoch=8, eval_steps=2)
   with_first_callback(monkeypatch, _PoisonAtEpoch(1))
   with pytest.raises(UserError) as error:
-    loop.run(config, select_backend(config))
+    train_in_process(config)
   good = os.path.join(logdir, "checkpoints", "last", "ckpt-1")
   assert_names(error.value, "loss became NaN/Inf", "in epoch 2", "last good checkpoint: %s" % good)
   assert read_index(os.path.join(logdir, "checkpoints", "last")) == ["ckpt-1"]

@@ -25,7 +25,7 @@ from absl import logging
 from errors import UserError
 from run_config import RunConfig
 from tests.support.cellspike_files import write_cellspike
-from tests.support.helpers import REPO_ROOT, assert_names, line_naming, work_in
+from tests.support.helpers import REPO_ROOT, assert_names, line_naming, train_in_process, work_in
 from tests.support.training_parts import with_first_callback
 from training import loop
 from training import summary as summary_lib
@@ -55,8 +55,7 @@ def _config(data_file, logdir, **changes):
 
 
 def _run(config):
-  from strategies.select import select_backend  # pylint: disable=import-outside-toplevel
-  return loop.run(config, select_backend(config))
+  return train_in_process(config)
 
 
 class _SignalAt(tf.keras.callbacks.Callback):

@@ -42,6 +42,16 @@ def run_main(*args, timeout=300, prefix=(), env=None, one_stream=False):
                         timeout=timeout)
 
 
+def train_in_process(config):
+  """training.loop.run on `config` as main.py runs it: settled by its backend (strategies.select.settle) and
+  its model (model.settle_options); returns the run's summary."""
+  import model  # pylint: disable=import-outside-toplevel  (TensorFlow: only for the tests that train)
+  from strategies import select  # pylint: disable=import-outside-toplevel
+  from training import loop  # pylint: disable=import-outside-toplevel
+  config, backend = select.settle(config)
+  return loop.run(model.settle_options(config, backend.hardware), backend)
+
+
 def can_mount_tmpfs(folder) -> bool:
   """Whether this process may mount a tmpfs on `folder` in a private mount namespace (`unshare -m`:
   root, as CI runs); the mount never shows outside the command run there."""
