@@ -25,6 +25,9 @@ from absl import logging
 _KERAS_CALLBACKS = ("tf_keras.src.callbacks", "keras.callbacks")
 _KERAS_OPTIMIZER = ("tf_keras.src.optimizers.legacy.optimizer_v2", "keras.optimizer_v2.optimizer_v2")
 _KERAS_ADAM = ("tf_keras.src.optimizers.legacy.adam", "keras.optimizer_v2.adam")
+_KERAS_NEW_OPTIMIZER = ("tf_keras.src.optimizers.optimizer", "keras.optimizers.optimizer")
+_KERAS_BATCH_NORM = ("tf_keras.src.layers.normalization.batch_normalization",
+                     "keras.layers.normalization.batch_normalization")
 _DISTRIBUTE = "tensorflow.python.distribute."
 
 # name -> {"where": what applies it (a function here, whose docstring says what it does, or the class whose
@@ -88,6 +91,19 @@ REGISTRY = {
                   (_KERAS_CALLBACKS, "TensorBoard._train_writer"),
                   (_KERAS_OPTIMIZER, "OptimizerV2._get_hyper")),
         "versions": ("2.6", None)},
+    # IPU replicas keep one set of moving statistics: each update is the replicas' mean (Keras updates them
+    # through these two methods only). Test: tests/test_ipu_fixes.py.
+    "replica_mean_moving_statistics": {
+        "where": "strategies.ipu._update_with",
+        "names": ((_KERAS_BATCH_NORM, "BatchNormalization._assign_moving_average"),
+                  (_KERAS_BATCH_NORM, "BatchNormalization._assign_new_value")),
+        "versions": ("2.6", None)},
+    # The learning rate of the step-level scalars with Keras' TF >= 2.11 optimizers (SGD's default class there),
+    # whose rate or schedule has no public getter. Test: tests/test_progress_lines.py.
+    "new_optimizer_learning_rate": {
+        "where": "training.callbacks.rate_of_update",
+        "names": ((_KERAS_NEW_OPTIMIZER, "_BaseOptimizer._learning_rate"),),
+        "versions": ("2.11", None)},
     # A progress bar that fits the terminal, headed with the run's epochs. Test: tests/test_logs.py.
     "fitted_progress_bar": {
         "where": "training.callbacks.RunProgbar",

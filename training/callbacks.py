@@ -155,7 +155,9 @@ def rate_of_update(optimizer, update: int) -> float:
   value there (the optimizer evaluates it at its count before the update), else the rate it holds."""
   while hasattr(optimizer, "inner_optimizer"):  # the loss-scale wrapper of mixed precision
     optimizer = optimizer.inner_optimizer
-  rate = getattr(optimizer, "_learning_rate", None)  # tf_keras' optimizers (TF 2.11 and later)
+  # Keras' TF >= 2.11 family keeps it in _learning_rate, the legacy OptimizerV2 in a hyperparameter
+  # (tf_workarounds.REGISTRY: new_optimizer_learning_rate, step_level_scalars).
+  rate = getattr(optimizer, "_learning_rate", None)
   if rate is None:  # the legacy family: a schedule, or the variable the schedule callback sets
     rate = optimizer._get_hyper("learning_rate")  # pylint: disable=protected-access
   if isinstance(rate, tf.keras.optimizers.schedules.LearningRateSchedule):
