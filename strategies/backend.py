@@ -53,7 +53,7 @@ class Hardware:
   """What a model may ask of the hardware it runs on, to pick the fastest form of its layers
   (model.layer_forms): facts only, no choice of a model's."""
   device: str                              # the processor the model's ops run on: "cpu", "gpu" or "ipu"
-  precision: precision_lib.Precision       # the resolved --precision (the Backend's)
+  precision: precision_lib.Precision       # the resolved --precision (Backend.precision reads it)
   # The host CPU features oneDNN's kernels may use (/proc/cpuinfo's flags, after an ONEDNN_MAX_CPU_ISA
   # cap: strategies/cpu.py cpu_features); empty off CPUs.
   cpu_features: frozenset = frozenset()
@@ -76,9 +76,8 @@ class Backend:
                                            # it for each compile from the splits' steps (strategies/ipu.py)
   jit_compile: bool = False
   cache_dir: Optional[str] = None          # executable cache in effect (IPU or XLA), for reporting
-  precision: precision_lib.Precision = precision_lib.FLOAT32  # resolved --precision, as a value
-  # What the model may ask of this hardware (model.layer_forms); None: a Hardware of device `kind` at
-  # `precision` with no more known of it (see __post_init__).
+  # The processor and its facts, the resolved --precision among them (model.layer_forms); None: a
+  # Hardware of device `kind` in float32 with no more known of it (see __post_init__).
   hardware: Optional[Hardware] = None
 
   rank = 0                                 # this process among all processes (workers, instances)
@@ -94,10 +93,12 @@ class Backend:
 
   def __post_init__(self):
     if self.hardware is None:
-      object.__setattr__(self, "hardware", Hardware(device=self.kind, precision=self.precision))
-    elif self.hardware.precision != self.precision:
-      raise ValueError("Backend precision %s but Hardware precision %s"
-                       % (self.precision, self.hardware.precision))
+      object.__setattr__(self, "hardware", Hardware(device=self.kind, precision=precision_lib.FLOAT32))
+
+  @property
+  def precision(self) -> precision_lib.Precision:
+    """The resolved --precision, as a value (its one owner is the Hardware)."""
+    return self.hardware.precision
 
   @property
   def is_chief(self) -> bool:

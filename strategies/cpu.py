@@ -222,7 +222,7 @@ def create(config: RunConfig) -> Backend:
     pass
   device_pipelines.apply()
   precision = precision_lib.resolve(config.precision, has_16bit_units)
-  fields = dict(options_from_config(config), precision=precision, hardware=hardware(precision))
+  fields = dict(options_from_config(config), hardware=hardware(precision))
   source = multiworker.cluster_source()
   if source:
     return multiworker.create(config, "cpu", "CPU", source, **fields)

@@ -63,4 +63,4 @@ def create(config: RunConfig) -> Backend:
 def _fields(config: RunConfig) -> dict:
   """The Backend fields from `config`, with its precision as a value and the GPU as its Hardware."""
   precision = precision_lib.resolve(config.precision, has_16bit_units)
-  return dict(options_from_config(config), precision=precision, hardware=Hardware(device="gpu", precision=precision))
+  return dict(options_from_config(config), hardware=Hardware(device="gpu", precision=precision))

@@ -595,7 +595,7 @@ def create(config: RunConfig) -> IPUBackend:
       gradient_accumulation=config.gradient_accumulation, pipeline_stages=config.pipeline_stages,
       pipeline_schedule=config.pipeline_schedule, ipus_per_replica=config.ipus_per_replica,
       steps_per_execution=config.steps_per_execution,  # 0: derived for each compile (compile_kwargs)
-      sums_replica_gradients=popdist is None, precision=precision,
+      sums_replica_gradients=popdist is None,
       hardware=Hardware(device="ipu", precision=precision,
                         updates_moving_statistics=config.pipeline_stages == 1),
       cache_dir=environment.executable_cache_dir("ipu"),

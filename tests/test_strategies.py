@@ -340,12 +340,12 @@ def test_every_backend_describes_its_hardware_at_its_precision():
   backend = cpu.create(RunConfig(model="mnist", backend="cpu", precision="32.32"))
   assert backend.hardware == cpu.hardware(backend.precision)
   fields = gpu._fields(RunConfig(model="mnist", backend="gpu", precision="16.32"))  # pylint: disable=protected-access
-  assert fields["hardware"] == Hardware("gpu", precision_lib.MIXED) and fields["precision"] == precision_lib.MIXED
-  # A backend made without one has the processor of its kind, at its precision; never another precision.
-  bare = ipu.IPUBackend("ipu", tf.distribute.get_strategy(), ("/device:IPU:0",), precision=precision_lib.HALF)
-  assert bare.hardware == Hardware("ipu", precision_lib.HALF)
-  with pytest.raises(ValueError):
-    dataclasses.replace(backend, precision=precision_lib.MIXED)
+  assert fields["hardware"] == Hardware("gpu", precision_lib.MIXED) and "precision" not in fields
+  # The precision has one owner, the Hardware; a backend made without one is its kind's processor in float32.
+  bare = ipu.IPUBackend("ipu", tf.distribute.get_strategy(), ("/device:IPU:0",))
+  assert bare.hardware == Hardware("ipu", precision_lib.FLOAT32) and bare.precision == precision_lib.FLOAT32
+  half = dataclasses.replace(bare, hardware=Hardware("ipu", precision_lib.HALF))
+  assert half.precision == precision_lib.HALF
 
 
 def test_auto_precision_stays_float32_where_tensorflow_lacks_cpu_bfloat16_kernels(monkeypatch):
@@ -485,7 +485,7 @@ def test_a_worker_alone_keeps_the_runs_precision_and_hardware_choices():
   """--predict after a multi-worker run evaluates in one process at the precision it trained with."""
   from strategies.multiworker import MultiWorkerBackend  # pylint: disable=import-outside-toplevel
   worker = MultiWorkerBackend("cpu", tf.distribute.get_strategy(), ("/cpu:0", "/cpu:1"), replicas=4,
-                              precision=precision_lib.MIXED, gradient_accumulation=2, rank=0, world_size=2,
+                              gradient_accumulation=2, rank=0, world_size=2,
                               local_replicas=2, hardware=Hardware("cpu", precision_lib.MIXED, frozenset({"avx2"}),
                                                                   ("AuthenticAMD", 25), "a cpu"))
   alone = worker.alone()
@@ -499,7 +499,7 @@ def test_the_config_holds_what_the_backend_decided(tmp_path):
   holds the backend's kind, precision, replicas of all workers, steps per execution, stages and cache."""
   from strategies.multiworker import MultiWorkerBackend  # pylint: disable=import-outside-toplevel
   worker = MultiWorkerBackend("cpu", tf.distribute.get_strategy(), ("/cpu:0",), replicas=4, world_size=4,
-                              precision=precision_lib.MIXED, cache_dir=None, local_replicas=1)
+                              hardware=Hardware("cpu", precision_lib.MIXED), cache_dir=None, local_replicas=1)
   typed = RunConfig(model="neuron_inverter", backend="auto", precision="auto", pipeline_stages=2,
                     cache_dir=str(tmp_path / "cache"))
   settled = select.config_with_decisions(typed, worker)
