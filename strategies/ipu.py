@@ -419,9 +419,14 @@ class IPUBackend(Backend):
   pipeline_schedule: str = "grouped"
   ipus_per_replica: int = 1
   sums_replica_gradients: bool = True     # IPUStrategy: yes; PopDistStrategy averages itself
-  local_replicas: int = 0                 # under poprun: this instance's replicas (0: all)
+  local_replicas: int = 0                 # under poprun: this instance's replicas (0: all; see replicas_here)
   rank: int = 0                           # under poprun: popdist.getInstanceIndex()
   world_size: int = 1                     # under poprun: popdist.getNumInstances()
+
+  @property
+  def replicas_here(self) -> int:
+    """The replicas this process feeds: under poprun its instance's, else all of them."""
+    return self.local_replicas or self.replicas
 
   def optimizer_steps(self, steps: int) -> int:
     # IPU Keras: "a step refers to the forward and backward passes on a micro batch" [keras.rst], and
@@ -438,7 +443,7 @@ class IPUBackend(Backend):
     # Under poprun each instance feeds its local replicas from its own shards [4.2]. A network whose
     # outputs depend on the batch (batch statistics in evaluation) evaluates in micro-batches too,
     # instead of batches that divide each replica's shard.
-    local = self.local_replicas or self.replicas
+    local = self.replicas_here
     return BatchLayout(replicas=local, replica_rows=micro_batch, element_per_replica=True,
                        steps_multiple=self.gradient_accumulation,
                        eval_steps_multiple=self.eval_depth_multiple,
@@ -456,7 +461,7 @@ class IPUBackend(Backend):
     # (keras/ipu/extensions/data_adapter.py, IPUDataHandler._infer_steps: steps // replication
     # factor); examples' vision/cnns/tensorflow2/train.py passes micro-batches over all replicas.
     # Our `steps` count optimizer steps, each one element per local replica.
-    return dataset, steps * (self.local_replicas or self.replicas)
+    return dataset, steps * self.replicas_here
 
   def prepare_model(self, model, stage_boundaries=()):
     model = swap_ipu_layers(model)
@@ -482,7 +487,7 @@ class IPUBackend(Backend):
   def _reduce_metrics(self, model) -> None:
     """Metrics over all replicas where IPU Keras can (SDK 3.1+, unpipelined: `_reduce_metric` runs only
     in the single-IPU train/test/predict functions of keras/ipu/extensions/extensions_base.py)."""
-    local = self.local_replicas or self.replicas
+    local = self.replicas_here
     if local == 1:
       return
     if self.pipeline_stages == 1 and hasattr(model, "set_replication_options"):
@@ -564,7 +569,7 @@ class IPUBackend(Backend):
   def compile_kwargs(self, train_steps, eval_steps=()) -> dict:
     steps = derive_steps_per_execution(train_steps, self.gradient_accumulation,
                                        self.steps_per_execution, tuple(eval_steps),
-                                       self.eval_depth_multiple, self.local_replicas or self.replicas)
+                                       self.eval_depth_multiple, self.replicas_here)
     return {"steps_per_execution": steps}
 
 
