@@ -101,6 +101,11 @@ class Backend:
     return self.hardware.precision
 
   @property
+  def replicas_here(self) -> int:
+    """The replicas this process feeds (here, one process: all of them)."""
+    return self.replicas
+
+  @property
   def is_chief(self) -> bool:
     """Whether this process writes the run's outputs (always, except non-chief workers)."""
     return self.rank == 0

@@ -93,6 +93,10 @@ class MultiWorkerBackend(Backend):
   world_size: int = 1
   local_replicas: int = 1
 
+  @property
+  def replicas_here(self) -> int:
+    return self.local_replicas
+
   def layout(self, micro_batch: int, batch_dependent: bool = False) -> BatchLayout:
     del batch_dependent  # evaluation splits each worker's batch between its replicas, as in training
     # distribute_datasets_from_function hands the worker's elements to its local replicas in turn;

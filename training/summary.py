@@ -86,6 +86,7 @@ def build_summary(config: RunConfig, backend, info, splits, history: dict, test_
       "machine": backend.hardware.signature or None,  # the CPU behind the figures above (CPU backend)
       "rank": backend.rank,
       "world_size": backend.world_size,
+      "replicas_per_process": backend.replicas_here,  # this process's (the chief's): workers, poprun instances
       "weights_sha256": weights_sha256,
       "tensorflow_version": tensorflow_version,
       "init_from": init_from,
