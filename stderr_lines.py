@@ -5,7 +5,10 @@ core writes to the process's stderr itself, below Python. `DroppedLines` sends d
 temporary file for a window and, when the window closes, writes everything back to stderr in order,
 without the lines that contain one of its patterns. Closing is idempotent and also happens when the
 block raises, so nothing but those lines is lost. A process killed inside a window loses that
-window's lines: the windows are kept short (TensorFlow's import, a first step, a validation).
+window's lines: the windows are kept short (TensorFlow's import, a first step, a validation). A
+terminal that closes during a window (a hang-up, SIGHUP) gets nothing back: descriptor 2 then writes to
+/dev/null, as stop_signals.leave_a_closed_terminal does outside windows, since every write to it would
+fail (EIO) and end the run before the stop that the hang-up asks for.
 """
 
 import os
@@ -21,6 +24,7 @@ class DroppedLines:
     self.patterns = tuple(patterns)
     self._saved = None
     self._capture = None
+    self._terminal = False
 
   def start(self) -> None:
     if self._saved is not None:
@@ -28,20 +32,28 @@ class DroppedLines:
     sys.stderr.flush()
     self._capture = tempfile.TemporaryFile()
     self._saved = os.dup(2)
+    self._terminal = os.isatty(self._saved)
     os.dup2(self._capture.fileno(), 2)
 
   def stop(self) -> None:
     if self._saved is None:
       return
     sys.stderr.flush()
-    os.dup2(self._saved, 2)
+    hung_up = self._terminal and not os.isatty(self._saved)
+    if hung_up:
+      null = os.open(os.devnull, os.O_WRONLY)
+      os.dup2(null, 2)
+      os.close(null)
+    else:
+      os.dup2(self._saved, 2)
     os.close(self._saved)
     self._saved = None
     with self._capture:
       self._capture.seek(0)
       lines = self._capture.read().decode("utf-8", "replace").splitlines(True)
-    sys.stderr.write("".join(line for line in lines if not any(p in line for p in self.patterns)))
-    sys.stderr.flush()
+    if not hung_up:
+      sys.stderr.write("".join(line for line in lines if not any(p in line for p in self.patterns)))
+      sys.stderr.flush()
 
   def __enter__(self):
     self.start()

@@ -133,6 +133,30 @@ def test_one_off_lines_are_dropped_in_the_first_step_and_validation_only_and_the
                    "W0000 batch 1 real warning", "W0000 validation real warning", "fit done", "after"]
 
 
+_HANG_UP_IN_A_WINDOW = """
+import os, sys
+from stderr_lines import DroppedLines
+master, terminal = os.openpty()
+os.dup2(terminal, 2)  # stderr is a terminal
+window = DroppedLines(["dropped"])
+window.start()
+os.write(2, b"kept line\\n")
+os.close(master)  # the terminal hangs up, as a lost ssh connection does, while the window is open
+window.stop()  # writing the kept line back would fail (EIO)
+sys.stderr.write("after the window\\n")
+sys.stdout.write("descriptor 2 is /dev/null: %s\\n" % (os.stat(2).st_rdev == os.stat(os.devnull).st_rdev))
+"""
+
+
+def test_a_terminal_that_hangs_up_during_a_window_gets_nothing_back_and_no_error():
+  """SIGHUP's stop must not fail at the end of a validation pass, whose window wrote its lines back to a
+  terminal that was gone (EIO, exit status 1 instead of 129 with a checkpoint)."""
+  result = subprocess.run([sys.executable, "-c", _HANG_UP_IN_A_WINDOW], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=60)
+  assert result.returncode == 0, result.stderr
+  assert "descriptor 2 is /dev/null: True" in result.stdout
+
+
 def test_the_rest_of_a_resumed_epoch_is_headed_with_the_runs_epoch_count(capsys):
   """A resumed run trains the rest of epoch 2 as a fit of its own: Keras' bar would say "Epoch 2/2"."""
   from training.callbacks import RunProgbar  # pylint: disable=import-outside-toplevel
