@@ -202,8 +202,10 @@ def _eval_split(config: RunConfig, backend: Backend, split: str, max_samples: in
   max_rows = max(max_samples, replicas) if max_samples else 0
   rows = info.splits[key].num_samples
   rows = min(rows, max_rows) if max_rows else rows
-  data_split = cellspike.split_from_file(info, key, config, eval_layout(backend.layout(batch), rows),
-                                        first_epoch=0, shuffle=False, max_steps=0, max_rows=max_rows)
+  # A network with batch statistics evaluates in the batches it trained with (model.batch_dependent).
+  layout = eval_layout(backend.layout(batch, model_registry.batch_dependent(config)), rows)
+  data_split = cellspike.split_from_file(info, key, config, layout, first_epoch=0, shuffle=False, max_steps=0,
+                                        max_rows=max_rows)
   chosen = " (--max_samples=%d)" % max_samples if max_samples else ""
   if data_split.samples < MIN_SAMPLES:
     raise UserError("%s: %d %s sample%s to evaluate%s; the report's correlations need at least %d"

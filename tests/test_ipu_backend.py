@@ -183,6 +183,20 @@ def test_evaluation_covers_the_built_in_splits_in_batches_that_divide_the_shards
   assert len(set(seen)) == len(seen) == evaluated and all(x.shape[0] == eval_rows for x, _ in split.dataset)
 
 
+@pytest.mark.parametrize("statistics, rows", [("moving", 32), ("batch", 48)])
+def test_predict_evaluates_in_the_batches_that_training_evaluates_in(monkeypatch, tmp_path, statistics, rows):
+  """tools/predict.py and --predict lay out the test split as training's evaluation does: a network with
+  batch statistics in micro-batches of 48, else batches that divide each replica's 128 rows."""
+  from analysis import evaluation  # pylint: disable=import-outside-toplevel
+  from tests.support.cellspike_files import write_cellspike  # pylint: disable=import-outside-toplevel
+  fake_ipu.install(monkeypatch)
+  data_path = write_cellspike(str(tmp_path / "data.h5"), sizes={"train": 64, "val": 16, "test": 512})
+  config = _config(replicas=4, batch_size=48, data_path=data_path,
+                   model_options={"batch_norm_statistics": statistics})
+  _, split = evaluation._eval_split(config, ipu_backend.create(config), "test", 0)  # pylint: disable=protected-access
+  assert all(x.shape[0] == rows for x, _ in split.dataset.take(2))
+
+
 @pytest.mark.parametrize("batch, shard_rows, multiple, rows", [
     (48, 512, 1, 32), (48, 480, 1, 48), (16, 512, 1, 16), (48, 17, 1, 48), (48, 512, 2, 32),
     (48, 480, 4, 40), (7, 9, 1, 7), (1, 5, 1, 1)])
