@@ -7,13 +7,15 @@ without the lines that contain one of its patterns. Closing is idempotent and al
 block raises, so nothing but those lines is lost. A process killed inside a window loses that
 window's lines: the windows are kept short (TensorFlow's import, a first step, a validation). A
 terminal that closes during a window (a hang-up, SIGHUP) gets nothing back: descriptor 2 then writes to
-/dev/null, as stop_signals.leave_a_closed_terminal does outside windows, since every write to it would
-fail (EIO) and end the run before the stop that the hang-up asks for.
+/dev/null (stop_signals.leave_a_closed_terminal, as SIGHUP's handler does outside windows), since every
+write to it would fail (EIO) and end the run before the stop that the hang-up asks for.
 """
 
 import os
 import sys
 import tempfile
+
+from stop_signals import leave_a_closed_terminal
 
 
 class DroppedLines:
@@ -39,14 +41,11 @@ class DroppedLines:
     if self._saved is None:
       return
     sys.stderr.flush()
-    hung_up = self._terminal and not os.isatty(self._saved)
-    if hung_up:
-      null = os.open(os.devnull, os.O_WRONLY)
-      os.dup2(null, 2)
-      os.close(null)
-    else:
-      os.dup2(self._saved, 2)
+    os.dup2(self._saved, 2)
     os.close(self._saved)
+    hung_up = self._terminal and not os.isatty(2)
+    if hung_up:
+      leave_a_closed_terminal([2])
     self._saved = None
     with self._capture:
       self._capture.seek(0)

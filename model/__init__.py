@@ -137,8 +137,8 @@ def settle_options(config, hardware):
 
 def identity_options(config) -> dict:
   """The option values a checkpoint of this model must match (`Option.identity`)."""
-  info = get_model_info(config.model)
-  return {name: value for name, value in option_values(config).items() if info.options[name].identity}
+  values = option_values(config)
+  return {name: values[name] for name in identity_option_names(config.model)}
 
 
 def identity_option_names(model_name: str) -> list:

@@ -668,27 +668,24 @@ def _built_outputs(net: tf.keras.Model):
 
 def _network_named(model_name, options: dict, outputs) -> str:
   """E.g. `neuron_inverter (design=dev, batch_norm_statistics=moving, 15 outputs)`."""
-  details = ["%s=%s" % (key, value) for key, value in options.items()]
+  details = ["%s=%s" % (key, value) for key, value in options.items() if value is not None]
   details += ["%d outputs" % outputs] if outputs is not None else []
   return str(model_name) + (" (%s)" % ", ".join(details) if details else "")
 
 
 def _check_same_network(path: str, state: dict, stored: dict, net: tf.keras.Model, identity: dict) -> None:
   """A UserError naming both networks unless checkpoint `path` holds one like `net` (its `identity`)."""
-  saved = _saved_identity(state, identity, identity.get("model"))
   network_keys = [key for key in identity if key not in _TRAINING_KEYS + ("model",)]
-  differ = [key for key in identity if key not in _TRAINING_KEYS and saved[key] != identity[key]]
-  if "model" in differ:
-    differ = ["model"]  # its options follow from it
-  # The checkpoint's own model's options, which are this run's unless the models differ.
   there_keys = network_keys
-  if "model" in differ:
+  if state.get("model") != identity.get("model"):
+    differ = ["model"]  # its options follow from it; the checkpoint's are its own model's
     there_keys = model.identity_option_names(state.get("model")) or network_keys
-  there_options = _saved_identity(state, there_keys, state.get("model"))
-  there = _network_named(state.get("model"), {key: value for key, value in there_options.items()
-                                              if value is not None}, _stored_outputs(stored))
-  here = _network_named(identity.get("model"), {key: identity[key] for key in network_keys
-                                                if identity[key] is not None}, _built_outputs(net))
+  else:
+    saved = _saved_identity(state, network_keys, identity.get("model"))
+    differ = [key for key in network_keys if saved[key] != identity[key]]
+  there = _network_named(state.get("model"), _saved_identity(state, there_keys, state.get("model")),
+                         _stored_outputs(stored))
+  here = _network_named(identity.get("model"), {key: identity[key] for key in network_keys}, _built_outputs(net))
   prefix = "--init_from: %s holds the weights of %s; this run builds %s" % (path, there, here)
   if differ:
     raise UserError("%s: start from a run with the same %s" % (prefix, " and ".join("--" + key for key in differ)))
